@@ -1,0 +1,196 @@
+"""Frozen configuration dataclasses. Every config validates itself at construction.
+
+The model config owns its parameter count and its training FLOPs per token (the Levanter
+convention: the numbers travel with the shape that defines them). Presets are plain functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A configuration field holds an invalid value. The message names the field."""
+
+
+class DType(enum.StrEnum):
+  FLOAT32 = "float32"
+  BFLOAT16 = "bfloat16"
+
+
+class AttentionKernel(enum.StrEnum):
+  """How attention is computed. All give the same function (tested against XLA)."""
+
+  XLA = "xla"  # explicit masked einsum + softmax; runs everywhere; the reference.
+  DOT_PRODUCT = "dot_product"  # jax.nn.dot_product_attention, letting JAX pick the backend.
+  CUDNN = "cudnn"  # jax.nn.dot_product_attention(implementation="cudnn"): fused flash on GPU.
+  SPLASH = "splash"  # Pallas splash attention (TPU; interpret mode elsewhere, slow).
+
+
+def _coerce_enum(obj: Any, name: str, enum_type: type[enum.Enum]) -> None:
+  """Accepts the enum or its string value (configs round-trip through JSON and CLI flags)."""
+  value = getattr(obj, name)
+  if isinstance(value, enum_type):
+    return
+  try:
+    object.__setattr__(obj, name, enum_type(value))
+  except ValueError:
+    choices = ", ".join(repr(m.value) for m in enum_type)
+    raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: expected one of {choices}") from None
+
+
+def _require(cond: bool, cls: str, field: str, value: Any, why: str) -> None:
+  if not cond:
+    raise ConfigError(f"{cls}.{field}={value!r}: {why}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The OLMo 3 transformer (REFERENCE.md §1). Defaults are OLMo 3 7B."""
+
+  vocab_size: int = 100_278  # tokenizer vocabulary (dolma2)
+  padded_vocab_size: int = 100_352  # embedding / LM-head rows, a multiple of 128
+  d_model: int = 4096
+  n_layers: int = 32
+  n_heads: int = 32
+  n_kv_heads: int = 32  # < n_heads: grouped-query attention
+  mlp_hidden: int = 11_008
+  sliding_window: int = 4096  # keys a sliding layer sees, the current one included
+  global_every: int = 4  # layer i is global when i % global_every == global_every - 1; last is global
+  rope_theta: float = 500_000.0
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  init_cutoff: float = 3.0  # truncation of the normal init, in standard deviations
+  max_seq_len: int = 8192  # longest sequence trained on (stages 1-2); exported as max_position_embeddings
+  eos_token_id: int | None = 100_257
+  pad_token_id: int | None = 100_277
+  compute_dtype: DType = DType.BFLOAT16  # parameters are always float32
+  attention: AttentionKernel = AttentionKernel.XLA
+  scan_layers: bool = True  # scan over groups of `global_every` layers; False unrolls (same outputs)
+
+  def __post_init__(self) -> None:
+    _coerce_enum(self, "compute_dtype", DType)
+    _coerce_enum(self, "attention", AttentionKernel)
+    c = type(self).__name__
+    for f in ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+              "mlp_hidden", "global_every", "max_seq_len"):
+      v = getattr(self, f)
+      _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, c, f, v,
+               "must be a positive integer")
+    _require(self.sliding_window >= 1, c, "sliding_window", self.sliding_window,
+             "the window must hold at least the current token (>= 1)")
+    _require(self.padded_vocab_size >= self.vocab_size, c, "padded_vocab_size",
+             self.padded_vocab_size, f"must be >= vocab_size ({self.vocab_size})")
+    _require(self.d_model % self.n_heads == 0, c, "d_model", self.d_model,
+             f"not divisible by n_heads ({self.n_heads})")
+    _require(self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0, c,
+             "n_kv_heads", self.n_kv_heads, f"must divide n_heads ({self.n_heads})")
+    _require(self.head_dim % 2 == 0, c, "n_heads", self.n_heads,
+             f"head_dim = d_model / n_heads = {self.head_dim} must be even for RoPE")
+    _require(self.rope_theta > 0, c, "rope_theta", self.rope_theta, "must be > 0")
+    _require(self.norm_eps > 0, c, "norm_eps", self.norm_eps, "must be > 0")
+    _require(self.init_std > 0, c, "init_std", self.init_std, "must be > 0")
+    _require(self.init_cutoff > 0, c, "init_cutoff", self.init_cutoff, "must be > 0")
+    for f in ("eos_token_id", "pad_token_id"):
+      v = getattr(self, f)
+      _require(v is None or 0 <= v < self.vocab_size, c, f, v,
+               f"must be None or a token id in [0, vocab_size={self.vocab_size})")
+
+  # --- shape facts ---------------------------------------------------------------------------
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  def is_global(self, layer: int) -> bool:
+    """Full causal attention on this layer (else sliding window)."""
+    return layer % self.global_every == self.global_every - 1 or layer == self.n_layers - 1
+
+  @property
+  def layer_is_global(self) -> tuple[bool, ...]:
+    return tuple(self.is_global(i) for i in range(self.n_layers))
+
+  def layer_window(self, layer: int) -> int | None:
+    """Keys visible to a query on this layer (the query's own included); None = all causal."""
+    return None if self.is_global(layer) else self.sliding_window
+
+  # --- counts --------------------------------------------------------------------------------
+
+  @property
+  def block_param_count(self) -> int:
+    d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+    attn = d * q + 2 * d * kv + q * d + q + kv  # q, k, v, o projections; q_norm, k_norm
+    mlp = 3 * d * self.mlp_hidden
+    return attn + mlp + 2 * d  # two post-sublayer norms
+
+  @property
+  def param_count(self) -> int:
+    """All parameters, padded vocabulary rows included (7,298,617,344 for OLMo 3 7B)."""
+    embed = self.padded_vocab_size * self.d_model
+    return 2 * embed + self.n_layers * self.block_param_count + self.d_model
+
+  @property
+  def matmul_param_count(self) -> int:
+    """N of REFERENCE.md §6: matmul weights; input embedding and norm weights excluded."""
+    d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+    per_block = 2 * d * q + 2 * d * kv + 3 * d * self.mlp_hidden
+    return self.n_layers * per_block + self.d_model * self.padded_vocab_size
+
+  def mean_keys_per_query(self, layer: int, seq_len: int) -> float:
+    """Mean number of keys a query attends to on `layer` (causal, with the window if sliding)."""
+    t, w = seq_len, self.layer_window(layer)
+    if w is None or w >= t:
+      return (t + 1) / 2
+    return (w * (w + 1) / 2 + (t - w) * w) / t
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Exact training FLOPs per token (forward + backward): 6N + sum_l 12*H*Q*mean_keys(l).
+
+    Counts the causal half and the sliding window exactly (REFERENCE.md §6): 46.56 GFLOP for
+    OLMo 3 7B at T=8192.
+    """
+    if seq_len < 1:
+      raise ConfigError(f"seq_len={seq_len!r}: must be >= 1")
+    attn = sum(12 * self.n_heads * self.head_dim * self.mean_keys_per_query(i, seq_len)
+               for i in range(self.n_layers))
+    return 6 * self.matmul_param_count + attn
+
+  def replace(self, **changes: Any) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+
+# --- presets -----------------------------------------------------------------------------------
+
+
+def olmo3_7b() -> ModelConfig:
+  """OLMo 3 7B, stages 1-2 (REFERENCE.md §1)."""
+  return ModelConfig()
+
+
+def olmo3_32b() -> ModelConfig:
+  """OLMo 3 32B: grouped-query attention (REFERENCE.md §1)."""
+  return ModelConfig(d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8, mlp_hidden=27_648)
+
+
+def olmo3_tiny() -> ModelConfig:
+  """≈ 10.6M parameters: the CPU default, trained on the embedded corpus (8k BPE vocabulary).
+
+  The window (128) is a quarter of the sequence length the tiny experiments train on (512), so
+  sliding and global layers behave differently, as in the 7B (4096 of 8192).
+  """
+  return ModelConfig(vocab_size=8192, padded_vocab_size=8192, d_model=256, n_layers=8, n_heads=4,
+                     n_kv_heads=4, mlp_hidden=704, sliding_window=128, max_seq_len=512,
+                     eos_token_id=0, pad_token_id=1, compute_dtype=DType.FLOAT32)
+
+
+def olmo3_micro() -> ModelConfig:
+  """A model that compiles in seconds, for tests: 6 layers (not a multiple of 4) and GQA."""
+  return ModelConfig(vocab_size=500, padded_vocab_size=512, d_model=64, n_layers=6, n_heads=8,
+                     n_kv_heads=2, mlp_hidden=96, sliding_window=16, max_seq_len=256,
+                     eos_token_id=0, pad_token_id=1, compute_dtype=DType.FLOAT32)
+
+
+PRESETS = {"olmo3_7b": olmo3_7b, "olmo3_32b": olmo3_32b, "olmo3_tiny": olmo3_tiny,
+           "olmo3_micro": olmo3_micro}

@@ -1,0 +1,100 @@
+"""python -m olmo3.convert {import-hf,export-hf,parity} ...
+
+  import-hf --hf_dir DIR --out CKPT          HF OLMo 3 directory -> Orbax checkpoint
+  export-hf --ckpt CKPT --out DIR [--dtype]  Orbax checkpoint -> directory transformers loads
+  parity --hf_dir DIR --ckpt CKPT [--dtype float32|bfloat16] [--max_kl X] [--seq_len T]
+                                             exits 1 when max per-token KL exceeds --max_kl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from olmo3 import model as model_lib
+from olmo3.convert import hf, parity
+from olmo3.train import checkpoint
+
+
+def _restore_host(ckpt: str):
+  cfg = checkpoint.load_model_config(ckpt)
+  target = checkpoint.host_target(model_lib.param_shapes(cfg))
+  return cfg, checkpoint.restore_params(ckpt, target)
+
+
+def import_hf(args: argparse.Namespace) -> int:
+  cfg, params, dtype = hf.read_hf_dir(args.hf_dir)
+  checkpoint.save_model(args.out, cfg, params, meta={"source": str(args.hf_dir), "hf_dtype": dtype})
+  print(f"imported {args.hf_dir} ({dtype}, {cfg.param_count:,} parameters with the vocabulary "
+        f"padded to {cfg.padded_vocab_size}) -> {args.out}")
+  return 0
+
+
+def export_hf(args: argparse.Namespace) -> int:
+  cfg, params = _restore_host(args.ckpt)
+  dtype = args.dtype or checkpoint.load_meta(args.ckpt).get("hf_dtype", "float32")
+  hf.write_hf_dir(args.out, cfg, params, dtype=dtype)
+  print(f"exported {args.ckpt} -> {args.out} ({dtype}, vocabulary cut to {cfg.vocab_size})")
+  return 0
+
+
+def check_parity(args: argparse.Namespace) -> int:
+  cfg, params = _restore_host(args.ckpt)
+  ref_cfg = hf.read_hf_config(args.hf_dir)
+  shape_fields = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads",
+                  "n_kv_heads", "mlp_hidden", "sliding_window", "global_every", "rope_theta",
+                  "norm_eps")
+  diff = [f for f in shape_fields if getattr(cfg, f) != getattr(ref_cfg, f)]
+  if diff:
+    print("checkpoint and HF config differ in " + ", ".join(
+        f"{f} ({getattr(cfg, f)} vs {getattr(ref_cfg, f)})" for f in diff), file=sys.stderr)
+    return 2
+  report = parity.check(cfg, params, args.hf_dir, dtype=args.dtype, ref_dtype=args.ref_dtype,
+                        batch=args.batch, seq_len=args.seq_len, seed=args.seed)
+  print(report.format())
+  if args.json:
+    print(report.to_json())
+  ok = report.max_kl <= args.max_kl
+  print(f"{'PASS' if ok else 'FAIL'}: max KL {report.max_kl:.3e} "
+        f"{'<=' if ok else '>'} {args.max_kl:.1e}")
+  return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m olmo3.convert", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  p = sub.add_parser("import-hf", help="HF OLMo 3 directory -> Orbax checkpoint")
+  p.add_argument("--hf_dir", required=True)
+  p.add_argument("--out", required=True)
+  p.set_defaults(run=import_hf)
+  p = sub.add_parser("export-hf", help="Orbax checkpoint -> HF directory")
+  p.add_argument("--ckpt", required=True)
+  p.add_argument("--out", required=True)
+  p.add_argument("--dtype", choices=sorted(hf.DTYPES),
+                 help="tensor dtype (default: the dtype the checkpoint was imported from)")
+  p.set_defaults(run=export_hf)
+  p = sub.add_parser("parity", help="compare logits with transformers' Olmo3ForCausalLM")
+  p.add_argument("--hf_dir", required=True)
+  p.add_argument("--ckpt", required=True)
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="our compute dtype")
+  p.add_argument("--ref_dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="the reference's dtype")
+  p.add_argument("--max_kl", type=float, default=1e-6)
+  p.add_argument("--seq_len", type=int, default=None,
+                 help="tokens per sequence (default: 3.5 sliding windows + 1)")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--json", action="store_true", help="also print the report as one JSON line")
+  p.set_defaults(run=check_parity)
+  args = parser.parse_args(argv)
+  try:
+    return args.run(args)
+  except (hf.ConversionError, checkpoint.CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,329 @@
+"""Hugging Face OLMo 3 directories <-> our parameter tree. Reads and writes safetensors only.
+
+Our parameter paths are Hugging Face's names, with two differences that this module owns:
+layers are stacked on a leading axis, and linear weights are stored (in, out) where torch stores
+(out, in). Vocabulary rows are padded to `padded_vocab_size` on import (zeros) and cut on export.
+No torch is needed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from etils import epath
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from olmo3.config import ConfigError, ModelConfig
+
+Params = dict[str, Any]  # nested dict of arrays, as nnx.State.to_pure_dict() gives
+
+# (our path inside the stacked `layers`, HF name inside `model.layers.{i}.`, is a linear weight)
+_LAYER_TENSORS: tuple[tuple[tuple[str, ...], str, bool], ...] = (
+    (("self_attn", "q_proj", "kernel"), "self_attn.q_proj.weight", True),
+    (("self_attn", "k_proj", "kernel"), "self_attn.k_proj.weight", True),
+    (("self_attn", "v_proj", "kernel"), "self_attn.v_proj.weight", True),
+    (("self_attn", "o_proj", "kernel"), "self_attn.o_proj.weight", True),
+    (("self_attn", "q_norm", "weight"), "self_attn.q_norm.weight", False),
+    (("self_attn", "k_norm", "weight"), "self_attn.k_norm.weight", False),
+    (("post_attention_layernorm", "weight"), "post_attention_layernorm.weight", False),
+    (("mlp", "gate_proj", "kernel"), "mlp.gate_proj.weight", True),
+    (("mlp", "up_proj", "kernel"), "mlp.up_proj.weight", True),
+    (("mlp", "down_proj", "kernel"), "mlp.down_proj.weight", True),
+    (("post_feedforward_layernorm", "weight"), "post_feedforward_layernorm.weight", False),
+)
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float16": np.dtype(np.float16)}
+_SHARD_BYTES = 5 * 2**30  # transformers' default max shard size
+
+
+class ConversionError(ValueError):
+  """A Hugging Face directory or checkpoint cannot be converted. The message names the cause."""
+
+
+# --- config.json -------------------------------------------------------------------------------
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> float:
+  """The single default-RoPE theta of every layer type, or a ConversionError."""
+  params = hf.get("rope_parameters")
+  if params is None:  # transformers 4.x layout
+    if hf.get("rope_scaling"):
+      raise ConversionError(f"{where}: rope_scaling={hf['rope_scaling']!r} is not supported "
+                            "(stages 1-2 use plain RoPE)")
+    return float(hf.get("rope_theta", 500_000.0))
+  per_type = params if all(isinstance(v, dict) for v in params.values()) else {"all": params}
+  thetas = set()
+  for layer_type, p in per_type.items():
+    if p.get("rope_type", "default") != "default":
+      raise ConversionError(f"{where}: rope_parameters[{layer_type!r}] has rope_type "
+                            f"{p['rope_type']!r}; only 'default' RoPE is supported (stages 1-2)")
+    thetas.add(float(p.get("rope_theta", hf.get("rope_theta", 500_000.0))))
+  if len(thetas) != 1:
+    raise ConversionError(f"{where}: RoPE theta differs between layer types ({sorted(thetas)})")
+  return thetas.pop()
+
+
+def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+  """Our ModelConfig for an HF Olmo3Config dict; rejects anything that is not OLMo 3 stages 1-2."""
+  if hf.get("model_type") != "olmo3":
+    raise ConversionError(f"{where}: model_type is {hf.get('model_type')!r}, not 'olmo3'")
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads"):
+    if key not in hf:
+      raise ConversionError(f"{where}: missing field {key!r}")
+  checks = {"tie_word_embeddings": False, "attention_bias": False, "hidden_act": "silu"}
+  for key, want in checks.items():
+    if hf.get(key, want) != want:
+      raise ConversionError(f"{where}: {key}={hf[key]!r} is not supported (OLMo 3 has {want!r})")
+  heads, d = hf["num_attention_heads"], hf["hidden_size"]
+  if hf.get("head_dim") not in (None, d // heads):
+    raise ConversionError(f"{where}: head_dim={hf['head_dim']} != hidden_size / "
+                          f"num_attention_heads = {d // heads}")
+  n_layers = hf["num_hidden_layers"]
+  layer_types = hf.get("layer_types") or [
+      "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n_layers)]
+  if len(layer_types) != n_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
+    raise ConversionError(f"{where}: layer_types must list 'full_attention' or "
+                          f"'sliding_attention' for each of the {n_layers} layers")
+  is_global = [t == "full_attention" for t in layer_types]
+  global_every = is_global.index(True) + 1 if True in is_global else n_layers
+  eos = hf.get("eos_token_id")
+  vocab = hf["vocab_size"]
+  try:
+    cfg = ModelConfig(
+        vocab_size=vocab, padded_vocab_size=-(-vocab // 128) * 128, d_model=d,
+        n_layers=n_layers, n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        mlp_hidden=hf["intermediate_size"],
+        sliding_window=hf.get("sliding_window") or hf.get("max_position_embeddings", 8192),
+        global_every=global_every, rope_theta=_rope_theta(hf, where),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
+        max_seq_len=hf.get("max_position_embeddings", 8192),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        pad_token_id=hf.get("pad_token_id"))
+  except ConfigError as e:
+    raise ConversionError(f"{where}: {e}") from None
+  if list(cfg.layer_is_global) != is_global:
+    first = next(i for i, (a, b) in enumerate(zip(cfg.layer_is_global, is_global)) if a != b)
+    raise ConversionError(
+        f"{where}: layer_types[{first}]={layer_types[first]!r} breaks OLMo 3's pattern (layer i "
+        f"global when i % {global_every} == {global_every - 1}, the last layer global)")
+  return cfg
+
+
+def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+  """An Olmo3Config dict. RoPE theta is written per layer type: in transformers 5.x a bare
+  `rope_theta` reaches only the full-attention layers (REFERENCE.md §2)."""
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  return {
+      "architectures": ["Olmo3ForCausalLM"],
+      "model_type": "olmo3",
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.d_model,
+      "intermediate_size": cfg.mlp_hidden,
+      "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_kv_heads,
+      "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_seq_len,
+      "initializer_range": cfg.init_std,
+      "rms_norm_eps": cfg.norm_eps,
+      "attention_bias": False,
+      "attention_dropout": 0.0,
+      "sliding_window": cfg.sliding_window,
+      "layer_types": ["full_attention" if g else "sliding_attention" for g in cfg.layer_is_global],
+      "rope_parameters": {"full_attention": dict(rope), "sliding_attention": dict(rope)},
+      "tie_word_embeddings": False,
+      "pad_token_id": cfg.pad_token_id,
+      "eos_token_id": cfg.eos_token_id,
+      "bos_token_id": None,
+      "use_cache": True,
+      "dtype": dtype,
+  }
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+
+def _expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  d, f, v = cfg.d_model, cfg.mlp_hidden, cfg.vocab_size
+  q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+  per_layer = {"self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+               "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+               "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,),
+               "post_attention_layernorm.weight": (d,), "mlp.gate_proj.weight": (f, d),
+               "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f),
+               "post_feedforward_layernorm.weight": (d,)}
+  shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+            "lm_head.weight": (v, d)}
+  for i in range(cfg.n_layers):
+    shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+  return shapes
+
+
+class SafetensorsDir:
+  """Random access to the tensors of an HF directory (one file, or shards with an index)."""
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = epath.Path(path)
+    index = self.path / "model.safetensors.index.json"
+    if index.exists():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      self._files = {name: self.path / f for name, f in weight_map.items()}
+    else:
+      files = sorted(self.path.glob("*.safetensors"))
+      if not files:
+        raise ConversionError(f"{self.path}: no *.safetensors files (only safetensors are read)")
+      self._files = {}
+      for file in files:
+        with safe_open(os.fspath(file), framework="numpy") as f:
+          self._files.update({name: file for name in f.keys()})
+
+  def names(self) -> set[str]:
+    return set(self._files)
+
+  def get(self, name: str) -> np.ndarray:
+    if name not in self._files:
+      raise ConversionError(f"{self.path}: tensor {name!r} is missing")
+    with safe_open(os.fspath(self._files[name]), framework="numpy") as f:
+      return f.get_tensor(name)
+
+
+def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+  return np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)], axis=0)
+
+
+def _set(tree: Params, path: tuple[str, ...], value: np.ndarray) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _get(tree: Params, path: tuple[str, ...]) -> np.ndarray:
+  for key in path:
+    tree = tree[key]
+  return np.asarray(tree)
+
+
+def params_from_hf(cfg: ModelConfig, tensors: SafetensorsDir) -> Params:
+  """Our float32 parameter tree from HF tensors; checks every name and shape first."""
+  expected = _expected_hf_shapes(cfg)
+  present = tensors.names()
+  missing = sorted(set(expected) - present)
+  unexpected = sorted(present - set(expected))
+  if missing:
+    raise ConversionError(f"{tensors.path}: missing tensors {missing[:5]}"
+                          f"{' …' if len(missing) > 5 else ''} ({len(missing)} in all)")
+  if unexpected:
+    raise ConversionError(f"{tensors.path}: tensors not in an OLMo 3 model: {unexpected[:5]}"
+                          f"{' …' if len(unexpected) > 5 else ''}")
+
+  def load(name: str) -> np.ndarray:
+    x = tensors.get(name)
+    if tuple(x.shape) != expected[name]:
+      raise ConversionError(f"{tensors.path}: tensor {name!r} has shape {tuple(x.shape)}, "
+                            f"expected {expected[name]} from config.json")
+    return x.astype(np.float32)
+
+  params: Params = {}
+  _set(params, ("embed_tokens", "embedding"),
+       _pad_rows(load("model.embed_tokens.weight"), cfg.padded_vocab_size))
+  _set(params, ("lm_head", "kernel"),
+       _pad_rows(load("lm_head.weight"), cfg.padded_vocab_size).T.copy())
+  _set(params, ("norm", "weight"), load("model.norm.weight"))
+  for path, hf_name, linear in _LAYER_TENSORS:
+    layers = [load(f"model.layers.{i}.{hf_name}") for i in range(cfg.n_layers)]
+    _set(params, ("layers", *path), np.stack([x.T if linear else x for x in layers]))
+  return params
+
+
+def params_to_hf(cfg: ModelConfig, params: Params, dtype: str = "float32"
+                 ) -> Iterator[tuple[str, np.ndarray]]:
+  """(HF name, tensor) pairs in HF layout and `dtype`; padded vocabulary rows are cut."""
+  cast = DTYPES[dtype]
+  v = cfg.vocab_size
+  yield "model.embed_tokens.weight", _get(params, ("embed_tokens", "embedding"))[:v].astype(cast)
+  yield "lm_head.weight", np.ascontiguousarray(_get(params, ("lm_head", "kernel"))[:, :v].T
+                                              ).astype(cast)
+  yield "model.norm.weight", _get(params, ("norm", "weight")).astype(cast)
+  for path, hf_name, linear in _LAYER_TENSORS:
+    stacked = _get(params, ("layers", *path))
+    for i in range(cfg.n_layers):
+      x = stacked[i].T if linear else stacked[i]
+      yield f"model.layers.{i}.{hf_name}", np.ascontiguousarray(x).astype(cast)
+
+
+def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
+                 dtype: str = "float32") -> None:
+  """Writes config.json + safetensors (sharded past 5 GiB, with an index) atomically: into a
+  temporary sibling directory, renamed into place when complete."""
+  out = os.fspath(out)
+  if os.path.exists(out):
+    raise ConversionError(f"{out} already exists; refusing to overwrite")
+  parent = os.path.dirname(os.path.abspath(out))
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
+  try:
+    # Plan the shards from the shapes first, so each is written (and freed) as soon as it fills.
+    itemsize = DTYPES[dtype].itemsize
+    plan: list[list[str]] = [[]]
+    size = 0
+    for name, shape in _expected_hf_shapes(cfg).items():
+      nbytes = int(np.prod(shape)) * itemsize
+      if size and size + nbytes > _SHARD_BYTES:
+        plan.append([])
+        size = 0
+      plan[-1].append(name)
+      size += nbytes
+    files = ["model.safetensors"] if len(plan) == 1 else [
+        f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
+    weight_map = {name: files[k] for k, names in enumerate(plan) for name in names}
+    pending: dict[str, dict[str, np.ndarray]] = {f: {} for f in files}
+    total = 0
+    for name, x in params_to_hf(cfg, params, dtype):
+      file = weight_map[name]
+      pending[file][name] = x
+      total += x.nbytes
+      if len(pending[file]) == len(plan[files.index(file)]):
+        save_file(pending.pop(file), os.path.join(tmp, file), metadata={"format": "pt"})
+    if len(plan) > 1:
+      with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(model_config_to_hf(cfg, dtype), f, indent=2)
+    os.rename(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def read_hf_config(path: str | os.PathLike) -> ModelConfig:
+  """Our ModelConfig from an HF directory's config.json."""
+  config_file = epath.Path(path) / "config.json"
+  if not config_file.exists():
+    raise ConversionError(f"{path}: no config.json")
+  try:
+    hf = json.loads(config_file.read_text())
+  except json.JSONDecodeError as e:
+    raise ConversionError(f"{config_file}: not valid JSON ({e})") from None
+  return model_config_from_hf(hf, where=os.fspath(config_file))
+
+
+def read_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, Params, str]:
+  """(config, float32 params, the checkpoint's stored dtype) of an HF OLMo 3 directory."""
+  cfg = read_hf_config(path)
+  tensors = SafetensorsDir(path)
+  stored = tensors.get("model.norm.weight").dtype
+  dtype = next((k for k, v in DTYPES.items() if v == stored), None)
+  if dtype is None:
+    raise ConversionError(f"{path}: tensors stored as {stored}; expected one of {list(DTYPES)}")
+  return cfg, params_from_hf(cfg, tensors), dtype

@@ -1,0 +1,140 @@
+"""Logit and hidden-state parity between our model and Hugging Face's Olmo3ForCausalLM.
+
+The reference runs in torch on CPU (the `test` extra); ours in JAX. Both see the same token
+ids. Metrics over the real vocabulary (padded rows excluded), computed in float64:
+per-token KL(reference || ours) max and mean, top-1 agreement, max |Δlogit|, and per layer the
+max |Δh| relative to the reference's RMS, so a failure points at the layer that broke.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from olmo3 import model as model_lib
+from olmo3.config import ModelConfig
+
+_CHUNK = 512  # tokens per float64 chunk when comparing logits (bounds memory at 7B vocab)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityReport:
+  dtype: str
+  ref_dtype: str
+  batch: int
+  seq_len: int
+  max_kl: float
+  mean_kl: float
+  top1_agreement: float
+  max_abs_logit_diff: float
+  ref_logit_std: float
+  layer_rel_diff: tuple[float, ...]  # per layer: max |Δh| / RMS(reference h)
+
+  def format(self) -> str:
+    lines = [
+        f"parity: ours ({self.dtype}) vs Hugging Face ({self.ref_dtype}), "
+        f"{self.batch} x {self.seq_len} tokens",
+        f"  KL(ref||ours) per token  max {self.max_kl:.3e}  mean {self.mean_kl:.3e}",
+        f"  top-1 agreement          {100 * self.top1_agreement:.4f}%",
+        f"  max |Δlogit|             {self.max_abs_logit_diff:.3e}  (reference logit std "
+        f"{self.ref_logit_std:.2f})",
+        "  per layer max|Δh|/rms(h): " + " ".join(f"{d:.1e}" for d in self.layer_rel_diff),
+    ]
+    return "\n".join(lines)
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+
+def _log_softmax64(x: np.ndarray) -> np.ndarray:
+  x = x.astype(np.float64)
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def compare_logits(ref_BTV: np.ndarray, ours_BTV: np.ndarray) -> dict[str, float]:
+  """KL / top-1 / |Δ| over the reference's vocabulary (ours may carry padded columns)."""
+  vocab = ref_BTV.shape[-1]
+  ref = ref_BTV.reshape(-1, vocab)
+  ours = ours_BTV.reshape(-1, ours_BTV.shape[-1])[:, :vocab]
+  kls, agree, max_abs = [], 0, 0.0
+  for start in range(0, ref.shape[0], _CHUNK):
+    r, o = ref[start:start + _CHUNK], ours[start:start + _CHUNK]
+    lp_r, lp_o = _log_softmax64(r), _log_softmax64(o)
+    kls.append((np.exp(lp_r) * (lp_r - lp_o)).sum(-1))
+    agree += int((r.argmax(-1) == o.argmax(-1)).sum())
+    max_abs = max(max_abs, float(np.abs(r.astype(np.float64) - o).max()))
+  kl = np.concatenate(kls)
+  return {"max_kl": float(kl.max()), "mean_kl": float(kl.mean()),
+          "top1_agreement": agree / ref.shape[0], "max_abs_logit_diff": max_abs,
+          "ref_logit_std": float(ref.astype(np.float64).std())}
+
+
+def reference_forward(hf_dir: str | os.PathLike, tokens_BT: np.ndarray, dtype: str = "float32"
+                      ) -> tuple[np.ndarray, list[np.ndarray]]:
+  """Hugging Face logits [B, T, vocab] and each decoder layer's output, in float32 numpy."""
+  try:
+    import torch
+    import transformers
+  except ImportError as e:
+    raise ImportError("the parity check runs the reference in torch: install the test extra "
+                      "(pip install -e '.[test]')") from e
+  model = transformers.Olmo3ForCausalLM.from_pretrained(
+      os.fspath(hf_dir), dtype=getattr(torch, dtype), attn_implementation="sdpa")
+  model.eval()
+  hidden: list[np.ndarray] = []
+
+  def keep(_module, _inputs, output):
+    out = output[0] if isinstance(output, tuple) else output
+    hidden.append(out.float().numpy())
+
+  hooks = [layer.register_forward_hook(keep) for layer in model.model.layers]
+  try:
+    with torch.no_grad():
+      logits = model(torch.from_numpy(np.asarray(tokens_BT, np.int64))).logits
+  finally:
+    for h in hooks:
+      h.remove()
+  return logits.float().numpy(), hidden
+
+
+def our_forward(cfg: ModelConfig, params: Any, tokens_BT: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Our logits [B, T, V_padded] and per-layer outputs [L, B, T, D], in float32 numpy."""
+  model = model_lib.from_params(cfg, params)
+  forward = nnx.jit(lambda m, t: m(t, return_hidden=True))
+  logits, hidden = forward(model, jnp.asarray(tokens_BT, jnp.int32))
+  return (np.asarray(logits.astype(jnp.float32)), np.asarray(hidden.astype(jnp.float32)))
+
+
+def random_tokens(cfg: ModelConfig, batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len), np.int32)
+
+
+def default_seq_len(cfg: ModelConfig) -> int:
+  """Long enough to cross the sliding window several times (short prompts hide RoPE and window
+  bugs), and not a multiple of it."""
+  return 3 * cfg.sliding_window + cfg.sliding_window // 2 + 1
+
+
+def check(cfg: ModelConfig, params: Any, hf_dir: str | os.PathLike, *, dtype: str = "float32",
+          ref_dtype: str = "float32", batch: int = 1, seq_len: int | None = None,
+          seed: int = 0) -> ParityReport:
+  """Runs both models on the same random tokens and reports how far apart they are."""
+  seq_len = seq_len or default_seq_len(cfg)
+  tokens = random_tokens(cfg, batch, seq_len, seed)
+  ours_cfg = cfg.replace(compute_dtype=dtype)
+  ref_logits, ref_hidden = reference_forward(hf_dir, tokens, ref_dtype)
+  logits, hidden = our_forward(ours_cfg, params, tokens)
+  rel = []
+  for ref_h, h in zip(ref_hidden, hidden):
+    rms = float(np.sqrt(np.mean(np.square(ref_h.astype(np.float64)))))
+    rel.append(float(np.abs(ref_h.astype(np.float64) - h).max()) / max(rms, 1e-30))
+  return ParityReport(dtype=dtype, ref_dtype=ref_dtype, batch=batch, seq_len=seq_len,
+                      layer_rel_diff=tuple(rel), **compare_logits(ref_logits, logits))

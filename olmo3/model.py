@@ -1,0 +1,342 @@
+"""The OLMo 3 transformer in Flax NNX, top to bottom (REFERENCE.md §1).
+
+Shapes in names: B batch, T query positions, S key positions, D d_model, H query heads,
+G key/value heads, R = H / G, K head dim, F MLP hidden, V padded vocabulary, L layers.
+
+Parameters are float32; matmuls run in `cfg.compute_dtype`; norms, RoPE and softmax run in
+float32. Parameter paths follow Hugging Face's names, so conversion is a mechanical mapping.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from olmo3.config import AttentionKernel, ModelConfig
+from olmo3.sharding import constrain, logical_to_spec
+
+
+def truncated_normal(std: float, cutoff: float) -> nnx.Initializer:
+  """Normal(0, std) cut at ±cutoff·std, as torch's trunc_normal_(std, a=-3std, b=3std).
+
+  Not jax.nn.initializers.truncated_normal: that one rescales so the *truncated* distribution
+  has the given std, which is not what OLMo-core does.
+  """
+
+  def init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+    return std * jax.random.truncated_normal(key, -cutoff, cutoff, shape, dtype)
+
+  return init
+
+
+def _dense(cfg: ModelConfig, d_in: int, d_out: int, names: tuple[str, str], rngs: nnx.Rngs):
+  return nnx.Linear(
+      d_in, d_out, use_bias=False, dtype=jnp.dtype(cfg.compute_dtype.value),
+      param_dtype=jnp.float32,
+      kernel_init=nnx.with_partitioning(truncated_normal(cfg.init_std, cfg.init_cutoff), names),
+      rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+  """Weight-only RMSNorm computed in float32, cast back to the input dtype."""
+
+  def __init__(self, cfg: ModelConfig, dim: int, axis: str, *, rngs: nnx.Rngs | None = None):
+    del rngs  # deterministic init (ones)
+    self.eps = cfg.norm_eps
+    self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis,))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    return (self.weight[...] * y).astype(x.dtype)
+
+
+# --- rotary position embedding -----------------------------------------------------------------
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos, sin of shape [T, K] (float32) for positions 0..T-1, rotate-half layout."""
+  inv_freq_K2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_TK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
+  angles_TK = jnp.concatenate([angles_TK2, angles_TK2], axis=-1)
+  return jnp.cos(angles_TK), jnp.sin(angles_TK)
+
+
+def apply_rope(x_BTNK: jax.Array, cos_TK: jax.Array, sin_TK: jax.Array) -> jax.Array:
+  """NeoX rotate-half RoPE: pairs dimension k with k + K/2. Computed in float32."""
+  x = x_BTNK.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  out = x * cos_TK[None, :, None, :] + rotated * sin_TK[None, :, None, :]
+  return out.astype(x_BTNK.dtype)
+
+
+# --- attention kernels -------------------------------------------------------------------------
+
+
+def attention_mask(seq_len: int, window: int | None) -> jax.Array:
+  """[T, S] bool: query q sees key s when s <= q and, if sliding, s > q - window.
+
+  So a sliding layer sees exactly `window` keys, the query's own position included.
+  """
+  q_T1 = jnp.arange(seq_len)[:, None]
+  s_1S = jnp.arange(seq_len)[None, :]
+  mask = s_1S <= q_T1
+  if window is not None:
+    mask &= s_1S > q_T1 - window
+  return mask
+
+
+def _attend_xla(q_BTHK, k_BSGK, v_BSGK, window):
+  b, t, h, k = q_BTHK.shape
+  g = k_BSGK.shape[2]
+  q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
+  scores = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK) * (k ** -0.5)
+  scores = jnp.where(attention_mask(t, window), scores.astype(jnp.float32),
+                     jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
+  return jnp.einsum("bgrts,bsgk->btgrk", probs, v_BSGK).reshape(b, t, h, k)
+
+
+def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, implementation):
+  # local_window_size=(left, right) counts keys besides the query: W visible keys => W - 1.
+  return jax.nn.dot_product_attention(
+      q_BTHK, k_BSGK, v_BSGK, scale=q_BTHK.shape[-1] ** -0.5, is_causal=True,
+      local_window_size=None if window is None else (window - 1, 0),
+      implementation=implementation)
+
+
+def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window):
+  """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+  def kernel(q_BHTK, k_BGTK, v_BGTK):
+    heads, t = q_BHTK.shape[1], q_BHTK.shape[2]
+    one = sm.CausalMask((t, t)) if window is None else sm.LocalMask(
+        (t, t), window_size=(window - 1, 0), offset=0)
+    block = min(512, t)
+    if t % block:
+      raise ValueError(f"splash attention needs seq_len divisible by {block}; got {t}")
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                          block_q_dq=block, block_kv_dq=block)
+    splash = sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes,
+                                head_shards=1, q_seq_shards=1,
+                                interpret=jax.default_backend() != "tpu")
+    return jax.vmap(splash)(q_BHTK, k_BGTK, v_BGTK)
+
+  scale = q_BTHK.shape[-1] ** -0.5  # splash does not scale the logits itself
+  q, k, v = ((x.transpose(0, 2, 1, 3)) for x in (q_BTHK * scale, k_BSGK, v_BSGK))
+  mesh = jax.sharding.get_abstract_mesh()
+  from flax.core import spmd
+
+  if not mesh.empty and spmd.get_logical_axis_rules():
+    spec = logical_to_spec(("batch", "act_heads", "seq", None), spmd.get_logical_axis_rules())
+    kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                           check_vma=False)
+  return kernel(q, k, v).transpose(0, 2, 1, 3)
+
+
+def attend(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int | None,
+           kernel: AttentionKernel) -> jax.Array:
+  """Causal (sliding-window when `window` is set) grouped-query attention."""
+  match kernel:
+    case AttentionKernel.XLA:
+      return _attend_xla(q_BTHK, k_BSGK, v_BSGK, window)
+    case AttentionKernel.DOT_PRODUCT:
+      return _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, None)
+    case AttentionKernel.CUDNN:
+      return _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, "cudnn")
+    case AttentionKernel.SPLASH:
+      return _attend_splash(q_BTHK, k_BSGK, v_BSGK, window)
+  raise ValueError(f"unknown attention kernel {kernel!r}")
+
+
+# --- modules -----------------------------------------------------------------------------------
+
+
+class Attention(nnx.Module):
+  """q, k, v projections -> QK-norm over the full projections -> RoPE -> attention -> o."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    self.q_proj = _dense(cfg, d, q, ("embed", "q_heads"), rngs)
+    self.k_proj = _dense(cfg, d, kv, ("embed", "kv_heads"), rngs)
+    self.v_proj = _dense(cfg, d, kv, ("embed", "kv_heads"), rngs)
+    self.o_proj = _dense(cfg, q, d, ("q_heads", "embed"), rngs)
+    self.q_norm = RMSNorm(cfg, q, "q_heads")
+    self.k_norm = RMSNorm(cfg, kv, "kv_heads")
+
+  def __call__(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array],
+               window: int | None) -> jax.Array:
+    cfg = self.cfg
+    b, t, _ = x_BTD.shape
+    q = self.q_norm(checkpoint_name(self.q_proj(x_BTD), "query_proj"))
+    k = self.k_norm(checkpoint_name(self.k_proj(x_BTD), "key_proj"))
+    v = checkpoint_name(self.v_proj(x_BTD), "value_proj")
+    heads = ("batch", "seq", "act_heads", None)
+    q_BTHK = constrain(apply_rope(q.reshape(b, t, cfg.n_heads, cfg.head_dim), *rope), heads)
+    k_BTGK = constrain(apply_rope(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), *rope), heads)
+    v_BTGK = constrain(v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), heads)
+    out_BTHK = attend(q_BTHK, k_BTGK, v_BTGK, window, cfg.attention)
+    context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), "context")
+    return checkpoint_name(self.o_proj(context), "out_proj")
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x)). gate/up/down are OLMo-core's w1/w3/w2."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.gate_proj = _dense(cfg, cfg.d_model, cfg.mlp_hidden, ("embed", "mlp"), rngs)
+    self.up_proj = _dense(cfg, cfg.d_model, cfg.mlp_hidden, ("embed", "mlp"), rngs)
+    self.down_proj = _dense(cfg, cfg.mlp_hidden, cfg.d_model, ("mlp", "embed"), rngs)
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    gate_BTF = checkpoint_name(self.gate_proj(x_BTD), "mlpwi_0")
+    up_BTF = checkpoint_name(self.up_proj(x_BTD), "mlpwi_1")
+    hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
+    return checkpoint_name(self.down_proj(hidden_BTF), "mlpwo")
+
+
+class Block(nnx.Module):
+  """Reordered norm: each sublayer's OUTPUT is normalised before the residual add."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.self_attn = Attention(cfg, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg, cfg.d_model, "embed")
+    self.mlp = MLP(cfg, rngs=rngs)
+    self.post_feedforward_layernorm = RMSNorm(cfg, cfg.d_model, "embed")
+
+  def __call__(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array],
+               window: int | None) -> jax.Array:
+    x_BTD = constrain(checkpoint_name(x_BTD, "decoder_layer_input"),
+                      ("batch", "seq", "act_embed"))
+    h_BTD = x_BTD + self.post_attention_layernorm(self.self_attn(x_BTD, rope, window))
+    return h_BTD + self.post_feedforward_layernorm(self.mlp(h_BTD))
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+  """All L blocks as one Block whose parameters have a leading `layers` axis."""
+
+  @nnx.split_rngs(splits=cfg.n_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make(rngs: nnx.Rngs) -> Block:
+    return Block(cfg, rngs=rngs)
+
+  return make(rngs)
+
+
+def check_token_ids(tokens: jax.Array | np.ndarray, vocab_size: int) -> None:
+  """Raises a clear error for ids outside [0, vocab_size) when the ids are concrete.
+
+  Under jit the ids are abstract; `Transformer` then maps bad ids to a missing embedding row,
+  which yields NaN (loud) instead of silently reading a padding row.
+  """
+  if isinstance(tokens, jax.core.Tracer) or (
+      isinstance(tokens, jax.Array) and not tokens.is_fully_addressable):
+    return
+  ids = np.asarray(tokens)
+  if not np.issubdtype(ids.dtype, np.integer):
+    raise TypeError(f"token ids must be integers, got dtype {ids.dtype}")
+  bad = (ids < 0) | (ids >= vocab_size)
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"token id {int(ids[where])} at index {where} is outside the vocabulary "
+                     f"[0, {vocab_size}); {int(bad.sum())} ids are out of range")
+
+
+class Transformer(nnx.Module):
+  """Embedding -> L blocks (sliding / global) -> final norm -> untied LM head (padded vocab)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = nnx.Embed(
+        cfg.padded_vocab_size, cfg.d_model, dtype=jnp.dtype(cfg.compute_dtype.value),
+        param_dtype=jnp.float32,
+        embedding_init=nnx.with_partitioning(truncated_normal(cfg.init_std, cfg.init_cutoff),
+                                             ("table_vocab", "table_embed")),
+        rngs=rngs)
+    self.layers = _stacked_blocks(cfg, rngs)
+    self.norm = RMSNorm(cfg, cfg.d_model, "embed")
+    self.lm_head = _dense(cfg, cfg.d_model, cfg.padded_vocab_size, ("embed", "vocab"), rngs)
+
+  def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
+    """Logits [B, T, V] over the padded vocabulary, in the compute dtype.
+
+    With return_hidden, also every layer's output [L, B, T, D] (for per-layer parity).
+    """
+    cfg = self.cfg
+    check_token_ids(tokens_BT, cfg.vocab_size)
+    valid = (tokens_BT >= 0) & (tokens_BT < cfg.vocab_size)
+    tokens_BT = jnp.where(valid, tokens_BT, cfg.padded_vocab_size)  # no row there: NaN
+    x_BTD = self.embed_tokens(tokens_BT)
+    rope = rope_tables(tokens_BT.shape[1], cfg.head_dim, cfg.rope_theta)
+    x_BTD, hidden_LBTD = self._blocks(x_BTD, rope, return_hidden)
+    logits_BTV = self.lm_head(self.norm(x_BTD))
+    logits_BTV = constrain(logits_BTV, ("batch", "seq", "act_vocab"))
+    return (logits_BTV, hidden_LBTD) if return_hidden else logits_BTV
+
+  def _blocks(self, x_BTD, rope, return_hidden: bool):
+    """Runs the layers: scanned in groups of `global_every` (same static windows in every
+    group), the remainder unrolled; or all unrolled. Same parameters, same outputs."""
+    cfg = self.cfg
+    graphdef, stacked = nnx.split(self.layers)
+
+    def block(params, x, window):
+      return nnx.merge(graphdef, params)(x, rope, window)
+
+    period, n_layers = cfg.global_every, cfg.n_layers
+    n_scanned = (n_layers // period) * period if cfg.scan_layers else 0
+    hidden = []
+    if n_scanned:
+      groups = jax.tree.map(
+          lambda a: a[:n_scanned].reshape(n_scanned // period, period, *a.shape[1:]), stacked)
+      windows = [cfg.layer_window(j) for j in range(period)]  # equal in every full group
+
+      def group(x, params):
+        outs = []
+        for j, window in enumerate(windows):
+          x = block(jax.tree.map(functools.partial(lambda j, a: a[j], j), params), x, window)
+          outs.append(x)
+        return x, (jnp.stack(outs) if return_hidden else None)
+
+      x_BTD, ys = jax.lax.scan(group, x_BTD, groups)
+      if return_hidden:
+        hidden.extend(ys.reshape(n_scanned, *x_BTD.shape))
+    for i in range(n_scanned, n_layers):
+      x_BTD = block(jax.tree.map(lambda a: a[i], stacked), x_BTD, cfg.layer_window(i))
+      hidden.append(x_BTD)
+    return x_BTD, (jnp.stack(hidden) if return_hidden else None)
+
+
+def abstract_model(cfg: ModelConfig) -> Transformer:
+  """The model's structure with ShapeDtypeStructs for parameters; allocates nothing.
+
+  Needs no mesh: the logical axis names stay as metadata (nnx.get_partition_spec reads them).
+  """
+  with nnx.use_eager_sharding(False):
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_count(model: Transformer) -> int:
+  """Parameters of a (possibly abstract) model, counted from its arrays' shapes."""
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+  """The parameter tree as nested dicts of ShapeDtypeStruct (the checkpoint layout)."""
+  return nnx.state(abstract_model(cfg), nnx.Param).to_pure_dict()
+
+
+def from_params(cfg: ModelConfig, params: dict) -> Transformer:
+  """A model holding `params` (nested dict of arrays, as `param_shapes` lays out)."""
+  graphdef, state = nnx.split(abstract_model(cfg))
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)

@@ -1,0 +1,89 @@
+"""Meshes and logical-axis rules. The model names axes; this module decides where they live.
+
+Parameters and activations carry logical axis names (`embed`, `q_heads`, `mlp`, `vocab`,
+`layers`, `batch`, ...). A rule set maps each logical name to mesh axes (or None: replicated).
+Rules are plain data, so an experiment can swap them without touching the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.core import spmd  # holds the rules that nnx.logical_axis_rules sets
+from jax.sharding import AxisType, Mesh, PartitionSpec
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Pure FSDP (the 7B default): weights sharded over `fsdp` on their model dimension, batch over
+# (data, fsdp). The embedding table is sharded on vocab, not embed: sharding it over fsdp while
+# the batch is sharded over (data, fsdp) makes XLA rematerialise the whole gather (REFERENCE §9),
+# so the table has axis names of its own.
+FSDP_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("layers", None),
+    ("table_vocab", ("fsdp", "tensor")),  # the input embedding table's rows
+    ("table_embed", None),
+    ("vocab", "tensor"),  # the LM head's output dimension
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+
+def make_mesh(shape: dict[str, int] | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh over `MESH_AXES`. One size may be -1 (fill the devices); default: all on fsdp."""
+  devices = list(devices if devices is not None else jax.devices())
+  shape = dict(shape or {"fsdp": -1})
+  unknown = set(shape) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"mesh axes {sorted(unknown)} unknown; axes are {MESH_AXES}")
+  sizes = [shape.get(a, 1) for a in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"mesh {shape}: at most one axis may be -1")
+  known = int(np.prod([s for s in sizes if s != -1]))
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"mesh {shape}: {len(devices)} devices are not divisible by {known}")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if int(np.prod(sizes)) != len(devices):
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices; "
+                     f"{len(devices)} are available")
+  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: Rules = FSDP_RULES) -> Iterator[None]:
+  """Build and run sharded modules inside this context (Auto axes, logical rules active)."""
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    yield
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
+  table = dict(rules)
+  missing = [n for n in names if n is not None and n not in table]
+  if missing:
+    raise ValueError(f"logical axes {missing} have no rule; rules cover {sorted(table)}")
+  return PartitionSpec(*(table[n] if n is not None else None for n in names))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Sharding constraint by logical names; a no-op outside a mesh context."""
+  mesh = jax.sharding.get_abstract_mesh()
+  active = spmd.get_logical_axis_rules()
+  if mesh.empty or not active:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, active))

@@ -1,0 +1,1 @@
+"""Training: optimizer, train step, loop, checkpoints, metrics."""

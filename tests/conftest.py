@@ -1,0 +1,40 @@
+"""Test setup: 8 simulated CPU devices (for sharding tests) and shared helpers."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+
+from olmo3 import model as model_lib  # noqa: E402
+from olmo3.config import ModelConfig  # noqa: E402
+from olmo3.convert import hf  # noqa: E402
+
+
+def random_params(cfg: ModelConfig, seed: int) -> dict:
+  """Weights drawn wide enough that logits spread over several nats and attention is peaked:
+  linear weights with std 1.5/sqrt(fan_in) (4/sqrt(fan_in) for the LM head), norm weights
+  1 + N(0, 0.2²). Then a wrong mask, window, RoPE convention or norm placement changes
+  predictions."""
+  rng = np.random.default_rng(seed)
+
+  def draw(path, shape):
+    name = path[-1]
+    if name == "weight":  # norm
+      return (1 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+    if name == "embedding":
+      return rng.standard_normal(shape).astype(np.float32)
+    scale = 4.0 if path[0] == "lm_head" else 1.5  # logits with a std of about 4 nats
+    return (scale * rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
+
+  shapes = model_lib.param_shapes(cfg)
+  import jax
+
+  return jax.tree_util.tree_map_with_path(
+      lambda p, s: draw(tuple(k.key for k in p), s.shape), shapes)
+
+
+def write_random_hf_dir(path, cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> None:
+  hf.write_hf_dir(path, cfg, random_params(cfg, seed), dtype=dtype)

@@ -1,0 +1,158 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from olmo3 import config, sharding
+from olmo3 import model as model_lib
+from olmo3.config import AttentionKernel
+
+from conftest import random_params
+
+MICRO = config.olmo3_micro()  # 6 layers (not a multiple of 4), GQA 8 q heads / 2 kv heads
+
+
+def _tokens(cfg, batch, seq_len, seed=0):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len)))
+
+
+@pytest.fixture(scope="module")
+def micro_params():
+  return random_params(MICRO, seed=1)
+
+
+def test_attention_mask_window_counts_the_query_itself():
+  mask = np.asarray(model_lib.attention_mask(8, window=3))
+  assert mask[5].nonzero()[0].tolist() == [3, 4, 5]  # exactly W keys, the query's own included
+  assert mask[1].nonzero()[0].tolist() == [0, 1]
+  assert mask.sum(1).max() == 3
+  causal = np.asarray(model_lib.attention_mask(8, window=None))
+  assert (causal == np.tril(np.ones((8, 8), bool))).all()
+
+
+def test_dot_product_local_window_matches_our_window():
+  # jax.nn.dot_product_attention's local_window_size=(W-1, 0) is our W-key window (REFERENCE §7).
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 12, 2, 8)), jnp.float32) for _ in range(3))
+  for window in (1, 3, 5):
+    ours = model_lib.attend(q, k, v, window, AttentionKernel.XLA)
+    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
+                                          local_window_size=(window - 1, 0))
+    np.testing.assert_allclose(ours, theirs, atol=1e-6)
+  off_by_one = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0))
+  assert np.abs(np.asarray(model_lib.attend(q, k, v, 3, AttentionKernel.XLA) - off_by_one)).max() > 1e-3
+
+
+def _kernels_on_this_backend():
+  kernels = [AttentionKernel.DOT_PRODUCT, AttentionKernel.SPLASH]  # splash: interpret mode off TPU
+  if jax.default_backend() == "gpu":
+    kernels.append(AttentionKernel.CUDNN)  # cuDNN only exists on GPUs
+  return kernels
+
+
+@pytest.mark.parametrize("kernel", _kernels_on_this_backend())
+@pytest.mark.parametrize("window", [None, 1, 16, 37])
+def test_attention_kernels_equal_xla(kernel, window):
+  rng = np.random.default_rng(0)
+  dtype = jnp.bfloat16 if kernel == AttentionKernel.CUDNN else jnp.float32
+  q = jnp.asarray(rng.standard_normal((2, 128, 8, 16)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((2, 128, 2, 16)), dtype) for _ in range(2))
+  ref = model_lib.attend(q, k, v, window, AttentionKernel.XLA)
+  out = model_lib.attend(q, k, v, window, kernel)
+  tol = 2e-2 if dtype == jnp.bfloat16 else 2e-6
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol)
+
+
+@pytest.mark.parametrize("kernel", _kernels_on_this_backend())
+def test_model_with_each_kernel_equals_xla(kernel, micro_params):
+  tokens = _tokens(MICRO, 2, 128)
+  ref = model_lib.from_params(MICRO, micro_params)(tokens)
+  out = model_lib.from_params(MICRO.replace(attention=kernel), micro_params)(tokens)
+  np.testing.assert_allclose(out, ref, atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_layers", [4, 6, 9])
+def test_scanned_and_unrolled_layers_agree(n_layers):
+  cfg = MICRO.replace(n_layers=n_layers)
+  params = random_params(cfg, seed=2)
+  tokens = _tokens(cfg, 2, 40)
+  scanned, h_scanned = model_lib.from_params(cfg, params)(tokens, return_hidden=True)
+  unrolled, h_unrolled = model_lib.from_params(cfg.replace(scan_layers=False), params)(
+      tokens, return_hidden=True)
+  assert h_scanned.shape == (n_layers, 2, 40, cfg.d_model)
+  np.testing.assert_allclose(scanned, unrolled, atol=2e-5, rtol=1e-5)
+  np.testing.assert_allclose(h_scanned, h_unrolled, atol=2e-5, rtol=1e-5)
+
+
+def test_init_is_truncated_normal_and_float32():
+  cfg = MICRO.replace(d_model=256, n_heads=4, n_kv_heads=4, mlp_hidden=512, n_layers=2)
+  with sharding.use_mesh(sharding.make_mesh(devices=jax.devices()[:1])):
+    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
+  for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+    assert leaf.dtype == jnp.float32
+  w = np.asarray(model.layers.mlp.gate_proj.kernel[...])
+  assert np.abs(w).max() <= 0.06 + 1e-7  # cut at ±3σ
+  assert np.abs(w).max() > 0.055
+  # std of N(0, 0.02²) truncated at ±3σ is 0.02 · 0.9866 (torch.nn.init.trunc_normal_'s law).
+  assert w.std() == pytest.approx(0.02 * 0.9866, rel=0.01)
+  assert (np.asarray(model.layers.post_attention_layernorm.weight[...]) == 1).all()
+  # Layers are initialised independently.
+  assert not np.allclose(w[0], w[1])
+
+
+def test_every_parameter_has_logical_axis_names():
+  specs = nnx.get_partition_spec(nnx.state(model_lib.abstract_model(MICRO), nnx.Param))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(model_lib.param_shapes(MICRO))[0]:
+    names = specs
+    for key in path:
+      names = names[key.key]
+    names = names.get_metadata()["out_sharding"]
+    assert len(names) == len(leaf.shape) and all(isinstance(n, str) for n in names), path
+    if path[0].key == "layers":
+      assert names[0] == "layers"
+
+
+def test_bfloat16_compute_keeps_float32_params(micro_params):
+  model = model_lib.from_params(MICRO.replace(compute_dtype="bfloat16"), micro_params)
+  logits = model(_tokens(MICRO, 1, 20))
+  assert logits.dtype == jnp.bfloat16
+  assert model.lm_head.kernel[...].dtype == jnp.float32
+
+
+def test_remat_points_are_named(micro_params):
+  model = model_lib.from_params(MICRO, micro_params)
+  graphdef, state = nnx.split(model)
+  jaxpr = str(jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state, _tokens(MICRO, 1, 8)))
+  for name in ("query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0",
+               "mlpwi_1", "mlpwo", "decoder_layer_input"):
+    assert f"name={name}" in jaxpr, name
+
+
+def test_out_of_vocabulary_ids_are_rejected(micro_params):
+  model = model_lib.from_params(MICRO, micro_params)
+  tokens = np.zeros((2, 10), np.int32)
+  tokens[1, 7] = MICRO.vocab_size  # a padding row: valid index, invalid token
+  with pytest.raises(ValueError, match=r"token id 500 at index \(1, 7\) is outside the vocabulary"):
+    model(tokens)
+  with pytest.raises(ValueError, match="token id -1"):
+    model(np.full((1, 3), -1))
+  # Under jit the ids are abstract: a bad id must poison the output, never read a padding row.
+  logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens))
+  assert np.isnan(np.asarray(logits[1, 7])).all() and np.isfinite(np.asarray(logits[0])).all()
+
+
+def test_sharded_on_8_devices_equals_one_device(micro_params):
+  tokens = _tokens(MICRO, 8, 32)
+  ref = model_lib.from_params(MICRO, micro_params)(tokens)
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  with sharding.use_mesh(mesh):
+    model = model_lib.Transformer(MICRO, rngs=nnx.Rngs(0))
+    nnx.update(model, nnx.State(micro_params))
+    state = nnx.state(model, nnx.Param)
+    specs = nnx.get_partition_spec(state)
+    shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
+    nnx.update(model, jax.device_put(state, shardings))
+    assert model.layers.mlp.gate_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    out = nnx.jit(lambda m, t: m(t))(model, tokens)
+  np.testing.assert_allclose(out, ref, atol=5e-5, rtol=1e-5)

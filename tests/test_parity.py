@@ -1,0 +1,114 @@
+"""Logit and per-layer parity with transformers' Olmo3ForCausalLM on CPU (float32: rounding error
+only), and proof that the check catches the bugs it exists for."""
+
+import jax.numpy as jnp
+import pytest
+import torch
+
+from olmo3 import config
+from olmo3 import model as model_lib
+from olmo3.convert import hf, parity
+from olmo3.convert.__main__ import main as convert_main
+
+from conftest import write_random_hf_dir
+from hf_reference import save_transformers_model
+
+MICRO = config.olmo3_micro()
+SHAPES = {
+    # 4 layers of plain MHA; 4.5 windows of tokens.
+    "mha_4_layers": MICRO.replace(n_layers=4, n_heads=4, n_kv_heads=4),
+    # 6 layers (not a multiple of 4: a tail of 2 layers after one scanned group), GQA 8 / 2.
+    "gqa_6_layers": MICRO,
+    # 5 layers, multi-query attention, window 8, 128-row vocabulary padding.
+    "mqa_5_layers": MICRO.replace(n_layers=5, n_heads=4, n_kv_heads=1, sliding_window=8,
+                                  vocab_size=390, padded_vocab_size=512),
+    # Unrolled layers, wider heads (head_dim 32).
+    "unscanned": MICRO.replace(n_layers=7, n_heads=2, n_kv_heads=2, scan_layers=False),
+}
+
+
+def _check(tmp_path, cfg, seq_len=None, dtype="float32", seed=0):
+  path = tmp_path / "hf"
+  if not path.exists():
+    write_random_hf_dir(path, cfg, seed=seed)
+  imported, params, _ = hf.read_hf_dir(path)
+  imported = imported.replace(scan_layers=cfg.scan_layers, attention=cfg.attention)
+  return parity.check(imported, params, path, dtype=dtype, batch=2, seq_len=seq_len)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_float32_parity(tmp_path, name):
+  cfg = SHAPES[name]
+  report = _check(tmp_path, cfg)
+  assert report.seq_len > 3 * cfg.sliding_window  # crosses the window several times
+  assert report.ref_logit_std > 2.0  # logits spread over several nats: predictions are decisive
+  assert report.max_kl <= 1e-6, report.format()
+  assert report.top1_agreement == 1.0, report.format()
+  assert len(report.layer_rel_diff) == cfg.n_layers
+  assert max(report.layer_rel_diff) < 1e-4, report.format()
+
+
+def test_parity_of_a_model_transformers_built_and_saved(tmp_path):
+  save_transformers_model(tmp_path / "hf", MICRO, dtype=torch.float32, std=0.3)
+  cfg, params, _ = hf.read_hf_dir(tmp_path / "hf")
+  report = parity.check(cfg, params, tmp_path / "hf", batch=1, seq_len=70)
+  assert report.ref_logit_std > 2.0
+  assert report.max_kl <= 1e-6 and report.top1_agreement == 1.0, report.format()
+
+
+def test_bfloat16_parity_is_measured(tmp_path, capsys):
+  report = _check(tmp_path, MICRO, dtype="bfloat16")
+  with capsys.disabled():
+    print(f"\n[bfloat16 compute vs float32 reference] {report.format()}")
+  # bf16 keeps 8 bits of mantissa; the KL is small but far from float32's rounding error.
+  assert 1e-7 < report.max_kl < 5e-2, report.format()
+  assert report.top1_agreement > 0.9
+
+
+def test_cli_exits_nonzero_past_the_threshold(tmp_path, capsys):
+  write_random_hf_dir(tmp_path / "hf", MICRO)
+  assert convert_main(["import-hf", "--hf_dir", str(tmp_path / "hf"),
+                       "--out", str(tmp_path / "ckpt")]) == 0
+  args = ["parity", "--hf_dir", str(tmp_path / "hf"), "--ckpt", str(tmp_path / "ckpt")]
+  assert convert_main(args + ["--json"]) == 0
+  out = capsys.readouterr().out
+  assert "PASS" in out and "top-1 agreement" in out and "max |Δlogit|" in out
+  assert convert_main(args + ["--max_kl", "1e-30", "--seq_len", "40"]) == 1
+  assert "FAIL" in capsys.readouterr().out
+
+
+# --- the check must catch the bugs it exists for ---------------------------------------------
+
+
+def _window_off_by_one(seq_len, window):
+  q = jnp.arange(seq_len)[:, None]
+  s = jnp.arange(seq_len)[None, :]
+  mask = s <= q
+  return mask & (s > q - window - 1) if window is not None else mask
+
+
+def _rope_interleaved(x_BTNK, cos_TK, sin_TK):
+  """GPT-J convention (pairs 2i, 2i+1) instead of NeoX rotate-half (pairs i, i + K/2)."""
+  x = x_BTNK.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  cos, sin = cos_TK[None, :, None, :half], sin_TK[None, :, None, :half]
+  even, odd = x[..., 0::2], x[..., 1::2]
+  out = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+  return out.reshape(x.shape).astype(x_BTNK.dtype)
+
+
+def _norm_before_sublayer(self, x, rope, window):
+  h = x + self.self_attn(self.post_attention_layernorm(x), rope, window)
+  return h + self.mlp(self.post_feedforward_layernorm(h))
+
+
+@pytest.mark.parametrize("target, attr, bug", [
+    (model_lib, "attention_mask", _window_off_by_one),
+    (model_lib, "apply_rope", _rope_interleaved),
+    (model_lib.Block, "__call__", _norm_before_sublayer),
+], ids=["window_off_by_one", "rope_interleaved", "norm_before_sublayer"])
+def test_parity_catches_bugs(tmp_path, monkeypatch, target, attr, bug):
+  monkeypatch.setattr(target, attr, bug)
+  report = _check(tmp_path, MICRO)
+  assert report.max_kl > 1e-3, report.format()
+  assert report.top1_agreement < 1.0, report.format()
