@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 
 from olmo3 import model as model_lib
 from olmo3.convert import hf, parity
@@ -23,8 +25,15 @@ def _restore_host(ckpt: str):
 
 
 def import_hf(args: argparse.Namespace) -> int:
-  cfg, params, dtype = hf.read_hf_dir(args.hf_dir)
-  checkpoint.save_model(args.out, cfg, params, meta={"source": str(args.hf_dir), "hf_dtype": dtype})
+  if os.path.exists(args.out):
+    raise checkpoint.CheckpointError(f"{args.out} already exists; refusing to overwrite")
+  # Stage the float32 arrays on disk beside the output: the 7B is 29 GB, more than many RAMs.
+  parent = os.path.dirname(os.path.abspath(args.out))
+  os.makedirs(parent, exist_ok=True)
+  with tempfile.TemporaryDirectory(prefix=".import-", dir=parent) as staging:
+    cfg, params, dtype = hf.read_hf_dir(args.hf_dir, alloc=hf.memmap_allocator(staging))
+    checkpoint.save_model(args.out, cfg, params,
+                          meta={"source": str(args.hf_dir), "hf_dtype": dtype})
   print(f"imported {args.hf_dir} ({dtype}, {cfg.param_count:,} parameters with the vocabulary "
         f"padded to {cfg.padded_vocab_size}) -> {args.out}")
   return 0

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_dtypes
@@ -198,10 +198,6 @@ class SafetensorsDir:
       return f.get_tensor(name)
 
 
-def _pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
-  return np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)], axis=0)
-
-
 def _set(tree: Params, path: tuple[str, ...], value: np.ndarray) -> None:
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
@@ -214,8 +210,20 @@ def _get(tree: Params, path: tuple[str, ...]) -> np.ndarray:
   return np.asarray(tree)
 
 
-def params_from_hf(cfg: ModelConfig, tensors: SafetensorsDir) -> Params:
-  """Our float32 parameter tree from HF tensors; checks every name and shape first."""
+Allocator = Callable[[tuple[int, ...]], np.ndarray]
+
+
+def in_memory(shape: tuple[int, ...]) -> np.ndarray:
+  return np.empty(shape, np.float32)
+
+
+def params_from_hf(cfg: ModelConfig, tensors: SafetensorsDir, alloc: Allocator = in_memory
+                   ) -> Params:
+  """Our float32 parameter tree from HF tensors; checks every name and shape first.
+
+  `alloc(shape)` makes each destination array: pass a memory-mapped allocator to import a model
+  larger than RAM (the 7B is 29 GB in float32); tensors are read one at a time.
+  """
   expected = _expected_hf_shapes(cfg)
   present = tensors.names()
   missing = sorted(set(expected) - present)
@@ -232,17 +240,26 @@ def params_from_hf(cfg: ModelConfig, tensors: SafetensorsDir) -> Params:
     if tuple(x.shape) != expected[name]:
       raise ConversionError(f"{tensors.path}: tensor {name!r} has shape {tuple(x.shape)}, "
                             f"expected {expected[name]} from config.json")
-    return x.astype(np.float32)
+    return x
 
+  v, vp, d = cfg.vocab_size, cfg.padded_vocab_size, cfg.d_model
   params: Params = {}
-  _set(params, ("embed_tokens", "embedding"),
-       _pad_rows(load("model.embed_tokens.weight"), cfg.padded_vocab_size))
-  _set(params, ("lm_head", "kernel"),
-       _pad_rows(load("lm_head.weight"), cfg.padded_vocab_size).T.copy())
-  _set(params, ("norm", "weight"), load("model.norm.weight"))
+  embedding = alloc((vp, d))
+  embedding[:v], embedding[v:] = load("model.embed_tokens.weight"), 0  # padding rows: zeros
+  _set(params, ("embed_tokens", "embedding"), embedding)
+  head = alloc((d, vp))
+  head[:, :v], head[:, v:] = load("lm_head.weight").T, 0
+  _set(params, ("lm_head", "kernel"), head)
+  norm = alloc((d,))
+  norm[:] = load("model.norm.weight")
+  _set(params, ("norm", "weight"), norm)
   for path, hf_name, linear in _LAYER_TENSORS:
-    layers = [load(f"model.layers.{i}.{hf_name}") for i in range(cfg.n_layers)]
-    _set(params, ("layers", *path), np.stack([x.T if linear else x for x in layers]))
+    shape = expected[f"model.layers.0.{hf_name}"]
+    stacked = alloc((cfg.n_layers, *(shape[::-1] if linear else shape)))
+    for i in range(cfg.n_layers):
+      x = load(f"model.layers.{i}.{hf_name}")
+      stacked[i] = x.T if linear else x
+    _set(params, ("layers", *path), stacked)
   return params
 
 
@@ -318,7 +335,8 @@ def read_hf_config(path: str | os.PathLike) -> ModelConfig:
   return model_config_from_hf(hf, where=os.fspath(config_file))
 
 
-def read_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, Params, str]:
+def read_hf_dir(path: str | os.PathLike, alloc: Allocator = in_memory
+                ) -> tuple[ModelConfig, Params, str]:
   """(config, float32 params, the checkpoint's stored dtype) of an HF OLMo 3 directory."""
   cfg = read_hf_config(path)
   tensors = SafetensorsDir(path)
@@ -326,4 +344,15 @@ def read_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, Params, str]:
   dtype = next((k for k, v in DTYPES.items() if v == stored), None)
   if dtype is None:
     raise ConversionError(f"{path}: tensors stored as {stored}; expected one of {list(DTYPES)}")
-  return cfg, params_from_hf(cfg, tensors), dtype
+  return cfg, params_from_hf(cfg, tensors, alloc), dtype
+
+
+def memmap_allocator(directory: str | os.PathLike) -> Allocator:
+  """Allocates float32 arrays as files under `directory` (for models larger than RAM)."""
+  count = iter(range(1 << 30))
+
+  def alloc(shape: tuple[int, ...]) -> np.ndarray:
+    file = os.path.join(os.fspath(directory), f"{next(count):04d}.npy")
+    return np.lib.format.open_memmap(file, mode="w+", dtype=np.float32, shape=shape)
+
+  return alloc
