@@ -161,6 +161,62 @@ class ModelConfig:
     return dataclasses.replace(self, **changes)
 
 
+@dataclasses.dataclass(frozen=True)
+class RepetitionFilter:
+  """Mask the labels of an instance holding a run of >= max_count repetitions of any period in
+  [min_period, max_period] (OLMo-core's instance filter, REFERENCE.md §4)."""
+
+  max_period: int = 13
+  min_period: int = 1
+  max_count: int = 32
+
+  def __post_init__(self) -> None:
+    c = type(self).__name__
+    _require(self.min_period >= 1, c, "min_period", self.min_period, "must be >= 1")
+    _require(self.max_period >= self.min_period, c, "max_period", self.max_period,
+             f"must be >= min_period ({self.min_period})")
+    _require(self.max_count >= 3, c, "max_count", self.max_count,
+             "must be >= 3 (shorter runs cannot be detected)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where training tokens come from and in which order (OLMo-core's semantics, REFERENCE §4).
+
+  Token files are given directly (`paths`) or by a mix file (`mix`: lines `label,path` with
+  `{TOKENIZER}` in the path, as OLMo-core's mixes; a file path or the name of a mix that the
+  installed ai2-olmo-core ships), resolved against `root` (a directory or an etils.epath URL
+  such as gs://bucket/).
+  """
+
+  paths: tuple[str, ...] = ()
+  mix: str | None = None
+  root: str = ""
+  tokenizer_id: str = "allenai/dolma3-tokenizer"  # substituted for {TOKENIZER} in mix paths
+  seq_len: int = 8192
+  global_batch_size: int = 512  # instances per step
+  seed: int = 34521
+  repetition_filter: RepetitionFilter | None = None  # off in the OLMo 3 7B recipe
+  validate_tokens: bool = True  # scan every token file at startup for ids >= vocab
+  num_workers: int = 0  # Grain worker processes reading steps ahead (0: in the main process)
+  prefetch: int = 2  # steps buffered per worker
+
+  def __post_init__(self) -> None:
+    c = type(self).__name__
+    object.__setattr__(self, "paths", tuple(self.paths))
+    _require(bool(self.paths) != bool(self.mix), c, "paths", self.paths,
+             "give token files in exactly one of `paths` and `mix`")
+    _require(self.seq_len >= 2, c, "seq_len", self.seq_len, "must be >= 2 (inputs and labels)")
+    _require(self.global_batch_size >= 1, c, "global_batch_size", self.global_batch_size,
+             "must be >= 1")
+    _require(self.seed >= 0, c, "seed", self.seed, "must be >= 0")
+    _require(self.num_workers >= 0, c, "num_workers", self.num_workers, "must be >= 0")
+    _require(self.prefetch >= 1, c, "prefetch", self.prefetch, "must be >= 1")
+
+  def replace(self, **changes: Any) -> DataConfig:
+    return dataclasses.replace(self, **changes)
+
+
 # --- presets -----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,1 @@
+"""Token files, global order, repetition filter, Grain pipeline, held-out sets, prepare and audit."""

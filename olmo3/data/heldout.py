@@ -1,0 +1,55 @@
+"""Held-out LM sets, as OLMo's perplexity sets: one document per instance, truncated to seq_len,
+right-padded with PAD, padding masked. Documents end with EOS in the token files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from olmo3.data.pipeline import IGNORE
+from olmo3.data.tokens import TOKEN_DTYPE, DataError
+
+
+class HeldoutDocs:
+  """Random access to held-out documents as fixed-length, padded instances."""
+
+  def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int, eos_id: int, pad_id: int,
+               max_documents: int | None = None):
+    self.seq_len, self.pad_id = seq_len, pad_id
+    self._tokens = []
+    self._docs: list[tuple[int, int, int]] = []  # (file, start, end)
+    for f, path in enumerate(paths):
+      tokens = np.memmap(os.fspath(path), dtype=TOKEN_DTYPE, mode="r")
+      ends = np.flatnonzero(tokens == eos_id) + 1
+      starts = np.concatenate([[0], ends[:-1]])
+      self._docs.extend((f, int(s), int(e)) for s, e in zip(starts, ends))
+      self._tokens.append(tokens)
+    if max_documents is not None:
+      self._docs = self._docs[:max_documents]
+    if not self._docs:
+      raise DataError(f"held-out files {list(map(os.fspath, paths))} hold no EOS-terminated "
+                      "document")
+
+  def __len__(self) -> int:
+    return len(self._docs)
+
+  def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids [T], labels [T]) of document `index`."""
+    f, start, end = self._docs[index]
+    doc = np.asarray(self._tokens[f][start:min(end, start + self.seq_len)], np.int32)
+    ids = np.full(self.seq_len, self.pad_id, np.int32)
+    ids[:len(doc)] = doc
+    labels = np.full(self.seq_len, IGNORE, np.int32)
+    labels[:len(doc) - 1] = doc[1:]
+    return ids, labels
+
+  def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+    """All documents in order; the last batch is filled with fully masked rows."""
+    for first in range(0, len(self), batch_size):
+      ids = np.full((batch_size, self.seq_len), self.pad_id, np.int32)
+      labels = np.full((batch_size, self.seq_len), IGNORE, np.int32)
+      for row, index in enumerate(range(first, min(first + batch_size, len(self)))):
+        ids[row], labels[row] = self[index]
+      yield {"input_ids": ids, "labels": labels}

@@ -1,0 +1,144 @@
+"""OLMo-format token files: raw little-endian uint32, no header (despite OLMo's `.npy` names).
+
+`TokenFiles` cuts each file into `tokens // seq_len` instances (the tail is dropped; instances
+never span files) and numbers them across files in mix order, as OLMo-core's fixed-length
+numpy dataset does. Local files are memory-mapped; other etils.epath URLs are read by range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import os
+from collections.abc import Sequence
+
+import numpy as np
+from etils import epath
+
+TOKEN_DTYPE = np.dtype("<u4")
+_SCAN_TOKENS = 1 << 24  # tokens per chunk when validating a file
+
+
+class DataError(ValueError):
+  """Bad data input. The message names the file or field."""
+
+
+def _is_local(path: epath.Path) -> bool:
+  return "://" not in os.fspath(path)
+
+
+def read_mix(mix: str, root: str, tokenizer_id: str) -> list[epath.Path]:
+  """The token files a mix lists, in order. `mix` is a mix file (`label,path` lines, `#`
+  comments, `{TOKENIZER}` in paths) or the name of a mix shipped by ai2-olmo-core."""
+  mix_path = epath.Path(mix)
+  if not mix_path.exists():
+    try:
+      packaged = importlib.resources.files("olmo_core").joinpath(f"data/mixes/{mix}.txt")
+    except ModuleNotFoundError:
+      packaged = None
+    if packaged is None or not packaged.is_file():
+      raise DataError(f"DataConfig.mix={mix!r}: no such mix file, and no mix of that name in "
+                      "ai2-olmo-core (pip install ai2-olmo-core to use AI2's named mixes)")
+    mix_path = epath.Path(os.fspath(packaged))
+  base = epath.Path(root) if root else mix_path.parent
+  paths = []
+  for number, line in enumerate(mix_path.read_text().splitlines(), start=1):
+    line = line.strip()
+    if not line or line.startswith("#"):
+      continue
+    if line.count(",") != 1:
+      raise DataError(f"{mix_path}:{number}: expected 'label,path', got {line!r}")
+    _, rel = line.split(",")
+    paths.append(base / rel.replace("{TOKENIZER}", tokenizer_id))
+  if not paths:
+    raise DataError(f"{mix_path}: the mix lists no token files")
+  return paths
+
+
+class TokenFiles:
+  """Fixed-length instances over token files. Random access; picklable (handles reopen)."""
+
+  def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int,
+               vocab_size: int | None = None, validate_tokens: bool = False):
+    if not paths:
+      raise DataError("no token files given")
+    self.paths = [epath.Path(p) for p in paths]
+    self.seq_len = seq_len
+    self.vocab_size = vocab_size
+    tokens = []
+    for path in self.paths:
+      if not path.exists():
+        raise DataError(f"token file {path} does not exist")
+      size = path.stat().length
+      if size == 0:
+        raise DataError(f"token file {path} is empty")
+      if size % TOKEN_DTYPE.itemsize:
+        raise DataError(f"token file {path} has {size} bytes, not a multiple of 4: not a raw "
+                        "uint32 token file")
+      tokens.append(size // TOKEN_DTYPE.itemsize)
+    self.file_tokens = np.asarray(tokens, np.int64)
+    self.file_instances = self.file_tokens // seq_len
+    self.offsets = np.concatenate([[0], np.cumsum(self.file_instances)])
+    if self.offsets[-1] == 0:
+      raise DataError(f"no file holds a whole instance of {seq_len} tokens "
+                      f"(largest: {self.file_tokens.max()} tokens)")
+    self._maps: dict[int, np.ndarray] = {}
+    if validate_tokens:
+      if vocab_size is None:
+        raise ValueError("validate_tokens needs the model's vocab_size")
+      for i in range(len(self.paths)):
+        self._check_file(i)
+
+  def __len__(self) -> int:
+    return int(self.offsets[-1])
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state["_maps"] = {}  # memory maps are reopened in the process that unpickles
+    return state
+
+  def _read(self, file: int, start: int, count: int) -> np.ndarray:
+    path = self.paths[file]
+    if _is_local(path):
+      if file not in self._maps:
+        self._maps[file] = np.memmap(os.fspath(path), dtype=TOKEN_DTYPE, mode="r")
+      return np.asarray(self._maps[file][start:start + count])
+    with path.open("rb") as f:
+      f.seek(start * TOKEN_DTYPE.itemsize)
+      return np.frombuffer(f.read(count * TOKEN_DTYPE.itemsize), TOKEN_DTYPE)
+
+  def _check_file(self, file: int) -> None:
+    for start in range(0, int(self.file_tokens[file]), _SCAN_TOKENS):
+      chunk = self._read(file, start, _SCAN_TOKENS)
+      if chunk.max(initial=0) >= self.vocab_size:
+        at = start + int(np.argmax(chunk >= self.vocab_size))
+        raise DataError(f"token file {self.paths[file]}: token {int(chunk[at - start])} at "
+                        f"position {at} is >= the model's vocab_size {self.vocab_size}")
+
+  def locate(self, index: int) -> tuple[int, int]:
+    """(file number, first token) of instance `index`."""
+    if not 0 <= index < len(self):
+      raise IndexError(f"instance {index} out of range [0, {len(self)})")
+    file = int(np.searchsorted(self.offsets, index, side="right") - 1)
+    return file, int(index - self.offsets[file]) * self.seq_len
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    """Instance `index` as int32 token ids [seq_len]."""
+    file, start = self.locate(int(index))
+    tokens = self._read(file, start, self.seq_len)
+    if self.vocab_size is not None and tokens.max() >= self.vocab_size:
+      raise DataError(f"token file {self.paths[file]}: instance {index} holds token "
+                      f"{int(tokens.max())} >= the model's vocab_size {self.vocab_size}")
+    return tokens.astype(np.int32)
+
+
+def write_token_file(path: str | os.PathLike, tokens: np.ndarray) -> None:
+  """Writes raw little-endian uint32 tokens atomically (temporary file, then rename)."""
+  path = os.fspath(path)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    np.ascontiguousarray(tokens, TOKEN_DTYPE).tofile(tmp)
+    os.replace(tmp, path)
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
