@@ -204,6 +204,8 @@ class DataConfig:
   def __post_init__(self) -> None:
     c = type(self).__name__
     object.__setattr__(self, "paths", tuple(self.paths))
+    if isinstance(self.repetition_filter, dict):  # from JSON
+      object.__setattr__(self, "repetition_filter", RepetitionFilter(**self.repetition_filter))
     _require(bool(self.paths) != bool(self.mix), c, "paths", self.paths,
              "give token files in exactly one of `paths` and `mix`")
     _require(self.seq_len >= 2, c, "seq_len", self.seq_len, "must be >= 2 (inputs and labels)")
@@ -215,6 +217,143 @@ class DataConfig:
 
   def replace(self, **changes: Any) -> DataConfig:
     return dataclasses.replace(self, **changes)
+
+
+class Schedule(enum.StrEnum):
+  COSINE = "cosine"  # linear warmup, then one cosine from peak to final_lr over the stage
+  LINEAR = "linear"  # linear warmup (possibly none), then linear from peak to final_lr
+  STITCHED_COSINE = "stitched_cosine"  # AI2's stage-1 schedule: two cosines (REFERENCE §3)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with decoupled weight decay (p -= lr·wd·p) and global-norm clipping (REFERENCE §3)."""
+
+  peak_lr: float = 3e-4
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  no_decay: tuple[str, ...] = ("embed_tokens",)  # top-level parameter groups without decay
+  clip_grad_norm: float = 1.0
+  schedule: Schedule = Schedule.COSINE
+  warmup_steps: int = 2000
+  final_lr: float = 3e-5  # where the schedule ends (cosine, linear)
+  # The schedule's length in steps. Independent of TrainConfig.steps, so limiting a run to N
+  # steps (--fdl_set=train.steps=N) runs the first N steps of the same schedule.
+  decay_steps: int = 1_413_814
+  # STITCHED_COSINE only: the first cosine's length, the step where the second takes over, and
+  # the length the second cosine was aimed at (REFERENCE §3).
+  stitch_first_steps: int = 1_192_093
+  stitch_at: int = 597_046
+  stitch_second_steps: int = 1_668_931
+
+  def __post_init__(self) -> None:
+    _coerce_enum(self, "schedule", Schedule)
+    object.__setattr__(self, "no_decay", tuple(self.no_decay))
+    c = type(self).__name__
+    _require(self.peak_lr > 0, c, "peak_lr", self.peak_lr, "must be > 0")
+    _require(0 <= self.final_lr <= self.peak_lr, c, "final_lr", self.final_lr,
+             f"must be in [0, peak_lr={self.peak_lr}]")
+    for f in ("b1", "b2"):
+      _require(0 <= getattr(self, f) < 1, c, f, getattr(self, f), "must be in [0, 1)")
+    _require(self.eps > 0, c, "eps", self.eps, "must be > 0")
+    _require(self.weight_decay >= 0, c, "weight_decay", self.weight_decay, "must be >= 0")
+    _require(self.clip_grad_norm > 0, c, "clip_grad_norm", self.clip_grad_norm, "must be > 0")
+    _require(self.warmup_steps >= 0, c, "warmup_steps", self.warmup_steps, "must be >= 0")
+    _require(self.decay_steps > self.warmup_steps, c, "decay_steps",
+             self.decay_steps, f"must be > warmup_steps ({self.warmup_steps})")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes (one may be -1: fill the devices) and the logical-axis rules."""
+
+  shape: tuple[tuple[str, int], ...] = (("data", 1), ("fsdp", -1), ("tensor", 1))
+  rules: tuple[tuple[str, Any], ...] | None = None  # None: olmo3.sharding.FSDP_RULES
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "shape", tuple((str(a), int(n)) for a, n in dict(self.shape).items()))
+    sizes = [n for _, n in self.shape]
+    _require(all(n == -1 or n >= 1 for n in sizes), type(self).__name__, "shape", self.shape,
+             "sizes must be >= 1, or -1 for one axis")
+    _require(sizes.count(-1) <= 1, type(self).__name__, "shape", self.shape,
+             "at most one axis may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1_413_814
+  seed: int = 0  # parameter initialisation
+  z_loss_weight: float = 1e-5
+  log_every: int = 1
+  eval_every: int = 1000  # held-out evaluation every K steps (0: never); also at the end
+  eval_batches: int | None = None  # cap on held-out batches per evaluation (None: all)
+
+  def __post_init__(self) -> None:
+    c = type(self).__name__
+    _require(self.steps >= 1, c, "steps", self.steps, "must be >= 1")
+    _require(self.log_every >= 1, c, "log_every", self.log_every, "must be >= 1")
+    _require(self.eval_every >= 0, c, "eval_every", self.eval_every, "must be >= 0")
+    _require(self.z_loss_weight >= 0, c, "z_loss_weight", self.z_loss_weight, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """Orbax checkpoints in WORKDIR/checkpoints; resume from the latest automatically."""
+
+  every: int = 1000
+  keep: int = 3
+  async_save: bool = True
+  # Initialise from another run's checkpoint (a step directory, or a run's checkpoints
+  # directory: its latest step): parameters and optimizer moments; step, schedule and data
+  # position start fresh. Used when the workdir has no checkpoint of its own.
+  init_from: str | None = None
+
+  def __post_init__(self) -> None:
+    c = type(self).__name__
+    _require(self.every >= 1, c, "every", self.every, "must be >= 1")
+    _require(self.keep >= 1, c, "keep", self.keep, "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Held-out LM evaluation: one document per instance from held-out token files."""
+
+  # (set name, mix): a mix file or name, as DataConfig.mix (e.g. "embedded-heldout").
+  heldout: tuple[tuple[str, str], ...] = ()
+  batch_size: int = 8  # documents per evaluation batch (global)
+  max_documents: int | None = None
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "heldout", tuple((str(n), str(m)) for n, m in self.heldout))
+    _require(self.batch_size >= 1, type(self).__name__, "batch_size", self.batch_size,
+             "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """Everything a run is: what Fiddle builds and the launcher runs."""
+
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=lambda: DataConfig(mix="OLMo-mix-0625-official"))
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  xla_flags: tuple[str, ...] = ()  # appended to XLA_FLAGS before JAX starts
+  libtpu_flags: tuple[str, ...] = ()  # appended to LIBTPU_INIT_ARGS before JAX starts
+
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "xla_flags", tuple(self.xla_flags))
+    object.__setattr__(self, "libtpu_flags", tuple(self.libtpu_flags))
+    _require(self.data.seq_len <= self.model.max_seq_len, "Experiment", "data.seq_len",
+             self.data.seq_len, f"exceeds model.max_seq_len ({self.model.max_seq_len})")
+
+  @property
+  def tokens_per_step(self) -> int:
+    return self.data.global_batch_size * self.data.seq_len
 
 
 # --- presets -----------------------------------------------------------------------------------
@@ -231,13 +370,14 @@ def olmo3_32b() -> ModelConfig:
 
 
 def olmo3_tiny() -> ModelConfig:
-  """≈ 10.6M parameters: the CPU default, trained on the embedded corpus (8k BPE vocabulary).
+  """≈ 2.6M parameters: the CPU default, trained on the embedded corpus (8k BPE vocabulary).
 
-  The window (128) is a quarter of the sequence length the tiny experiments train on (512), so
-  sliding and global layers behave differently, as in the 7B (4096 of 8192).
+  Sized to train visibly on 2 CPU cores in minutes. The window (128) is half the sequence
+  length the tiny experiments train on (256), as in the 7B (4096 of 8192), so sliding and
+  global layers differ.
   """
-  return ModelConfig(vocab_size=8192, padded_vocab_size=8192, d_model=256, n_layers=8, n_heads=4,
-                     n_kv_heads=4, mlp_hidden=704, sliding_window=128, max_seq_len=512,
+  return ModelConfig(vocab_size=8192, padded_vocab_size=8192, d_model=128, n_layers=4, n_heads=4,
+                     n_kv_heads=4, mlp_hidden=352, sliding_window=128, max_seq_len=256,
                      eos_token_id=0, pad_token_id=1, compute_dtype=DType.FLOAT32)
 
 

@@ -99,3 +99,14 @@ def test_audit_catches_the_double_sharding_bug():
   report = audit.analyze(_fake_results(buggy, 4, 4), 4)
   assert not report["ok"]
   assert report["duplicates_within_epoch"] == 8 and report["never_read_in_complete_epochs"] == 8
+
+
+def test_audit_an_experiments_own_pipeline():
+  root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+  out = subprocess.run([sys.executable, "launch/audit.py",
+                        "--fdl_config=experiments.olmo3_tiny:stage1", "--processes", "2",
+                        "--devices_per_process", "1", "--steps", "4"],
+                       capture_output=True, text=True, timeout=300, cwd=root)
+  assert out.returncode == 0, out.stderr[-2000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  assert report["ok"] and report["instances_read"] == 4 * 16

@@ -2,6 +2,7 @@
 
   python -m olmo3.data.audit --paths FILE [FILE ...] --seq_len T --global_batch B --seed S \\
       --processes P [--devices_per_process D] --steps N [--start_step K] [--dump DIR]
+  python launch/audit.py --fdl_config=REF --processes P ... (an experiment's own pipeline)
 
 Launches P real OS processes joined by jax.distributed on CPU, each with D simulated devices and
 the trainer's own loader and global-array assembly; reads steps K..K+N-1; and reports instances
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,6 +33,11 @@ from olmo3.config import DataConfig
 
 
 def _data_config(args: argparse.Namespace) -> DataConfig:
+  if args._data:  # a worker: the parent's exact config
+    return DataConfig(**json.loads(args._data))
+  if not args.paths or not args.seq_len or not args.global_batch:
+    raise SystemExit("error: give --paths, --seq_len and --global_batch (or audit an "
+                     "experiment's own pipeline: python launch/audit.py --fdl_config=REF)")
   return DataConfig(paths=tuple(args.paths), seq_len=args.seq_len,
                     global_batch_size=args.global_batch, seed=args.seed, num_workers=args.workers,
                     validate_tokens=False)
@@ -51,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
   from olmo3 import sharding as sharding_lib
   from olmo3.data import pipeline
 
-  cfg = _data_config(args)
+  cfg = dataclasses.replace(_data_config(args), validate_tokens=False)
   mesh = sharding_lib.make_mesh({"data": -1})
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(("data", "fsdp"), None))
@@ -143,8 +150,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch(args: argparse.Namespace, timeout: float = 600) -> dict[str, Any]:
+def launch(args: argparse.Namespace, timeout: float = 600,
+           data: DataConfig | None = None) -> dict[str, Any]:
   """Runs the P worker processes and returns the merged report."""
+  data = data or _data_config(args)
   with tempfile.TemporaryDirectory() as out:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
@@ -152,7 +161,8 @@ def launch(args: argparse.Namespace, timeout: float = 600) -> dict[str, Any]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
     coordinator = f"localhost:{_free_port()}"
     base = [sys.executable, "-m", "olmo3.data.audit", "--_worker", "--_out", out,
-            "--_coordinator", coordinator] + _forwarded(args)
+            "--_coordinator", coordinator, "--_data", json.dumps(dataclasses.asdict(data))
+            ] + _forwarded(args)
     procs = [subprocess.Popen(base + ["--_process_id", str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(args.processes)]
@@ -170,14 +180,13 @@ def launch(args: argparse.Namespace, timeout: float = 600) -> dict[str, Any]:
     for i in range(args.processes):
       with open(os.path.join(out, f"process{i:03d}.json")) as f:
         results.append(json.load(f))
-  return analyze(results, args.global_batch)
+  return analyze(results, data.global_batch_size)
 
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
-  flags = ["--paths", *args.paths, "--seq_len", str(args.seq_len), "--global_batch",
-           str(args.global_batch), "--seed", str(args.seed), "--processes", str(args.processes),
-           "--devices_per_process", str(args.devices_per_process), "--steps", str(args.steps),
-           "--start_step", str(args.start_step), "--workers", str(args.workers)]
+  flags = ["--processes", str(args.processes), "--devices_per_process",
+           str(args.devices_per_process), "--steps", str(args.steps), "--start_step",
+           str(args.start_step)]
   return flags + (["--dump", args.dump] if args.dump else [])
 
 
@@ -193,9 +202,9 @@ def format_report(report: dict[str, Any]) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m olmo3.data.audit", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--paths", nargs="+", required=True, help="token files, in mix order")
-  parser.add_argument("--seq_len", type=int, required=True)
-  parser.add_argument("--global_batch", type=int, required=True, help="instances per step")
+  parser.add_argument("--paths", nargs="+", help="token files, in mix order")
+  parser.add_argument("--seq_len", type=int)
+  parser.add_argument("--global_batch", type=int, help="instances per step")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--processes", type=int, default=2)
   parser.add_argument("--devices_per_process", type=int, default=2)
@@ -207,20 +216,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--_process_id", type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument("--_coordinator", default="", help=argparse.SUPPRESS)
   parser.add_argument("--_out", default="", help=argparse.SUPPRESS)
+  parser.add_argument("--_data", default="", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   args.process_id, args.coordinator, args.out = args._process_id, args._coordinator, args._out
   return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, data: DataConfig | None = None) -> int:
+  """The CLI; `data` audits a given config (launch/audit.py passes an experiment's)."""
   args = parse(argv)
   if args._worker:
     worker(args)
     return 0
-  _data_config(args)  # bad flags fail here, before any process starts
+  data = data or _data_config(args)  # bad flags fail here, before any process starts
   if args.dump:
     os.makedirs(args.dump, exist_ok=True)
-  report = launch(args)
+  report = launch(args, data=data)
   print(format_report(report))
   print(json.dumps(report))
   return 0 if report["ok"] else 1

@@ -27,9 +27,18 @@ def _is_local(path: epath.Path) -> bool:
   return "://" not in os.fspath(path)
 
 
-def read_mix(mix: str, root: str, tokenizer_id: str) -> list[epath.Path]:
-  """The token files a mix lists, in order. `mix` is a mix file (`label,path` lines, `#`
-  comments, `{TOKENIZER}` in paths) or the name of a mix shipped by ai2-olmo-core."""
+EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout"}  # the built-in corpus's splits
+
+
+def read_mix(mix: str, root: str = "", tokenizer_id: str = "") -> list[epath.Path]:
+  """The token files a mix lists, in order. `mix` is `embedded` / `embedded-heldout` (the
+  built-in corpus, prepared on first use), a mix file (`label,path` lines, `#` comments,
+  `{TOKENIZER}` in paths) or the name of a mix shipped by ai2-olmo-core."""
+  if mix in EMBEDDED:
+    from olmo3.data import embedded, prepare
+
+    directory = embedded.corpus_dir()
+    return [epath.Path(p) for p in prepare.Manifest.load(directory).files(directory, EMBEDDED[mix])]
   mix_path = epath.Path(mix)
   if not mix_path.exists():
     try:

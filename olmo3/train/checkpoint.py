@@ -84,3 +84,66 @@ def host_target(params_shapes: Any) -> Any:
   sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.dtype(x.dtype), sharding=sharding),
                       params_shapes)
+
+
+OPT_STATE = "opt_state"
+
+
+def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
+  """A checkpoint step directory from a step directory, a run's checkpoints directory or a run
+  workdir (their latest step)."""
+  path = epath.Path(path).absolute()
+  if (path / PARAMS).exists():
+    return path
+  directory = path / "checkpoints" if (path / "checkpoints").exists() else path
+  steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit()) if (
+      directory.exists()) else []
+  if not steps:
+    raise CheckpointError(f"{path}: no checkpoint (expected a step directory holding "
+                          f"'{PARAMS}', or a directory of numbered steps)")
+  return directory / str(steps[-1])
+
+
+class RunCheckpoints:
+  """A run's checkpoints: WORKDIR/checkpoints/<step>/{params, opt_state, meta}.
+
+  Orbax commits a step by renaming its temporary directory, so only complete steps are ever
+  listed; async saves overlap training and are awaited before the next save and at exit.
+  """
+
+  def __init__(self, directory: str | os.PathLike, keep: int, async_save: bool):
+    self.directory = epath.Path(directory).absolute()
+    self.manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                             enable_async_checkpointing=async_save))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
+    self.manager.save(step, args=ocp.args.Composite(**{
+        PARAMS: ocp.args.StandardSave(params),
+        OPT_STATE: ocp.args.StandardSave(opt_state),
+        META: ocp.args.JsonSave(meta),
+    }), force=True)
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def restore_train_state(step_dir: str | os.PathLike, params_target: Any, opt_target: Any
+                        ) -> tuple[Any, Any, dict[str, Any]]:
+  """(params, opt_state, meta) of a training checkpoint, onto the targets' shardings."""
+  step_dir = epath.Path(step_dir).absolute()
+  params = restore_params(step_dir, params_target)
+  if not (step_dir / OPT_STATE).exists():
+    raise CheckpointError(f"{step_dir}: no '{OPT_STATE}' item (a converted model checkpoint "
+                          "holds parameters only)")
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**{
+      OPT_STATE: ocp.args.StandardRestore(opt_target), META: ocp.args.JsonRestore()}))
+  return params, restored[OPT_STATE], restored[META]

@@ -1,0 +1,76 @@
+"""OLMo 3 7B, as AI2 trained it: stage 1 pretraining and stage 2 midtraining anneal.
+
+Numbers from AI2's OLMo 3 release and OLMo-core's OLMo 3 7B scripts (REFERENCE.md §1, §3).
+
+  python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --dry_run
+  python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --workdir=gs://bucket/olmo3-7b-s1
+  python launch/main.py --fdl_config=experiments.olmo3_7b:stage2 \\
+      --fdl_set=checkpoint.init_from='"gs://bucket/olmo3-7b-s1"'
+  python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --fiddler=stitched_schedule
+
+Data: `data.root` must point at a copy of AI2's preprocessed token files (the mix lists paths
+relative to it); the mix lists ship with `ai2-olmo-core`.
+"""
+
+from __future__ import annotations
+
+import fiddle as fdl
+
+from experiments.common import as_config
+from olmo3.config import (CheckpointConfig, DataConfig, DType, Experiment, MeshConfig,
+                          OptimizerConfig, Schedule, TrainConfig, olmo3_7b)
+
+STAGE1_STEPS = 1_413_814  # one epoch of the Dolma 3 mix at 512 x 8192 tokens (≈ 5.93T tokens)
+STAGE2_STEPS = 47_684  # ≈ 100B tokens at 256 x 8192
+
+
+def stage1() -> fdl.Config[Experiment]:
+  """Stage 1 pretraining: Dolma 3 mix (OLMo-mix-0625-official, 1016 token files), seed 34521,
+  512 instances x 8192 tokens per step, AdamW (0.9, 0.95, eps 1e-8, wd 0.1, none on the input
+  embedding), clip 1.0, z-loss 1e-5, peak LR 3e-4 with 2000 warmup steps and one cosine to 3e-5
+  over the stage (the TPU reproduction's simplification of AI2's stitched schedule, which it
+  matched; `stitched_schedule` restores AI2's). bfloat16 compute, float32 parameters and
+  optimizer state; pure FSDP."""
+  return as_config(Experiment(
+      model=olmo3_7b().replace(compute_dtype=DType.BFLOAT16),
+      data=DataConfig(mix="OLMo-mix-0625-official", root="", seq_len=8192,
+                      global_batch_size=512, seed=34521, validate_tokens=False, num_workers=2),
+      mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("tensor", 1))),
+      optimizer=OptimizerConfig(peak_lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                                no_decay=("embed_tokens",), clip_grad_norm=1.0,
+                                schedule=Schedule.COSINE, warmup_steps=2000, final_lr=3e-5,
+                                decay_steps=STAGE1_STEPS),
+      train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=10,
+                        eval_every=1000),
+      checkpoint=CheckpointConfig(every=1000, keep=3, async_save=True, init_from=None),
+  ))
+
+
+def stage2() -> fdl.Config[Experiment]:
+  """Stage 2 midtraining anneal: stage 1 with the Dolmino mix (OLMo-midtraining-mix-0625-100B,
+  11,933 files), seed 1337, 256 instances per step, peak LR 2.0712352850360292e-4 (stage 1's LR
+  where AI2 branched) linear to 0 over 47,684 steps without warmup, initialised from stage 1's
+  final checkpoint: parameters and AdamW moments; step, schedule and data position reset."""
+  cfg = stage1()
+  cfg.data.mix = "OLMo-midtraining-mix-0625-100B"
+  cfg.data.seed = 1337
+  cfg.data.global_batch_size = 256
+  cfg.optimizer.peak_lr = 2.0712352850360292e-4
+  cfg.optimizer.schedule = Schedule.LINEAR
+  cfg.optimizer.warmup_steps = 0
+  cfg.optimizer.final_lr = 0.0
+  cfg.optimizer.decay_steps = STAGE2_STEPS
+  cfg.train.steps = STAGE2_STEPS
+  cfg.checkpoint.init_from = "runs/olmo3_7b.stage1"
+  return cfg
+
+
+def stitched_schedule(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
+  """Fiddler: AI2's stage-1 schedule, two stitched cosines (REFERENCE.md §3): the first aimed at
+  1,192,093 steps until step 597,046 (LR 1.65e-4), then the second half of one aimed at
+  1,668,931 steps; the epoch ends first, at LR ≈ 3.93e-5."""
+  cfg.optimizer.schedule = Schedule.STITCHED_COSINE
+  cfg.optimizer.stitch_first_steps = 1_192_093
+  cfg.optimizer.stitch_at = 597_046
+  cfg.optimizer.stitch_second_steps = 1_668_931
+  return cfg

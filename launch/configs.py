@@ -1,0 +1,202 @@
+"""Experiment references, overrides, run records and diffs: what the launch scripts share.
+
+A reference is `package.module:function` (or the dotted `package.module.function`) naming a
+no-argument function that returns fdl.Config[Experiment]. Overrides are `path=value` with a
+Python literal value (strings quoted), as Fiddle's own flags take them; fiddlers are functions
+of the config in the experiment's module (`name`, `name(arg=1)`) or given as `module:function`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import enum
+import importlib
+import json
+import os
+import re
+import sys
+from typing import Any
+
+import fiddle as fdl
+from fiddle import diffing, printing
+from fiddle._src import daglish
+from fiddle.experimental import serialization
+
+# Symbols a config.json may name: loading one never imports anything else (and never unpickles).
+ALLOWED_MODULES = ("olmo3", "experiments", "fiddle", "optax", "jax", "numpy", "builtins", "enum")
+
+
+class ConfigRefError(ValueError):
+  """A bad experiment reference, override or fiddler. The message names it."""
+
+
+def split_ref(ref: str) -> tuple[str, str]:
+  if ":" in ref:
+    module, _, name = ref.partition(":")
+  else:
+    module, _, name = ref.rpartition(".")
+  if not module or not name:
+    raise ConfigRefError(f"--fdl_config={ref!r}: expected 'package.module:function'")
+  return module, name
+
+
+def _import(module: str, what: str):
+  if os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())  # experiments/ of the checkout run from
+  try:
+    return importlib.import_module(module)
+  except ModuleNotFoundError as e:
+    raise ConfigRefError(f"{what}: cannot import module {module!r} ({e})") from None
+
+
+def load(ref: str) -> fdl.Config:
+  """The config an experiment reference builds (module:function or module.function)."""
+  module_name, name = split_ref(ref)
+  module = _import(module_name, f"--fdl_config={ref!r}")
+  fn = getattr(module, name, None)
+  if not callable(fn):
+    raise ConfigRefError(f"--fdl_config={ref!r}: {module_name} has no function {name!r}")
+  cfg = fn()
+  if not isinstance(cfg, fdl.Buildable):
+    raise ConfigRefError(f"--fdl_config={ref!r}: {name}() returned {type(cfg).__name__}, "
+                         "not a fdl.Config")
+  return cfg
+
+
+def apply_fiddler(cfg: fdl.Config, spec: str, default_module: str) -> fdl.Config:
+  """`name`, `name(k=v, ...)`, or `module:name(...)`: calls fn(cfg, **kwargs)."""
+  match = re.fullmatch(r"\s*([\w.:]+)\s*(?:\((.*)\))?\s*", spec)
+  if not match:
+    raise ConfigRefError(f"--fiddler={spec!r}: expected 'name' or 'name(key=value, ...)'")
+  target, args = match.groups()
+  module_name, name = target.split(":") if ":" in target else (default_module, target)
+  fn = getattr(_import(module_name, f"--fiddler={spec!r}"), name, None)
+  if not callable(fn):
+    raise ConfigRefError(f"--fiddler={spec!r}: {module_name} has no function {name!r}")
+  kwargs = {}
+  if args:
+    call = ast.parse(f"f({args})", mode="eval").body
+    kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+  return fn(cfg, **kwargs) or cfg
+
+
+def apply_set(cfg: fdl.Config, assignment: str) -> None:
+  """`a.b.c=value`: sets the field; the value is a Python literal ('"text"' for strings)."""
+  path, sep, text = assignment.partition("=")
+  if not sep or not path.strip():
+    raise ConfigRefError(f"--fdl_set={assignment!r}: expected 'path=value'")
+  try:
+    value = ast.literal_eval(text.strip())
+  except (ValueError, SyntaxError):
+    raise ConfigRefError(f"--fdl_set={assignment!r}: {text!r} is not a Python literal "
+                         "(quote strings: path='\"text\"')") from None
+  *parents, leaf = path.strip().split(".")
+  node = cfg
+  for i, name in enumerate(parents):
+    node = getattr(node, name, None)
+    if not isinstance(node, fdl.Buildable):
+      raise ConfigRefError(f"--fdl_set={assignment!r}: {'.'.join(parents[:i + 1])} is not a "
+                           "config")
+  fields = {f.name for f in dataclasses.fields(fdl.get_callable(node))} if dataclasses.is_dataclass(
+      fdl.get_callable(node)) else None
+  if fields is not None and leaf not in fields:
+    raise ConfigRefError(f"--fdl_set={assignment!r}: {fdl.get_callable(node).__name__} has no "
+                         f"field {leaf!r} (fields: {', '.join(sorted(fields))})")
+  setattr(node, leaf, value)
+
+
+def resolve(ref: str, sets: list[str] = (), fiddlers: list[str] = ()) -> fdl.Config:
+  cfg = load(ref)
+  module_name, _ = split_ref(ref)
+  for spec in fiddlers:
+    cfg = apply_fiddler(cfg, spec, module_name)
+  for assignment in sets:
+    apply_set(cfg, assignment)
+  return cfg
+
+
+# --- run records ---------------------------------------------------------------------------
+
+
+def dump(cfg: fdl.Config) -> str:
+  return serialization.dump_json(cfg, indent=2)
+
+
+def loads(text: str, where: str = "config.json") -> fdl.Config:
+  """Loads a serialized config, resolving symbols only from ALLOWED_MODULES."""
+  for module in set(re.findall(r'"module":\s*"([^"]+)"', text)):
+    if module.split(".")[0] not in ALLOWED_MODULES:
+      raise ConfigRefError(f"{where}: refers to module {module!r}, outside the allowed "
+                           f"packages {ALLOWED_MODULES}")
+  try:
+    return serialization.load_json(text)
+  except Exception as e:
+    raise ConfigRefError(f"{where}: not a loadable config ({e})") from None
+
+
+def write_run_record(workdir: str, cfg: fdl.Config, argv: list[str]) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  for name, text in (("config.json", dump(cfg)), ("config.txt", printing.as_str_flattened(cfg)),
+                     ("command.txt", " ".join(argv))):
+    tmp = os.path.join(workdir, f".{name}.tmp")
+    with open(tmp, "w") as f:
+      f.write(text + "\n")
+    os.replace(tmp, os.path.join(workdir, name))
+
+
+def from_workdir(workdir: str) -> fdl.Config:
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise ConfigRefError(f"{workdir}: no config.json (not a run workdir)")
+  with open(path) as f:
+    return loads(f.read(), path)
+
+
+def load_any(ref_or_workdir: str) -> fdl.Config:
+  """An experiment reference, or a run workdir (its config.json)."""
+  if os.path.isdir(ref_or_workdir):
+    return from_workdir(ref_or_workdir)
+  return load(ref_or_workdir)
+
+
+# --- diffs -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+  path: str
+  a: Any
+  b: Any
+
+
+_MISSING = "<unset>"
+
+
+def diff(a: fdl.Config, b: fdl.Config) -> list[Change]:
+  """Each field that differs between two configs, with both values (Fiddle's diffing)."""
+  out = []
+  for op in diffing.build_diff(a, b).changes:
+    path = daglish.path_str(op.target).lstrip(".")
+    try:
+      old = daglish.follow_path(a, op.target)
+    except (AttributeError, KeyError, IndexError):
+      old = _MISSING
+    new = getattr(op, "new_value", _MISSING)
+    out.append(Change(path, old, new))
+  return sorted(out, key=lambda c: c.path)
+
+
+def _plain(value: Any) -> Any:
+  if isinstance(value, enum.Enum):
+    return value.value
+  if isinstance(value, fdl.Buildable):
+    return printing.as_str_flattened(value)
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    return value
+  return repr(value)
+
+
+def diff_json(changes: list[Change]) -> str:
+  return json.dumps([{"path": c.path, "a": _plain(c.a), "b": _plain(c.b)} for c in changes],
+                    indent=2)

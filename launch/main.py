@@ -1,0 +1,130 @@
+"""Train an experiment.
+
+  python launch/main.py --fdl_config=experiments.olmo3_tiny:stage1
+  python launch/main.py --fdl_config=experiments.olmo3_7b:stage2 --dry_run
+  python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --fdl_set=train.steps=10 \
+      --fiddler=stitched_schedule --workdir=/tmp/run
+
+The workdir (default runs/<module>.<function>) receives config.json (loads back with
+launch/diff.py or launch.configs.from_workdir), config.txt, command.txt, metrics.jsonl,
+TensorBoard events and checkpoints; rerunning the same command resumes from the latest
+checkpoint. The experiment's flag set is applied to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX
+starts, and a job that spans several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID, or SLURM / TPU pod environments) joins with jax.distributed.initialize().
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fiddle as fdl  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from fiddle import printing  # noqa: E402
+
+from launch import configs  # noqa: E402
+
+FLAGS = flags.DEFINE_string(
+    "fdl_config", None, "experiment reference: package.module:function (or the dotted form)")
+SETS = flags.DEFINE_multi_string("fdl_set", [], "override: path=value (a Python literal)")
+FIDDLERS = flags.DEFINE_multi_string("fiddler", [], "fiddler: name or name(key=value, ...)")
+WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default runs/<module>.<fn>)")
+DRY_RUN = flags.DEFINE_bool("dry_run", False, "print the config and its numbers; allocate nothing")
+FORCE = flags.DEFINE_bool("force_workdir", False,
+                          "use a workdir that holds a run of a different config")
+
+# Fields that may change between runs in one workdir (a longer run, a different cadence).
+RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+                     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
+                     "data.num_workers", "data.prefetch", "mesh.shape")
+
+
+def default_workdir(ref: str) -> str:
+  """runs/<module>.<function>: experiments.olmo3_tiny:stage1 -> runs/olmo3_tiny.stage1."""
+  module, name = configs.split_ref(ref)
+  return os.path.join("runs", f"{module.rsplit('.', 1)[-1]}.{name}")
+
+
+def apply_flag_sets(exp) -> None:
+  """The experiment's XLA / libtpu flags, into the environment before JAX initialises."""
+  for var, extra in (("XLA_FLAGS", exp.xla_flags), ("LIBTPU_INIT_ARGS", exp.libtpu_flags)):
+    if extra:
+      os.environ[var] = " ".join([os.environ.get(var, ""), *extra]).strip()
+
+
+def maybe_initialize_distributed() -> None:
+  import jax
+
+  env = os.environ
+  if "JAX_COORDINATOR_ADDRESS" in env:
+    jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+                               num_processes=int(env["JAX_NUM_PROCESSES"]),
+                               process_id=int(env["JAX_PROCESS_ID"]))
+  elif int(env.get("SLURM_NTASKS", "1")) > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
+    jax.distributed.initialize()  # cluster auto-detection (SLURM, multi-host TPU)
+
+
+def dry_run(cfg: fdl.Config, exp) -> None:
+  print(printing.as_str_flattened(cfg))
+  m, d, o = exp.model, exp.data, exp.optimizer
+  print()
+  print(f"parameters          {m.param_count:,}")
+  print(f"FLOPs per token     {m.flops_per_token(d.seq_len) / 1e9:.3f} G (training, exact causal "
+        "+ sliding-window count)")
+  print(f"tokens per step     {d.global_batch_size} x {d.seq_len} = {exp.tokens_per_step:,}")
+  print(f"steps               {exp.train.steps:,} (schedule over {o.decay_steps:,})")
+  print(f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})")
+  print(f"mesh                {dict(exp.mesh.shape)} ", end="")
+  import jax
+
+  try:
+    from olmo3 import sharding
+
+    mesh = sharding.make_mesh(dict(exp.mesh.shape))
+    print(f"-> {dict(mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices")
+  except ValueError as e:
+    print(f"-> does not fit the {jax.device_count()} local devices ({e})")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not FLAGS.value:
+    raise app.UsageError("--fdl_config is required, e.g. experiments.olmo3_tiny:stage1")
+  try:
+    cfg = configs.resolve(FLAGS.value, SETS.value, FIDDLERS.value)
+    exp = fdl.build(cfg)
+  except (configs.ConfigRefError, ValueError, TypeError) as e:
+    raise app.UsageError(str(e)) from None
+  apply_flag_sets(exp)
+  if DRY_RUN.value:
+    dry_run(cfg, exp)
+    return
+  workdir = WORKDIR.value or default_workdir(FLAGS.value)
+  previous = os.path.join(workdir, "config.json")
+  if os.path.exists(previous) and not FORCE.value:
+    changed = [c for c in configs.diff(configs.from_workdir(workdir), cfg)
+               if not c.path.startswith(RESUMABLE_CHANGES)]
+    if changed:
+      raise app.UsageError(
+          f"{workdir} holds a run of a different config (" + "; ".join(
+              f"{c.path}: {c.a!r} -> {c.b!r}" for c in changed[:5])
+          + "). Use another --workdir, or --force_workdir to continue it anyway.")
+  maybe_initialize_distributed()
+  import jax
+
+  from olmo3.train.loop import Trainer
+
+  if jax.process_index() == 0:
+    configs.write_run_record(workdir, cfg, sys.argv)
+  logging.info("training %s in %s on %d %s devices", FLAGS.value, workdir, jax.device_count(),
+               jax.default_backend())
+  last = Trainer(exp, workdir, name=FLAGS.value).run()
+  if jax.process_index() == 0 and last:
+    print(" ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,1 @@
+"""Held-out LM loss, downstream tasks, the generalization-gap alarm."""

@@ -1,0 +1,1 @@
+"""FLOPs and MFU accounting, remat policies, XLA flag presets, AOT compilation."""

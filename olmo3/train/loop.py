@@ -1,0 +1,219 @@
+"""The training loop: sharded init or resume, jitted train step, metrics, evals, checkpoints.
+
+`Trainer(exp, workdir)` builds everything for an Experiment on the current devices;
+`Trainer.run()` trains until `exp.train.steps`, resuming from the workdir's latest checkpoint
+(or initialising from `exp.checkpoint.init_from`: parameters and optimizer moments, fresh step,
+schedule and data position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from olmo3 import model as model_lib
+from olmo3 import sharding as sharding_lib
+from olmo3.config import Experiment
+from olmo3.data import pipeline
+from olmo3.data.heldout import HeldoutDocs
+from olmo3.data.tokens import read_mix
+from olmo3.eval import heldout as heldout_eval
+from olmo3.perf.flops import peak_flops_per_device
+from olmo3.train import checkpoint as ckpt
+from olmo3.train import metrics as metrics_lib
+from olmo3.train import optim
+from olmo3.train.loss import lm_loss
+
+
+class TrainState(NamedTuple):
+  step: jax.Array  # int32 scalar: steps done in this stage
+  params: Any  # nested dict of float32 arrays (the checkpoint layout)
+  opt_state: Any
+
+
+def _shardings(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+class Trainer:
+  def __init__(self, exp: Experiment, workdir: str, name: str = ""):
+    self.exp, self.workdir, self.name = exp, workdir, name
+    self.mesh = sharding_lib.make_mesh(dict(exp.mesh.shape))
+    self.rules = exp.mesh.rules or sharding_lib.FSDP_RULES
+    with sharding_lib.use_mesh(self.mesh, self.rules):
+      abstract = model_lib.abstract_model(exp.model)
+      self.graphdef, abstract_state = nnx.split(abstract)
+      specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+      shapes = nnx.to_pure_dict(abstract_state)
+    self.param_shardings = jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(self.mesh, spec), specs,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    self.param_target = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+        self.param_shardings)
+    self.tx = optim.adamw(exp.optimizer, shapes)
+    opt_shapes = jax.eval_shape(self.tx.init, shapes)
+    # Moments follow their parameters' shardings; scalars (Adam's count) are replicated.
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    opt_shardings = jax.tree.map(
+        lambda s: s if isinstance(s, jax.sharding.NamedSharding) else replicated,
+        jax.jit(self.tx.init).lower(self.param_target).compile().output_shardings)
+    self.opt_target = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes,
+        opt_shardings)
+    self.state_shardings = TrainState(replicated, self.param_shardings, opt_shardings)
+    self.batch_sharding = jax.sharding.NamedSharding(
+        self.mesh, sharding_lib.logical_to_spec(("batch", "seq"), self.rules))
+    self.checkpoints = ckpt.RunCheckpoints(f"{workdir}/checkpoints", exp.checkpoint.keep,
+                                           exp.checkpoint.async_save)
+    self._train_step = jax.jit(self._step, in_shardings=(self.state_shardings, None),
+                               out_shardings=(self.state_shardings, None), donate_argnums=0)
+    self._eval_step = jax.jit(heldout_eval.make_eval_step(self._apply))
+    self.heldout = {name: HeldoutDocs(read_mix(mix), exp.data.seq_len, exp.model.eos_token_id,
+                                      exp.model.pad_token_id, exp.eval.max_documents)
+                    for name, mix in exp.eval.heldout}
+    pipeline.check_divisible(dataclasses.replace(
+        exp.data, global_batch_size=exp.eval.batch_size), self.batch_sharding)
+
+  # --- the model as a function of the parameter tree ---------------------------------------
+
+  def _apply(self, params, tokens_BT):
+    # Traced inside `run`'s mesh context: the logical rules there shard the activations.
+    return nnx.merge(self.graphdef, params)(tokens_BT)
+
+  def _step(self, state: TrainState, batch: dict[str, jax.Array]):
+    exp = self.exp
+
+    def loss_fn(params):
+      logits = self._apply(params, batch["input_ids"])
+      return lm_loss(logits, batch["labels"], exp.train.z_loss_weight)
+
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    lr = optim.learning_rate(exp.optimizer, state.step)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, jax.tree.map(lambda u: lr * u, updates))
+    metrics = {"loss": loss, "ce_loss": aux["ce_loss"], "z_loss": aux["z_loss"],
+               "grad_norm": optax.global_norm(grads), "lr": lr,
+               "tokens": aux["tokens"].astype(jnp.float32)}
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  # --- state -------------------------------------------------------------------------------
+
+  def init_state(self) -> TrainState:
+    """Resume from this run's latest checkpoint, else init_from, else fresh parameters."""
+    with sharding_lib.use_mesh(self.mesh, self.rules):
+      return self._init_state()
+
+  def _init_state(self) -> TrainState:
+    latest = self.checkpoints.latest_step()
+    if latest is not None:
+      params, opt_state, meta = ckpt.restore_train_state(
+          self.checkpoints.directory / str(latest), self.param_target, self.opt_target)
+      logging.info("resumed from %s (step %d)", self.checkpoints.directory / str(latest), latest)
+      return self._state(meta["step"], params, opt_state)
+    if self.exp.checkpoint.init_from:
+      source = ckpt.resolve_step_dir(self.exp.checkpoint.init_from)
+      params, opt_state, meta = ckpt.restore_train_state(source, self.param_target,
+                                                         self.opt_target)
+      logging.info("initialised from %s (its step %d): parameters and optimizer moments; "
+                   "step, schedule and data position start at 0", source, meta["step"])
+      return self._state(0, params, opt_state)
+    seed, cfg = self.exp.train.seed, self.exp.model
+
+    def fresh():
+      model = model_lib.Transformer(cfg, rngs=nnx.Rngs(seed))
+      params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+      return params, self.tx.init(params)
+
+    params, opt_state = jax.jit(fresh, out_shardings=(self.param_shardings,
+                                                      self.state_shardings.opt_state))()
+    return self._state(0, params, opt_state)
+
+  def _state(self, step, params, opt_state) -> TrainState:
+    step = jax.device_put(jnp.asarray(step, jnp.int32), self.state_shardings.step)
+    return TrainState(step, params, opt_state)
+
+  def save(self, state: TrainState) -> None:
+    step = int(state.step)
+    self.checkpoints.save(step, state.params, state.opt_state, {
+        "step": step, "data_step": step, "experiment": self.name,
+        "model_config": dataclasses.asdict(self.exp.model)})
+
+  # --- evaluation ----------------------------------------------------------------------------
+
+  def _put(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda i, v=v: v[i])
+            for k, v in batch.items()}
+
+  def evaluate(self, params) -> dict[str, float]:
+    out = {}
+    for name, docs in self.heldout.items():
+      result = heldout_eval.evaluate(self._eval_step, params, docs, self.exp.eval.batch_size,
+                                     self._put, self.exp.train.eval_batches)
+      out.update({f"eval/{name}/{k}": v for k, v in result.items() if k != "tokens"})
+    return out
+
+  # --- the loop ------------------------------------------------------------------------------
+
+  def run(self) -> dict[str, float]:
+    """Trains to exp.train.steps; returns the last logged metrics."""
+    with sharding_lib.use_mesh(self.mesh, self.rules):
+      return self._run()
+
+  def _run(self) -> dict[str, float]:
+    exp = self.exp
+    state = self._init_state()
+    start = int(state.step)
+    writer = metrics_lib.create_writer(self.workdir, jax.process_index() == 0)
+    from clu import periodic_actions
+
+    progress = periodic_actions.ReportProgress(num_train_steps=exp.train.steps, writer=writer,
+                                               every_steps=max(exp.train.log_every, 10))
+    flops_per_step = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
+    peak = peak_flops_per_device(jax.devices()[0].device_kind)
+    last: dict[str, float] = {}
+    if start >= exp.train.steps:
+      logging.info("already at step %d of %d: nothing to do", start, exp.train.steps)
+      return last
+    loader = pipeline.Loader(exp.data, self.batch_sharding, start_step=start,
+                             num_steps=exp.train.steps - start, vocab_size=exp.model.vocab_size)
+    tick = time.perf_counter()
+    try:
+      for host_batch in loader:
+        batch = loader.to_global(host_batch)
+        del batch["instance"]
+        state, step_metrics = self._train_step(state, batch)
+        step = int(state.step)
+        progress(step)
+        if step % exp.train.log_every == 0 or step == exp.train.steps:
+          values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+          elapsed = (time.perf_counter() - tick) / exp.train.log_every
+          values.update({"step_time_s": elapsed,
+                         "tokens_per_s": exp.tokens_per_step / elapsed,
+                         "tflops_per_device": flops_per_step / elapsed / jax.device_count() / 1e12})
+          if peak:
+            values["mfu"] = flops_per_step / elapsed / jax.device_count() / peak
+          writer.write_scalars(step, values)
+          last = values
+          tick = time.perf_counter()
+        if self.heldout and exp.train.eval_every and (
+            step % exp.train.eval_every == 0 or step == exp.train.steps):
+          evals = self.evaluate(state.params)
+          writer.write_scalars(step, evals)
+          last = {**last, **evals}
+          tick = time.perf_counter()
+        if step % exp.checkpoint.every == 0 or step == exp.train.steps:
+          writer.flush()  # metrics up to a checkpoint are on disk before it can exist
+          self.save(state)
+    finally:
+      self.checkpoints.wait()
+      writer.flush()
+    return last

@@ -1,0 +1,154 @@
+"""Metric writers: CLU's interfaces and writers, TensorBoard event files, logs, metrics.jsonl.
+
+Why a shim: `import clu.metric_writers` imports CLU's TensorFlow summary writer at package import
+and fails without TensorFlow (a 1.4 GB install). Before CLU's package is first imported, `install`
+registers a `clu.metric_writers.summary_writer` module whose `SummaryWriter` is a CLU
+`MetricWriter` writing TensorBoard event files with tensorboardX. CLU's `create_default_writer`,
+`AsyncMultiWriter` and `periodic_actions` then work unchanged. With TensorFlow installed, CLU's
+own writer is used. Everything that touches CLU's writers imports this module first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import types
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def _tensorboardx_writer_class():
+  from clu.metric_writers import interface
+  from tensorboardX import SummaryWriter as TbxWriter
+
+  class SummaryWriter(interface.MetricWriter):
+    """CLU MetricWriter -> TensorBoard event files, via tensorboardX (no TensorFlow)."""
+
+    def __init__(self, logdir: str):
+      self._writer = TbxWriter(logdir=logdir, flush_secs=30)
+
+    def write_summaries(self, step, values, metadata=None):
+      for key, value in values.items():
+        self._writer.add_scalar(key, np.asarray(value).item(), step)
+
+    def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+      for key, value in scalars.items():
+        self._writer.add_scalar(key, float(np.asarray(value)), step)
+
+    def write_images(self, step: int, images: Mapping[str, Any]):
+      for key, value in images.items():
+        self._writer.add_images(key, np.asarray(value), step, dataformats="NHWC")
+
+    def write_videos(self, step: int, videos: Mapping[str, Any]):
+      for key, value in videos.items():
+        self._writer.add_video(key, np.asarray(value), step)
+
+    def write_audios(self, step: int, audios: Mapping[str, Any], *, sample_rate: int):
+      for key, value in audios.items():
+        self._writer.add_audio(key, np.asarray(value), step, sample_rate=sample_rate)
+
+    def write_texts(self, step: int, texts: Mapping[str, str]):
+      for key, value in texts.items():
+        self._writer.add_text(key, value, step)
+
+    def write_histograms(self, step: int, arrays: Mapping[str, Any], num_buckets=None):
+      for key, value in arrays.items():
+        self._writer.add_histogram(key, np.asarray(value), step,
+                                   bins=num_buckets[key] if num_buckets else "tensorflow")
+
+    def write_hparams(self, hparams: Mapping[str, Any]):
+      self._writer.add_text("hparams", json.dumps(dict(hparams), default=str, indent=1), 0)
+
+    def flush(self):
+      self._writer.flush()
+
+    def close(self):
+      self._writer.close()
+
+  return SummaryWriter
+
+
+def install() -> None:
+  """Makes `import clu.metric_writers` work without TensorFlow (idempotent)."""
+  name = "clu.metric_writers.summary_writer"
+  if name in sys.modules or importlib.util.find_spec("tensorflow") is not None:
+    return
+  module = types.ModuleType(name, "tensorboardX-backed SummaryWriter (olmo3.train.metrics)")
+
+  def __getattr__(attr):  # resolved while CLU's package imports, after its interface module
+    if attr == "SummaryWriter":
+      module.SummaryWriter = _tensorboardx_writer_class()
+      return module.SummaryWriter
+    raise AttributeError(attr)
+
+  module.__getattr__ = __getattr__
+  sys.modules[name] = module
+
+
+install()
+
+from clu import metric_writers  # noqa: E402  (after install)
+from clu.metric_writers import interface  # noqa: E402
+
+
+class JsonlWriter(interface.MetricWriter):
+  """WORKDIR/metrics.jsonl: one JSON object per logged step, `step` and all its scalars (writes
+  for the same step, such as training and evaluation metrics, are merged into one line)."""
+
+  def __init__(self, path: str | os.PathLike):
+    self._file = open(path, "a", buffering=1)
+    self._pending: dict[str, Any] = {}
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    if self._pending and self._pending["step"] != int(step):
+      self.flush()
+    self._pending.setdefault("step", int(step))
+    self._pending.update({k: float(np.asarray(v)) for k, v in scalars.items()})
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def write_hparams(self, hparams):
+    pass
+
+  def flush(self):
+    if self._pending:
+      self._file.write(json.dumps(self._pending) + "\n")
+      self._pending = {}
+    self._file.flush()
+
+  def close(self):
+    self.flush()
+    self._file.close()
+
+
+def create_writer(workdir: str | os.PathLike, is_main_process: bool) -> interface.MetricWriter:
+  """Logs everywhere; TensorBoard events and metrics.jsonl from the main process only."""
+  if not is_main_process:
+    return metric_writers.create_default_writer(just_logging=True, asynchronous=False)
+  default = metric_writers.create_default_writer(os.path.join(os.fspath(workdir), "tensorboard"),
+                                                 asynchronous=False)
+  return metric_writers.MultiWriter([default, JsonlWriter(os.path.join(workdir, "metrics.jsonl"))])
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,59 @@
+"""AdamW, clipping and the learning-rate schedules of OLMo 3 (REFERENCE.md §3).
+
+The learning rate is a function of the run's own step, applied outside the optax state: Adam's
+count (its bias correction) travels with the moments, so stage 2 can load stage 1's moments and
+keep their bias correction while its step and schedule start from zero, as OLMo-core does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from olmo3.config import OptimizerConfig, Schedule
+
+
+def _cosine(progress, peak: float, final: float):
+  return final + (peak - final) * 0.5 * (1 + jnp.cos(math.pi * jnp.clip(progress, 0.0, 1.0)))
+
+
+def learning_rate(cfg: OptimizerConfig, step: jax.Array | int) -> jax.Array:
+  """The learning rate at `step` (from 0)."""
+  t = jnp.asarray(step, jnp.float32)
+  peak, final, warmup = cfg.peak_lr, cfg.final_lr, cfg.warmup_steps
+  warm = peak * t / max(warmup, 1)
+  match cfg.schedule:
+    case Schedule.COSINE:
+      after = _cosine((t - warmup) / (cfg.decay_steps - warmup), peak, final)
+    case Schedule.LINEAR:
+      progress = jnp.clip((t - warmup) / (cfg.decay_steps - warmup), 0.0, 1.0)
+      after = peak + (final - peak) * progress
+    case Schedule.STITCHED_COSINE:
+      # The first cosine (aimed at stitch_first_steps) until stitch_at, where it stands at its
+      # midpoint; then the second half of a cosine aimed at stitch_second_steps.
+      first = _cosine((t - warmup) / (cfg.stitch_first_steps - warmup), peak, final)
+      second = _cosine(0.5 + 0.5 * (t - cfg.stitch_at) / (cfg.stitch_second_steps - cfg.stitch_at),
+                       peak, final)
+      after = jnp.where(t < cfg.stitch_at, first, second)
+    case _:
+      raise ValueError(f"unknown schedule {cfg.schedule!r}")
+  return jnp.where(t < warmup, warm, after)
+
+
+def decay_mask(cfg: OptimizerConfig, params: Any) -> Any:
+  """True for parameters that get weight decay: all but the top-level groups in `no_decay`."""
+  return {k: jax.tree.map(lambda _: k not in cfg.no_decay, v) for k, v in params.items()}
+
+
+def adamw(cfg: OptimizerConfig, params: Any) -> optax.GradientTransformation:
+  """Clip by global norm, Adam, decoupled weight decay; the caller multiplies by the LR."""
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.clip_grad_norm),
+      optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+      optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask(cfg, params)),
+      optax.scale(-1.0),
+  )

@@ -1,0 +1,141 @@
+"""The launcher, experiments and run records, through the real command line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import fiddle as fdl
+import pytest
+
+from launch import configs
+from olmo3.train import metrics as metrics_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN = os.path.join(ROOT, "launch", "main.py")
+# The README's command runs on the plain CPU device; tests give JAX 8 fake ones.
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+TINY_FAST = ["--fdl_set=data.global_batch_size=8", "--fdl_set=eval.max_documents=8",
+             "--fdl_set=eval.batch_size=8"]
+
+
+def _main(*args, timeout=600, check=True):
+  done = subprocess.run([sys.executable, MAIN, *args], capture_output=True, text=True,
+                        timeout=timeout, cwd=ROOT, env=ENV)
+  if check:
+    assert done.returncode == 0, done.stderr[-3000:]
+  return done
+
+
+def test_7b_stage2_dry_run():
+  out = _main("--fdl_config=experiments.olmo3_7b:stage2", "--dry_run").stdout
+  assert "parameters          7,298,617,344" in out
+  assert "tokens per step     256 x 8192 = 2,097,152" in out
+  assert "steps               47,684" in out
+  assert "peak LR             0.00020712352850360292" in out
+  assert "data.mix: str | None = 'OLMo-midtraining-mix-0625-100B'" in out
+  assert "mesh" in out
+
+
+def test_7b_stage1_dry_run_dotted_form_and_overrides():
+  out = _main("--fdl_config=experiments.olmo3_7b.stage1", "--dry_run", "--fdl_set=train.steps=10",
+              "--fiddler=stitched_schedule").stdout
+  assert "tokens per step     512 x 8192 = 4,194,304" in out
+  assert "steps               10 (schedule over 1,413,814)" in out
+  assert "peak LR             0.0003 (stitched_cosine, warmup 2000)" in out
+  assert "FLOPs per token     46.557 G" in out
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--fdl_set=train.stepz=3", "TrainConfig has no field 'stepz'"),
+    ("--fdl_set=train.steps=abc", "'abc' is not a Python literal"),
+    ("--fdl_set=data.seq_len=100000", "data.seq_len=100000: exceeds model.max_seq_len"),
+    ("--fiddler=nope", "has no function 'nope'"),
+])
+def test_bad_overrides_fail_clearly(flag, message):
+  done = _main("--fdl_config=experiments.olmo3_7b:stage1", "--dry_run", flag, check=False)
+  assert done.returncode != 0 and message in done.stderr
+
+
+def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
+  changes = configs.diff(configs.load("experiments.olmo3_7b:stage1"),
+                         configs.load("experiments.olmo3_7b:stage2"))
+  assert {c.path for c in changes} == {
+      "data.global_batch_size", "data.mix", "data.seed", "optimizer.peak_lr",
+      "optimizer.schedule", "optimizer.warmup_steps", "optimizer.final_lr",
+      "optimizer.decay_steps", "train.steps", "checkpoint.init_from"}
+  out = subprocess.run([sys.executable, "launch/diff.py", "experiments.olmo3_7b:stage1",
+                        "experiments.olmo3_7b:stage2", "--json"], capture_output=True, text=True,
+                       cwd=ROOT, env=ENV, check=True).stdout
+  rows = {r["path"]: (r["a"], r["b"]) for r in json.loads(out)}
+  assert rows["data.global_batch_size"] == (512, 256)
+  assert rows["optimizer.schedule"] == ("cosine", "linear")
+
+
+def _losses(workdir):
+  return {r["step"]: r["loss"] for r in metrics_lib.read_jsonl(workdir / "metrics.jsonl")
+          if "loss" in r}
+
+
+def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
+  s1, s2 = tmp_path / "s1", tmp_path / "s2"
+  _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
+        "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=6", "--fdl_set=train.log_every=1")
+  rows = metrics_lib.read_jsonl(s1 / "metrics.jsonl")
+  losses = [r["loss"] for r in rows if "loss" in r]
+  assert len(losses) == 12 and losses[-1] < losses[0] - 1.0  # clearly falling
+  evals = [r["eval/embedded/ce_loss"] for r in rows if "eval/embedded/ce_loss" in r]
+  assert len(evals) == 2 and evals[1] < evals[0]
+  assert {"lr", "grad_norm", "z_loss", "tokens_per_s", "step_time_s",
+          "tflops_per_device"} <= set(rows[-1])
+  from tensorboard.backend.event_processing import event_accumulator
+
+  events = event_accumulator.EventAccumulator(str(s1 / "tensorboard"))
+  events.Reload()
+  assert [e.step for e in events.Scalars("loss")] == list(range(1, 13))
+  assert "eval/embedded/ce_loss" in events.Tags()["scalars"]
+  # The run record loads back and builds the same experiment.
+  record = configs.from_workdir(str(s1))
+  cfg = configs.resolve("experiments.olmo3_tiny:stage1",
+                        [a.removeprefix("--fdl_set=") for a in TINY_FAST]
+                        + ["train.steps=12", "train.eval_every=6", "train.log_every=1"])
+  assert fdl.build(record) == fdl.build(cfg)
+  assert "--fdl_config=experiments.olmo3_tiny:stage1" in (s1 / "command.txt").read_text()
+  # Stage 2 anneals from stage 1's final checkpoint.
+  _main("--fdl_config=experiments.olmo3_tiny:stage2", f"--workdir={s2}", *TINY_FAST,
+        f"--fdl_set=checkpoint.init_from='{s1}'", "--fdl_set=train.steps=4")
+  rows2 = metrics_lib.read_jsonl(s2 / "metrics.jsonl")
+  assert [r["step"] for r in rows2 if "loss" in r] == [4]  # log_every 5: the last step only
+  assert rows2[-1]["eval/embedded/ce_loss"] < evals[-1] + 0.5  # continues from stage 1
+  assert sorted(p.name for p in (s2 / "checkpoints").iterdir()) == ["4"]
+  changes = {c.path for c in configs.diff(configs.from_workdir(str(s1)),
+                                           configs.from_workdir(str(s2)))}
+  assert {"data.seed", "checkpoint.init_from", "optimizer.schedule"} <= changes
+
+
+def test_killed_run_resumes_with_identical_losses(tmp_path):
+  args = ["--fdl_config=experiments.olmo3_tiny:stage1", *TINY_FAST, "--fdl_set=train.steps=10",
+          "--fdl_set=train.log_every=1", "--fdl_set=train.eval_every=0",
+          "--fdl_set=checkpoint.every=2"]
+  _main(*args, f"--workdir={tmp_path / 'straight'}")
+  workdir = tmp_path / "killed"
+  proc = subprocess.Popen([sys.executable, MAIN, *args, f"--workdir={workdir}"], cwd=ROOT,
+                          env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not (workdir / "checkpoints" / "4").exists() and proc.poll() is None:
+    assert time.time() < deadline
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  _main(*args, f"--workdir={workdir}")  # the same command
+  assert _losses(tmp_path / "straight") == _losses(workdir)  # bit-identical, step for step
+
+
+def test_workdir_of_another_experiment_is_refused(tmp_path):
+  _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={tmp_path}", *TINY_FAST,
+        "--fdl_set=train.steps=1", "--fdl_set=train.eval_every=0")
+  done = _main("--fdl_config=experiments.olmo3_tiny:stage2", f"--workdir={tmp_path}", *TINY_FAST,
+               "--fdl_set=train.steps=1", check=False)
+  assert done.returncode != 0 and "holds a run of a different config" in done.stderr

@@ -1,0 +1,96 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from olmo3.config import OptimizerConfig, Schedule
+from olmo3.train import metrics as metrics_lib
+from olmo3.train import optim
+from olmo3.train.loop import Trainer
+
+from train_helpers import micro_experiment, write_corpus
+
+
+def test_cosine_schedule_warmup_and_end():
+  cfg = OptimizerConfig()  # the 7B stage 1
+  assert float(optim.learning_rate(cfg, 0)) == 0.0
+  assert float(optim.learning_rate(cfg, 1000)) == pytest.approx(1.5e-4)
+  assert float(optim.learning_rate(cfg, 2000)) == pytest.approx(3e-4)
+  assert float(optim.learning_rate(cfg, 1_413_814)) == pytest.approx(3e-5)
+  mid = (2000 + 1_413_814) / 2
+  assert float(optim.learning_rate(cfg, mid)) == pytest.approx(1.65e-4, rel=1e-5)
+
+
+def test_stitched_schedule_matches_ai2():
+  cfg = OptimizerConfig(schedule=Schedule.STITCHED_COSINE)
+  assert float(optim.learning_rate(cfg, 597_045)) == pytest.approx(1.65e-4, rel=1e-4)
+  assert float(optim.learning_rate(cfg, 597_046)) == pytest.approx(1.65e-4, rel=1e-4)  # continuous
+  assert float(optim.learning_rate(cfg, 1_413_814)) == pytest.approx(3.93e-5, rel=2e-3)
+
+
+def test_linear_stage2_schedule():
+  cfg = OptimizerConfig(peak_lr=2.0712352850360292e-4, schedule=Schedule.LINEAR, warmup_steps=0,
+                        final_lr=0.0, decay_steps=47_684)
+  assert float(optim.learning_rate(cfg, 0)) == pytest.approx(2.0712352850360292e-4)
+  assert float(optim.learning_rate(cfg, 23_842)) == pytest.approx(2.0712352850360292e-4 / 2)
+  assert float(optim.learning_rate(cfg, 47_684)) == 0.0
+
+
+def test_weight_decay_spares_only_the_input_embedding():
+  params = {"embed_tokens": {"embedding": jnp.ones((4, 2))}, "lm_head": {"kernel": jnp.ones((2, 4))},
+            "norm": {"weight": jnp.ones(2)}}
+  tx = optim.adamw(OptimizerConfig(weight_decay=0.1), params)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zero, tx.init(params), params)
+  lr = 1e-2
+  new = jax.tree.map(lambda p, u: p + lr * u, params, updates)
+  assert (new["embed_tokens"]["embedding"] == 1).all()
+  np.testing.assert_allclose(new["lm_head"]["kernel"], 1 - lr * 0.1)  # p *= 1 - lr·wd
+  np.testing.assert_allclose(new["norm"]["weight"], 1 - lr * 0.1)
+
+
+def _losses(workdir):
+  by_step = {}
+  for row in metrics_lib.read_jsonl(f"{workdir}/metrics.jsonl"):
+    if "loss" in row:
+      by_step[row["step"]] = row["loss"]  # the last write wins (a resumed run rewrites steps)
+  return by_step
+
+
+def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path):
+  path = write_corpus(tmp_path)
+  full = micro_experiment(path, steps=8)
+  Trainer(full, str(tmp_path / "full")).run()
+  first = dataclasses.replace(full, train=dataclasses.replace(full.train, steps=5))
+  Trainer(first, str(tmp_path / "resumed")).run()  # checkpoints at 2, 4, 5
+  Trainer(full, str(tmp_path / "resumed")).run()  # resumes from step 5
+  a, b = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
+  assert sorted(a) == sorted(b) == list(range(1, 9))
+  assert a == b  # bit-identical on CPU, step for step
+  assert a[8] < a[1] - 1.0  # it learns
+
+
+def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
+  path = write_corpus(tmp_path)
+  stage1 = micro_experiment(path, steps=4)
+  t1 = Trainer(stage1, str(tmp_path / "s1"))
+  t1.run()
+  stage2 = dataclasses.replace(
+      stage1, data=dataclasses.replace(stage1.data, seed=1337),
+      optimizer=dataclasses.replace(stage1.optimizer, schedule=Schedule.LINEAR, warmup_steps=0,
+                                    final_lr=0.0, decay_steps=3),
+      train=dataclasses.replace(stage1.train, steps=3),
+      checkpoint=dataclasses.replace(stage1.checkpoint, init_from=str(tmp_path / "s1")))
+  t2 = Trainer(stage2, str(tmp_path / "s2"))
+  state = t2.init_state()
+  final1 = t1.init_state()  # stage 1's latest checkpoint (step 4)
+  assert int(state.step) == 0 and int(final1.step) == 4
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(final1.params)):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(final1.opt_state)):
+    np.testing.assert_array_equal(a, b)  # moments and Adam's count (bias correction) carried
+  t2.run()
+  assert sorted(_losses(tmp_path / "s2")) == [1, 2, 3]
+
