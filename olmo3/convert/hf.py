@@ -60,7 +60,10 @@ def _rope_theta(hf: dict[str, Any], where: str) -> float:
       raise ConversionError(f"{where}: rope_scaling={hf['rope_scaling']!r} is not supported "
                             "(stages 1-2 use plain RoPE)")
     return float(hf.get("rope_theta", 500_000.0))
-  per_type = params if all(isinstance(v, dict) for v in params.values()) else {"all": params}
+  # transformers 5.0-5.3 read one flat dict; later 5.x one dict per layer type. Either or both.
+  per_type = {k: v for k, v in params.items() if isinstance(v, dict)}
+  if "rope_theta" in params or "rope_type" in params:
+    per_type["all"] = {k: v for k, v in params.items() if not isinstance(v, dict)}
   thetas = set()
   for layer_type, p in per_type.items():
     if p.get("rope_type", "default") != "default":
@@ -121,8 +124,9 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
 
 
 def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-  """An Olmo3Config dict. RoPE theta is written per layer type: in transformers 5.x a bare
-  `rope_theta` reaches only the full-attention layers (REFERENCE.md §2)."""
+  """An Olmo3Config dict. RoPE theta is written both flat (transformers 5.0-5.3 read
+  rope_parameters["rope_theta"]) and per layer type (later 5.x, where a bare `rope_theta`
+  reaches only the full-attention layers, REFERENCE.md §2)."""
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   return {
       "architectures": ["Olmo3ForCausalLM"],
@@ -141,7 +145,7 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, An
       "attention_dropout": 0.0,
       "sliding_window": cfg.sliding_window,
       "layer_types": ["full_attention" if g else "sliding_attention" for g in cfg.layer_is_global],
-      "rope_parameters": {"full_attention": dict(rope), "sliding_attention": dict(rope)},
+      "rope_parameters": {**rope, "full_attention": dict(rope), "sliding_attention": dict(rope)},
       "tie_word_embeddings": False,
       "pad_token_id": cfg.pad_token_id,
       "eos_token_id": cfg.eos_token_id,
