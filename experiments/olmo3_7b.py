@@ -17,8 +17,9 @@ from __future__ import annotations
 import fiddle as fdl
 
 from experiments.common import as_config
-from olmo3.config import (CheckpointConfig, DataConfig, DType, Experiment, MeshConfig,
+from olmo3.config import (CheckpointConfig, DataConfig, DType, EvalConfig, Experiment, MeshConfig,
                           OptimizerConfig, Schedule, TrainConfig, olmo3_7b)
+from olmo3.eval.tasks import DEFAULT_SUITE
 
 STAGE1_STEPS = 1_413_814  # one epoch of the Dolma 3 mix at 512 x 8192 tokens (≈ 5.93T tokens)
 STAGE2_STEPS = 47_684  # ≈ 100B tokens at 256 x 8192
@@ -43,6 +44,9 @@ def stage1() -> fdl.Config[Experiment]:
       train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=10,
                         eval_every=1000),
       checkpoint=CheckpointConfig(every=1000, keep=3, async_save=True, init_from=None),
+      # OLMo's in-loop suite; add held-out sets (e.g. c4_en validation token files) with
+      # --fdl_set=eval.heldout='(("c4_en", "path/to/mix.txt"),)'.
+      eval=EvalConfig(batch_size=64, tasks=DEFAULT_SUITE, tokenizer="allenai/dolma2-tokenizer"),
   ))
 
 

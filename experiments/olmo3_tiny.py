@@ -19,6 +19,9 @@ from olmo3.config import (CheckpointConfig, DataConfig, EvalConfig, Experiment, 
 
 STAGE1_STEPS = 100
 STAGE2_STEPS = 40
+# OLMo's default in-loop suite, zero-shot (short contexts for a 256-token model), 20 documents.
+TASKS = tuple(f"{t}:rc_0shot" for t in ("arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag",
+                                        "openbookqa", "piqa", "winogrande"))
 
 
 def stage1() -> fdl.Config[Experiment]:
@@ -33,10 +36,11 @@ def stage1() -> fdl.Config[Experiment]:
                                 schedule=Schedule.COSINE, warmup_steps=10, final_lr=3e-4,
                                 decay_steps=STAGE1_STEPS),
       train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=5,
-                        eval_every=50),
+                        eval_every=25),
       checkpoint=CheckpointConfig(every=50, keep=2, async_save=True, init_from=None),
       eval=EvalConfig(heldout=(("embedded", "embedded-heldout"),), batch_size=16,
-                      max_documents=32),
+                      max_documents=32, tasks=TASKS, task_limit=20, tokenizer="embedded",
+                      alarm_window=2, alarm_margin=0.05),
   ))
 
 
@@ -53,4 +57,15 @@ def stage2() -> fdl.Config[Experiment]:
   cfg.optimizer.decay_steps = STAGE2_STEPS
   cfg.train.steps = STAGE2_STEPS
   cfg.checkpoint.init_from = "runs/olmo3_tiny.stage1"
+  return cfg
+
+
+def memorize() -> fdl.Config[Experiment]:
+  """Stage 1 on a deliberately tiny slice (32 instances, 2 steps per epoch) repeated for 50
+  epochs: train loss collapses while held-out loss stalls and rises, and the
+  generalization-gap alarm must fire. Evaluates every 10 steps, held-out loss only."""
+  cfg = stage1()
+  cfg.data.max_instances = 32
+  cfg.train.eval_every = 10
+  cfg.eval.tasks = ()
   return cfg

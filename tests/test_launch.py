@@ -18,7 +18,7 @@ MAIN = os.path.join(ROOT, "launch", "main.py")
 # The README's command runs on the plain CPU device; tests give JAX 8 fake ones.
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 TINY_FAST = ["--fdl_set=data.global_batch_size=8", "--fdl_set=eval.max_documents=8",
-             "--fdl_set=eval.batch_size=8"]
+             "--fdl_set=eval.batch_size=8", "--fdl_set=eval.task_limit=4"]
 
 
 def _main(*args, timeout=600, check=True):
@@ -82,12 +82,16 @@ def _losses(workdir):
 def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   s1, s2 = tmp_path / "s1", tmp_path / "s2"
   _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
-        "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=6", "--fdl_set=train.log_every=1")
+        "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4", "--fdl_set=train.log_every=1")
   rows = metrics_lib.read_jsonl(s1 / "metrics.jsonl")
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 12 and losses[-1] < losses[0] - 1.0  # clearly falling
   evals = [r["eval/embedded/ce_loss"] for r in rows if "eval/embedded/ce_loss" in r]
-  assert len(evals) == 2 and evals[1] < evals[0]
+  assert len(evals) == 3 and evals[2] < evals[1] < evals[0]
+  assert [r["alarm/generalization_gap"] for r in rows if "alarm/generalization_gap" in r] == [
+      0, 0, 0]  # a clean run never fires the alarm
+  tasks = {k.split("/")[1] for r in rows for k in r if k.startswith("downstream/")}
+  assert len(tasks) == 8  # OLMo's default suite, in the loop
   assert {"lr", "grad_norm", "z_loss", "tokens_per_s", "step_time_s",
           "tflops_per_device"} <= set(rows[-1])
   from tensorboard.backend.event_processing import event_accumulator
@@ -100,7 +104,7 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   record = configs.from_workdir(str(s1))
   cfg = configs.resolve("experiments.olmo3_tiny:stage1",
                         [a.removeprefix("--fdl_set=") for a in TINY_FAST]
-                        + ["train.steps=12", "train.eval_every=6", "train.log_every=1"])
+                        + ["train.steps=12", "train.eval_every=4", "train.log_every=1"])
   assert fdl.build(record) == fdl.build(cfg)
   assert "--fdl_config=experiments.olmo3_tiny:stage1" in (s1 / "command.txt").read_text()
   # Stage 2 anneals from stage 1's final checkpoint.
@@ -113,12 +117,27 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   changes = {c.path for c in configs.diff(configs.from_workdir(str(s1)),
                                            configs.from_workdir(str(s2)))}
   assert {"data.seed", "checkpoint.init_from", "optimizer.schedule"} <= changes
+  # Standalone evaluation of the run's checkpoint reproduces the in-loop numbers.
+  done = subprocess.run([sys.executable, "-m", "olmo3.eval", "--workdir", str(s1), "--all_steps",
+                         "--out", str(tmp_path / "report.json")], capture_output=True, text=True,
+                        cwd=ROOT, env=ENV, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads((tmp_path / "report.json").read_text())["steps"]["12"]
+  assert report["heldout"]["embedded"]["ce_loss"] == pytest.approx(evals[-1], rel=1e-6)
+  assert len(report["tasks"]) == 8
+  assert {"metric", "value", "examples"} <= set(report["tasks"]["piqa:rc_0shot"])
+  # Comparing the two runs: a table of held-out differences and one PNG of both runs' curves.
+  done = subprocess.run([sys.executable, "-m", "olmo3.eval.compare", str(s1), str(s2),
+                         "--plot", str(tmp_path / "curves.png")], capture_output=True, text=True,
+                        cwd=ROOT, env=ENV, timeout=300)
+  assert (tmp_path / "curves.png").stat().st_size > 10_000
+  assert "comparisons differ by more than 0.005" in done.stdout
 
 
 def test_killed_run_resumes_with_identical_losses(tmp_path):
   args = ["--fdl_config=experiments.olmo3_tiny:stage1", *TINY_FAST, "--fdl_set=train.steps=10",
           "--fdl_set=train.log_every=1", "--fdl_set=train.eval_every=0",
-          "--fdl_set=checkpoint.every=2"]
+          "--fdl_set=checkpoint.every=2", "--fdl_set=eval.tasks=()"]
   _main(*args, f"--workdir={tmp_path / 'straight'}")
   workdir = tmp_path / "killed"
   proc = subprocess.Popen([sys.executable, MAIN, *args, f"--workdir={workdir}"], cwd=ROOT,
@@ -135,7 +154,16 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
 
 def test_workdir_of_another_experiment_is_refused(tmp_path):
   _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={tmp_path}", *TINY_FAST,
-        "--fdl_set=train.steps=1", "--fdl_set=train.eval_every=0")
+        "--fdl_set=train.steps=1", "--fdl_set=train.eval_every=0", "--fdl_set=eval.tasks=()")
   done = _main("--fdl_config=experiments.olmo3_tiny:stage2", f"--workdir={tmp_path}", *TINY_FAST,
                "--fdl_set=train.steps=1", check=False)
   assert done.returncode != 0 and "holds a run of a different config" in done.stderr
+
+
+def test_memorize_fires_the_generalization_gap_alarm(tmp_path):
+  done = _main("--fdl_config=experiments.olmo3_tiny:memorize", f"--workdir={tmp_path}",
+               *TINY_FAST, "--fdl_set=data.global_batch_size=16", "--fdl_set=train.steps=50")
+  assert "generalization gap" in done.stderr
+  rows = metrics_lib.read_jsonl(tmp_path / "metrics.jsonl")
+  flags = [r["alarm/generalization_gap"] for r in rows if "alarm/generalization_gap" in r]
+  assert flags[0] == 0 and flags[-1] == 1

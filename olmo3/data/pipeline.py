@@ -91,7 +91,10 @@ class Loader:
     check_divisible(cfg, sharding)
     self.cfg = cfg
     self.source = source or token_files(cfg, vocab_size)
-    self.order = GlobalOrder(len(self.source), cfg.global_batch_size, cfg.seed)
+    n_instances = len(self.source)
+    if cfg.max_instances is not None:
+      n_instances = min(n_instances, cfg.max_instances)
+    self.order = GlobalOrder(n_instances, cfg.global_batch_size, cfg.seed)
     self.sharding = sharding
     self.host_rows = HostRows.of(sharding, cfg.global_batch_size, cfg.seq_len)
     self.start_step, self.num_steps = start_step, num_steps

@@ -27,6 +27,19 @@ def make_eval_step(apply: Callable[[object, jax.Array], jax.Array]):
   return step
 
 
+def make_logprob_step(apply: Callable[[object, jax.Array], jax.Array]):
+  """(params, batch) -> each row's summed log-probability of its labels [B] (float32)."""
+
+  def step(params, batch):
+    logits = apply(params, batch["input_ids"]).astype(jnp.float32)
+    labels = batch["labels"]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(labels >= 0, target, 0.0).sum(axis=-1)
+
+  return step
+
+
 def evaluate(eval_step, params, docs: HeldoutDocs, batch_size: int,
              put: Callable[[dict[str, np.ndarray]], dict[str, jax.Array]],
              max_batches: int | None = None) -> dict[str, float]:

@@ -9,6 +9,8 @@ schedule and data position).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from typing import Any, NamedTuple
 
@@ -26,6 +28,8 @@ from olmo3.data import pipeline
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.data.tokens import read_mix
 from olmo3.eval import heldout as heldout_eval
+from olmo3.eval import tasks as tasks_lib
+from olmo3.eval.alarm import GapAlarm
 from olmo3.perf.flops import peak_flops_per_device
 from olmo3.train import checkpoint as ckpt
 from olmo3.train import metrics as metrics_lib
@@ -77,11 +81,24 @@ class Trainer:
     self._train_step = jax.jit(self._step, in_shardings=(self.state_shardings, None),
                                out_shardings=(self.state_shardings, None), donate_argnums=0)
     self._eval_step = jax.jit(heldout_eval.make_eval_step(self._apply))
+    self._logprob_step = jax.jit(heldout_eval.make_logprob_step(self._apply))
     self.heldout = {name: HeldoutDocs(read_mix(mix), exp.data.seq_len, exp.model.eos_token_id,
                                       exp.model.pad_token_id, exp.eval.max_documents)
                     for name, mix in exp.eval.heldout}
     pipeline.check_divisible(dataclasses.replace(
         exp.data, global_batch_size=exp.eval.batch_size), self.batch_sharding)
+    self.tasks, self.tokenizer = self._load_tasks()
+
+  def _load_tasks(self):
+    cfg = self.exp.eval
+    if not cfg.tasks:
+      return [], None
+    try:
+      tasks = [tasks_lib.load_task(spec, cfg.tasks_dir, cfg.task_limit) for spec in cfg.tasks]
+    except tasks_lib.TasksUnavailable as e:
+      logging.warning("downstream tasks skipped (held-out loss still runs): %s", e)
+      return [], None
+    return tasks, tasks_lib.load_tokenizer(cfg.tokenizer)
 
   # --- the model as a function of the parameter tree ---------------------------------------
 
@@ -109,7 +126,7 @@ class Trainer:
 
   def init_state(self) -> TrainState:
     """Resume from this run's latest checkpoint, else init_from, else fresh parameters."""
-    with sharding_lib.use_mesh(self.mesh, self.rules):
+    with self.mesh_context():
       return self._init_state()
 
   def _init_state(self) -> TrainState:
@@ -153,23 +170,61 @@ class Trainer:
     return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda i, v=v: v[i])
             for k, v in batch.items()}
 
+  def mesh_context(self):
+    """Run jitted steps of this trainer inside this context (its mesh and logical rules)."""
+    return sharding_lib.use_mesh(self.mesh, self.rules)
+
+  def evaluate_heldout(self, params) -> dict[str, dict[str, float]]:
+    return {name: heldout_eval.evaluate(self._eval_step, params, docs, self.exp.eval.batch_size,
+                                        self._put, self.exp.train.eval_batches)
+            for name, docs in self.heldout.items()}
+
   def evaluate(self, params) -> dict[str, float]:
+    """Held-out CE/PPL per set and downstream task metrics, as flat metric names."""
     out = {}
-    for name, docs in self.heldout.items():
-      result = heldout_eval.evaluate(self._eval_step, params, docs, self.exp.eval.batch_size,
-                                     self._put, self.exp.train.eval_batches)
+    for name, result in self.evaluate_heldout(params).items():
       out.update({f"eval/{name}/{k}": v for k, v in result.items() if k != "tokens"})
+    for name, result in self.evaluate_tasks(params).items():
+      out.update({f"downstream/{name}/{k}": v for k, v in result.items()
+                  if k in ("acc_raw", "acc_per_char", "bpb")})
     return out
+
+  def evaluate_tasks(self, params) -> dict[str, dict]:
+    if not self.tasks:
+      return {}
+    logprobs = lambda batch: np.asarray(self._logprob_step(params, self._put(batch)))
+    return tasks_lib.evaluate(self.tasks, self.tokenizer, self.exp.data.seq_len,
+                              self.exp.eval.batch_size, self.exp.model.eos_token_id, logprobs)
+
+  def _check_gap(self, alarm: GapAlarm, step: int, train_losses: list[float],
+                 evals: dict[str, float]) -> bool:
+    """Updates the alarm (writes alarm/generalization_gap into `evals`); True: stop the run."""
+    heldout = [v for k, v in evals.items() if k.startswith("eval/") and k.endswith("/ce_loss")]
+    if not heldout or not train_losses:
+      return False
+    warning = alarm.update(step, float(np.mean(train_losses)), float(np.mean(heldout)))
+    evals["alarm/generalization_gap"] = float(warning is not None)
+    if warning is None:
+      return False
+    logging.warning("%s", warning)
+    if self.exp.eval.stop_on_alarm:
+      logging.warning("stopping at step %d (eval.stop_on_alarm)", step)
+      return True
+    return False
 
   # --- the loop ------------------------------------------------------------------------------
 
   def run(self) -> dict[str, float]:
     """Trains to exp.train.steps; returns the last logged metrics."""
-    with sharding_lib.use_mesh(self.mesh, self.rules):
+    with self.mesh_context():
       return self._run()
 
   def _run(self) -> dict[str, float]:
     exp = self.exp
+    os.makedirs(self.workdir, exist_ok=True)
+    if jax.process_index() == 0:  # plain JSON: tools read it without Fiddle
+      with open(f"{self.workdir}/experiment.json", "w") as f:
+        json.dump(exp.to_dict(), f, indent=1)
     state = self._init_state()
     start = int(state.step)
     writer = metrics_lib.create_writer(self.workdir, jax.process_index() == 0)
@@ -185,6 +240,8 @@ class Trainer:
       return last
     loader = pipeline.Loader(exp.data, self.batch_sharding, start_step=start,
                              num_steps=exp.train.steps - start, vocab_size=exp.model.vocab_size)
+    alarm = GapAlarm(exp.eval.alarm_window, exp.eval.alarm_margin)
+    train_losses: list[float] = []  # logged since the last evaluation
     tick = time.perf_counter()
     try:
       for host_batch in loader:
@@ -203,13 +260,20 @@ class Trainer:
             values["mfu"] = flops_per_step / elapsed / jax.device_count() / peak
           writer.write_scalars(step, values)
           last = values
+          train_losses.append(values["ce_loss"])
           tick = time.perf_counter()
         if self.heldout and exp.train.eval_every and (
             step % exp.train.eval_every == 0 or step == exp.train.steps):
           evals = self.evaluate(state.params)
+          stop = self._check_gap(alarm, step, train_losses, evals)
+          train_losses = []
           writer.write_scalars(step, evals)
           last = {**last, **evals}
           tick = time.perf_counter()
+          if stop:
+            writer.flush()
+            self.save(state)
+            break
         if step % exp.checkpoint.every == 0 or step == exp.train.steps:
           writer.flush()  # metrics up to a checkpoint are on disk before it can exist
           self.save(state)

@@ -1,0 +1,85 @@
+"""python -m olmo3.eval --workdir RUN [--step S | --all_steps] [--tasks T ...] [--out FILE]
+
+Evaluates a run's checkpoint(s) with the run's own experiment (WORKDIR/experiment.json):
+held-out LM loss per set (CE, PPL) and downstream tasks (metric, value, examples), on a mesh
+that fills this machine's devices. Writes one JSON report (default WORKDIR/eval_report.json):
+{"workdir", "steps": {"<step>": {"heldout": {set: {ce_loss, ppl}}, "tasks": {task: {...}}}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from olmo3.config import EvalConfig, Experiment, MeshConfig
+
+
+def load_experiment(workdir: str) -> Experiment:
+  path = os.path.join(workdir, "experiment.json")
+  if not os.path.exists(path):
+    raise SystemExit(f"error: {path} not found (not a run workdir of olmo3's launcher)")
+  with open(path) as f:
+    return Experiment.from_dict(json.load(f))
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m olmo3.eval", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
+  parser.add_argument("--all_steps", action="store_true", help="every checkpoint of the run")
+  parser.add_argument("--tasks", nargs="*", default=None, help="task:variant (default: the run's)")
+  parser.add_argument("--task_limit", type=int, default=None)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  exp = load_experiment(args.workdir)
+  eval_cfg = exp.eval
+  if args.tasks is not None:
+    eval_cfg = dataclasses.replace(eval_cfg, tasks=tuple(args.tasks))
+  if args.task_limit is not None:
+    eval_cfg = dataclasses.replace(eval_cfg, task_limit=args.task_limit)
+  exp = dataclasses.replace(exp, eval=eval_cfg, mesh=MeshConfig())
+
+  from olmo3.train import checkpoint as ckpt
+  from olmo3.train.loop import Trainer
+
+  trainer = Trainer(exp, args.workdir)
+  if not exp.eval.heldout and not trainer.tasks:
+    print("nothing to evaluate: the run has no held-out sets and no downstream tasks "
+          "available", file=sys.stderr)
+    return 2
+  steps = sorted(trainer.checkpoints.manager.all_steps())
+  if not steps:
+    print(f"error: {args.workdir} has no checkpoint", file=sys.stderr)
+    return 2
+  if args.step is not None:
+    if args.step not in steps:
+      print(f"error: no checkpoint at step {args.step} (have {steps})", file=sys.stderr)
+      return 2
+    steps = [args.step]
+  elif not args.all_steps:
+    steps = steps[-1:]
+  report = {"workdir": os.path.abspath(args.workdir), "steps": {}}
+  with trainer.mesh_context():
+    for step in steps:
+      params = ckpt.restore_params(trainer.checkpoints.directory / str(step), trainer.param_target)
+      heldout = trainer.evaluate_heldout(params)
+      tasks = trainer.evaluate_tasks(params)
+      report["steps"][str(step)] = {"heldout": heldout, "tasks": tasks}
+      print(f"step {step}: " + ", ".join(
+          [f"{n} ce {r['ce_loss']:.4f} ppl {r['ppl']:.1f}" for n, r in heldout.items()]
+          + [f"{n} {r['metric']} {r['value']:.4f} ({r['examples']})" for n, r in tasks.items()]))
+  out = args.out or os.path.join(args.workdir, "eval_report.json")
+  tmp = out + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(report, f, indent=1)
+  os.replace(tmp, out)
+  print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
