@@ -17,12 +17,17 @@ from __future__ import annotations
 import fiddle as fdl
 
 from experiments.common import as_config
-from olmo3.config import (CheckpointConfig, DataConfig, DType, EvalConfig, Experiment, MeshConfig,
-                          OptimizerConfig, Schedule, TrainConfig, olmo3_7b)
+from olmo3.config import (AttentionKernel, CheckpointConfig, DataConfig, DType, EvalConfig,
+                          Experiment, MeshConfig, OptimizerConfig, Remat, Schedule, TrainConfig,
+                          olmo3_7b)
 from olmo3.eval.tasks import DEFAULT_SUITE
+from olmo3.perf.flags import FLAG_SETS
 
 STAGE1_STEPS = 1_413_814  # one epoch of the Dolma 3 mix at 512 x 8192 tokens (≈ 5.93T tokens)
 STAGE2_STEPS = 47_684  # ≈ 100B tokens at 256 x 8192
+IRONWOOD_REMAT = tuple((name, "remat" if name == "mlpwi_1" else "device") for name in (
+    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj",
+    "mlpwi_0", "mlpwi_1", "mlpwo"))
 
 
 def stage1() -> fdl.Config[Experiment]:
@@ -33,7 +38,10 @@ def stage1() -> fdl.Config[Experiment]:
   matched; `stitched_schedule` restores AI2's). bfloat16 compute, float32 parameters and
   optimizer state; pure FSDP."""
   return as_config(Experiment(
-      model=olmo3_7b().replace(compute_dtype=DType.BFLOAT16),
+      # Splash attention (TPU) and the Ironwood run's remat: keep every named activation but
+      # the MLP up-projection (REFERENCE §7). On GPUs: --fiddler=gpu.
+      model=olmo3_7b().replace(compute_dtype=DType.BFLOAT16, attention=AttentionKernel.SPLASH,
+                               remat=Remat.CUSTOM, remat_custom=IRONWOOD_REMAT),
       data=DataConfig(mix="OLMo-mix-0625-official", root="", seq_len=8192,
                       global_batch_size=512, seed=34521, validate_tokens=False, num_workers=2),
       mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("tensor", 1))),
@@ -44,6 +52,7 @@ def stage1() -> fdl.Config[Experiment]:
       train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=10,
                         eval_every=1000),
       checkpoint=CheckpointConfig(every=1000, keep=3, async_save=True, init_from=None),
+      libtpu_flags=FLAG_SETS["tpu7x"].libtpu,
       # OLMo's in-loop suite; add held-out sets (e.g. c4_en validation token files) with
       # --fdl_set=eval.heldout='(("c4_en", "path/to/mix.txt"),)'.
       eval=EvalConfig(batch_size=64, tasks=DEFAULT_SUITE, tokenizer="allenai/dolma2-tokenizer"),
@@ -78,3 +87,36 @@ def stitched_schedule(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
   cfg.optimizer.stitch_at = 597_046
   cfg.optimizer.stitch_second_steps = 1_668_931
   return cfg
+
+
+def flag_set(cfg: fdl.Config[Experiment], name: str = "tpu7x") -> fdl.Config[Experiment]:
+  """Fiddler: a compiler flag set from olmo3.perf.flags (tpu7x, v5p, v6e, gpu_hopper), e.g.
+  --fiddler='flag_set(name="tpu7x")'. The tpu7x set took the TPU reproduction from 27% to 44.5%
+  MFU (SparseCore collective offload)."""
+  flags = FLAG_SETS[name]
+  cfg.xla_flags, cfg.libtpu_flags, cfg.env = flags.xla, flags.libtpu, flags.env
+  return cfg
+
+
+def gpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
+  """Fiddler: H100/H200 clusters — cuDNN flash attention with the window, the Hopper XLA flag
+  set, no TPU flags."""
+  cfg.model.attention = AttentionKernel.CUDNN
+  return flag_set(cfg, "gpu_hopper")
+
+
+def mfu_sweep() -> list[dict[str, object]]:
+  """MFU-tuning variants as data: remat policy x per-device batch x SparseCore offload x
+  attention kernel (24 variants). Each dict is a set of overrides; the variant is named after
+  them. Run: python launch/sweep.py --fdl_config=experiments.olmo3_7b:stage1
+  --sweep=experiments.olmo3_7b:mfu_sweep --compile_only=tpu7x:4x8x8 --out sweeps/7b"""
+  variants = []
+  for remat in ("full", "minimal", "save_dot_except_mlp"):
+    for batch in (512, 1024):
+      for offload in (False, True):
+        for kernel in ("xla", "splash"):
+          variants.append({
+              "model.remat": remat, "data.global_batch_size": batch,
+              "libtpu_flags": FLAG_SETS["tpu7x"].libtpu if offload else (),
+              "model.attention": kernel})
+  return variants

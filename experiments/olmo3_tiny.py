@@ -69,3 +69,13 @@ def memorize() -> fdl.Config[Experiment]:
   cfg.train.eval_every = 10
   cfg.eval.tasks = ()
   return cfg
+
+
+def mfu_sweep() -> list[dict[str, object]]:
+  """A CPU-sized sweep (12 variants): remat policy x batch x attention kernel. Run:
+  python launch/sweep.py --fdl_config=experiments.olmo3_tiny:stage1
+  --sweep=experiments.olmo3_tiny:mfu_sweep --compile_only=local --out sweeps/tiny"""
+  return [{"model.remat": remat, "data.global_batch_size": batch, "model.attention": kernel}
+          for remat in ("none", "full", "minimal")
+          for batch in (8, 16)
+          for kernel in ("xla", "dot_product")]

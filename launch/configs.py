@@ -41,7 +41,7 @@ def split_ref(ref: str) -> tuple[str, str]:
   return module, name
 
 
-def _import(module: str, what: str):
+def import_module(module: str, what: str):
   if os.getcwd() not in sys.path:
     sys.path.insert(0, os.getcwd())  # experiments/ of the checkout run from
   try:
@@ -53,7 +53,7 @@ def _import(module: str, what: str):
 def load(ref: str) -> fdl.Config:
   """The config an experiment reference builds (module:function or module.function)."""
   module_name, name = split_ref(ref)
-  module = _import(module_name, f"--fdl_config={ref!r}")
+  module = import_module(module_name, f"--fdl_config={ref!r}")
   fn = getattr(module, name, None)
   if not callable(fn):
     raise ConfigRefError(f"--fdl_config={ref!r}: {module_name} has no function {name!r}")
@@ -71,7 +71,7 @@ def apply_fiddler(cfg: fdl.Config, spec: str, default_module: str) -> fdl.Config
     raise ConfigRefError(f"--fiddler={spec!r}: expected 'name' or 'name(key=value, ...)'")
   target, args = match.groups()
   module_name, name = target.split(":") if ":" in target else (default_module, target)
-  fn = getattr(_import(module_name, f"--fiddler={spec!r}"), name, None)
+  fn = getattr(import_module(module_name, f"--fiddler={spec!r}"), name, None)
   if not callable(fn):
     raise ConfigRefError(f"--fiddler={spec!r}: {module_name} has no function {name!r}")
   kwargs = {}

@@ -32,6 +32,9 @@ SETS = flags.DEFINE_multi_string("fdl_set", [], "override: path=value (a Python 
 FIDDLERS = flags.DEFINE_multi_string("fiddler", [], "fiddler: name or name(key=value, ...)")
 WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default runs/<module>.<fn>)")
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "print the config and its numbers; allocate nothing")
+COMPILE_ONLY = flags.DEFINE_string(
+    "compile_only", None, "compile the train step and report memory and FLOPs: 'local' for this "
+    "machine's devices, or a TPU topology kind:AxBxC (e.g. tpu7x:4x8x8; needs the tpu extra)")
 FORCE = flags.DEFINE_bool("force_workdir", False,
                           "use a workdir that holds a run of a different config")
 
@@ -52,6 +55,7 @@ def apply_flag_sets(exp) -> None:
   for var, extra in (("XLA_FLAGS", exp.xla_flags), ("LIBTPU_INIT_ARGS", exp.libtpu_flags)):
     if extra:
       os.environ[var] = " ".join([os.environ.get(var, ""), *extra]).strip()
+  os.environ.update(dict(exp.env))
 
 
 def maybe_initialize_distributed() -> None:
@@ -101,6 +105,18 @@ def main(argv: list[str]) -> None:
   apply_flag_sets(exp)
   if DRY_RUN.value:
     dry_run(cfg, exp)
+    return
+  if COMPILE_ONLY.value:
+    from olmo3.perf import aot
+
+    target = None if COMPILE_ONLY.value == "local" else COMPILE_ONLY.value
+    try:
+      print(aot.compile_train_step(exp, target).format())
+    except aot.DoesNotFit as e:
+      print(f"DOES NOT FIT: {e}")
+      sys.exit(1)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
     return
   workdir = WORKDIR.value or default_workdir(FLAGS.value)
   previous = os.path.join(workdir, "config.json")

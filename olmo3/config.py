@@ -29,6 +29,18 @@ class AttentionKernel(enum.StrEnum):
   SPLASH = "splash"  # Pallas splash attention (TPU; interpret mode elsewhere, slow).
 
 
+class Remat(enum.StrEnum):
+  """What the backward pass recomputes, per layer group (olmo3.perf.remat; MaxText's names)."""
+
+  NONE = "none"  # no jax.checkpoint: everything the backward pass needs is kept
+  FULL = "full"  # save nothing inside a layer group: recompute it all
+  MINIMAL = "minimal"  # save q/k/v/out projections and the MLP matmuls
+  SAVE_QKV_PROJ = "save_qkv_proj"
+  SAVE_DOT_EXCEPT_MLP = "save_dot_except_mlp"  # the attention matmuls, not the MLP's
+  MINIMAL_WITH_CONTEXT = "minimal_with_context"  # minimal + the attention output
+  CUSTOM = "custom"  # per name (remat_custom): "device" (save), "offload" (pinned host), "remat"
+
+
 def _coerce_enum(obj: Any, name: str, enum_type: type[enum.Enum]) -> None:
   """Accepts the enum or its string value (configs round-trip through JSON and CLI flags)."""
   value = getattr(obj, name)
@@ -69,10 +81,14 @@ class ModelConfig:
   compute_dtype: DType = DType.BFLOAT16  # parameters are always float32
   attention: AttentionKernel = AttentionKernel.XLA
   scan_layers: bool = True  # scan over groups of `global_every` layers; False unrolls (same outputs)
+  remat: Remat = Remat.NONE
+  remat_custom: tuple[tuple[str, str], ...] = ()  # Remat.CUSTOM: (checkpoint name, mode)
 
   def __post_init__(self) -> None:
     _coerce_enum(self, "compute_dtype", DType)
     _coerce_enum(self, "attention", AttentionKernel)
+    _coerce_enum(self, "remat", Remat)
+    object.__setattr__(self, "remat_custom", tuple(tuple(x) for x in self.remat_custom))
     c = type(self).__name__
     for f in ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
               "mlp_hidden", "global_every", "max_seq_len"):
@@ -369,10 +385,12 @@ class Experiment:
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
   xla_flags: tuple[str, ...] = ()  # appended to XLA_FLAGS before JAX starts
   libtpu_flags: tuple[str, ...] = ()  # appended to LIBTPU_INIT_ARGS before JAX starts
+  env: tuple[tuple[str, str], ...] = ()  # environment variables set before JAX starts
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "xla_flags", tuple(self.xla_flags))
     object.__setattr__(self, "libtpu_flags", tuple(self.libtpu_flags))
+    object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
     _require(self.data.seq_len <= self.model.max_seq_len, "Experiment", "data.seq_len",
              self.data.seq_len, f"exceeds model.max_seq_len ({self.model.max_seq_len})")
 

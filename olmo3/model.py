@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from olmo3.config import AttentionKernel, ModelConfig
+from olmo3.perf import remat as remat_lib
 from olmo3.sharding import constrain, logical_to_spec
 
 
@@ -111,6 +112,13 @@ def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, implementation):
       implementation=implementation)
 
 
+def _targets_tpu() -> bool:
+  """Compiling for TPUs: the mesh's devices (a TPU topology compiled from a CPU host counts)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None) if not mesh.empty else None
+  return (device.platform if device is not None else jax.default_backend()) == "tpu"
+
+
 def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window):
   """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -127,8 +135,7 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window):
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                           block_q_dq=block, block_kv_dq=block)
     splash = sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes,
-                                head_shards=1, q_seq_shards=1,
-                                interpret=jax.default_backend() != "tpu")
+                                head_shards=1, q_seq_shards=1, interpret=not _targets_tpu())
     return jax.vmap(splash)(q_BHTK, k_BGTK, v_BGTK)
 
   scale = q_BTHK.shape[-1] ** -0.5  # splash does not scale the logits itself
@@ -291,6 +298,10 @@ class Transformer(nnx.Module):
 
     def block(params, x, window):
       return nnx.merge(graphdef, params)(x, rope, window)
+
+    remat = remat_lib.policy(cfg.remat, cfg.remat_custom)
+    if remat is not None:
+      block = jax.checkpoint(block, policy=remat, prevent_cse=False, static_argnums=(2,))
 
     period, n_layers = cfg.global_every, cfg.n_layers
     n_scanned = (n_layers // period) * period if cfg.scan_layers else 0

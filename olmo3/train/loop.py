@@ -9,6 +9,7 @@ schedule and data position).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -48,9 +49,12 @@ def _shardings(tree: Any) -> Any:
 
 
 class Trainer:
-  def __init__(self, exp: Experiment, workdir: str, name: str = ""):
+  def __init__(self, exp: Experiment, workdir: str | None = None, name: str = "",
+               devices: list[jax.Device] | None = None):
+    """Builds the mesh (over `devices`, default all), shardings, optimizer and jitted steps;
+    checkpoints, held-out sets and tasks are opened on first use."""
     self.exp, self.workdir, self.name = exp, workdir, name
-    self.mesh = sharding_lib.make_mesh(dict(exp.mesh.shape))
+    self.mesh = sharding_lib.make_mesh(dict(exp.mesh.shape), devices=devices)
     self.rules = exp.mesh.rules or sharding_lib.FSDP_RULES
     with sharding_lib.use_mesh(self.mesh, self.rules):
       abstract = model_lib.abstract_model(exp.model)
@@ -76,20 +80,32 @@ class Trainer:
     self.state_shardings = TrainState(replicated, self.param_shardings, opt_shardings)
     self.batch_sharding = jax.sharding.NamedSharding(
         self.mesh, sharding_lib.logical_to_spec(("batch", "seq"), self.rules))
-    self.checkpoints = ckpt.RunCheckpoints(f"{workdir}/checkpoints", exp.checkpoint.keep,
-                                           exp.checkpoint.async_save)
     self._train_step = jax.jit(self._step, in_shardings=(self.state_shardings, None),
                                out_shardings=(self.state_shardings, None), donate_argnums=0)
     self._eval_step = jax.jit(heldout_eval.make_eval_step(self._apply))
     self._logprob_step = jax.jit(heldout_eval.make_logprob_step(self._apply))
-    self.heldout = {name: HeldoutDocs(read_mix(mix), exp.data.seq_len, exp.model.eos_token_id,
-                                      exp.model.pad_token_id, exp.eval.max_documents)
-                    for name, mix in exp.eval.heldout}
+
+  @functools.cached_property
+  def checkpoints(self) -> ckpt.RunCheckpoints:
+    exp = self.exp
+    return ckpt.RunCheckpoints(f"{self.workdir}/checkpoints", exp.checkpoint.keep,
+                               exp.checkpoint.async_save)
+
+  @functools.cached_property
+  def heldout(self) -> dict[str, HeldoutDocs]:
+    exp = self.exp
     pipeline.check_divisible(dataclasses.replace(
         exp.data, global_batch_size=exp.eval.batch_size), self.batch_sharding)
-    self.tasks, self.tokenizer = self._load_tasks()
+    return {name: HeldoutDocs(read_mix(mix), exp.data.seq_len, exp.model.eos_token_id,
+                              exp.model.pad_token_id, exp.eval.max_documents)
+            for name, mix in exp.eval.heldout}
 
-  def _load_tasks(self):
+  @property
+  def tasks(self):
+    return self._tasks_and_tokenizer[0]
+
+  @functools.cached_property
+  def _tasks_and_tokenizer(self):
     cfg = self.exp.eval
     if not cfg.tasks:
       return [], None
@@ -154,6 +170,19 @@ class Trainer:
                                                       self.state_shardings.opt_state))()
     return self._state(0, params, opt_state)
 
+  def abstract_inputs(self) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct]]:
+    """The train step's inputs as sharded ShapeDtypeStructs (ahead-of-time compilation)."""
+    state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step),
+                       self.param_target, self.opt_target)
+    shape = (self.exp.data.global_batch_size, self.exp.data.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+             for k in ("input_ids", "labels")}
+    return state, batch
+
+  def lower_train_step(self):
+    with self.mesh_context():
+      return self._train_step.lower(*self.abstract_inputs())
+
   def _state(self, step, params, opt_state) -> TrainState:
     step = jax.device_put(jnp.asarray(step, jnp.int32), self.state_shardings.step)
     return TrainState(step, params, opt_state)
@@ -193,7 +222,7 @@ class Trainer:
     if not self.tasks:
       return {}
     logprobs = lambda batch: np.asarray(self._logprob_step(params, self._put(batch)))
-    return tasks_lib.evaluate(self.tasks, self.tokenizer, self.exp.data.seq_len,
+    return tasks_lib.evaluate(self.tasks, self._tasks_and_tokenizer[1], self.exp.data.seq_len,
                               self.exp.eval.batch_size, self.exp.model.eos_token_id, logprobs)
 
   def _check_gap(self, alarm: GapAlarm, step: int, train_losses: list[float],

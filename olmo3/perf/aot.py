@@ -1,0 +1,98 @@
+"""Ahead-of-time compilation of the real train step: for the local devices, or for a TPU
+topology from a CPU machine (`kind:AxBxC`, needs the `tpu` extra's libtpu). Reports per-device
+memory, whether it fits the chip's HBM, compiled vs analytic FLOPs and the compile time; the
+experiment's LIBTPU_INIT_ARGS are parsed by the compiler, so a bad flag fails here."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+
+from olmo3.config import Experiment
+from olmo3.perf import flops as flops_lib
+
+
+def topology_devices(topology: str) -> list:
+  """Abstract devices of a TPU topology, e.g. tpu7x:4x8x8, v5p:8x8x8, v6e:16x16."""
+  from jax.experimental import topologies
+
+  try:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+  except Exception as e:  # libtpu missing, or a name it does not know
+    raise ValueError(f"--compile_only={topology}: no TPU topology of that name ({e}); install "
+                     "the tpu extra (pip install -e '.[tpu]') and use kind:AxBxC") from None
+
+
+class DoesNotFit(RuntimeError):
+  """The step needs more device memory than the target has (the compiler's own verdict)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  target: str
+  devices: int
+  device_kind: str
+  mesh: dict
+  argument_gb: float
+  temp_gb: float
+  output_gb: float
+  alias_gb: float
+  total_gb: float  # arguments + temporaries + outputs - donated (aliased) buffers, per device
+  hbm_gb: float | None
+  fits: bool | None
+  compiled_tflops_per_step: float | None
+  analytic_tflops_per_step: float
+  compile_s: float
+
+  def format(self) -> str:
+    fit = ("unknown HBM" if self.fits is None else
+           f"{'FITS' if self.fits else 'DOES NOT FIT'} in {self.hbm_gb:.0f} GB")
+    compiled = ("n/a" if self.compiled_tflops_per_step is None
+                else f"{self.compiled_tflops_per_step:,.4g}")
+    return "\n".join([
+        f"compiled train step for {self.target}: {self.devices} x {self.device_kind}, "
+        f"mesh {self.mesh}, in {self.compile_s:.1f} s",
+        f"per-device memory: arguments {self.argument_gb:.2f} GB + temporaries "
+        f"{self.temp_gb:.2f} GB + outputs {self.output_gb:.2f} GB - donated "
+        f"{self.alias_gb:.2f} GB = {self.total_gb:.2f} GB -> {fit}",
+        f"TFLOP per step: compiled {compiled} vs analytic {self.analytic_tflops_per_step:,.4g} "
+        "(exact causal + sliding-window count; XLA counts masked attention in full)"])
+
+
+def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileReport:
+  from olmo3.train.loop import Trainer
+
+  devices = topology_devices(topology) if topology else None
+  trainer = Trainer(exp, devices=devices)
+  start = time.perf_counter()
+  lowered = trainer.lower_train_step()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise DoesNotFit(f"{topology or 'local devices'}: the compiler ran out of device memory: "
+                     f"{str(e).splitlines()[0]}") from None
+  seconds = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  gb = lambda name: getattr(mem, name, 0) / 1e9 if mem is not None else 0.0
+  args, temps, outs, alias = (gb("argument_size_in_bytes"), gb("temp_size_in_bytes"),
+                              gb("output_size_in_bytes"), gb("alias_size_in_bytes"))
+  total = args + temps + outs - alias
+  kind = trainer.mesh.devices.flat[0].device_kind
+  hbm = flops_lib.hbm_bytes_per_device(kind)
+  cost: Any = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  per_device = (cost or {}).get("flops")
+  n = trainer.mesh.devices.size
+  analytic = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
+  return CompileReport(
+      target=topology or f"local {jax.default_backend()}", devices=n, device_kind=kind,
+      mesh=dict(trainer.mesh.shape), argument_gb=args, temp_gb=temps, output_gb=outs,
+      alias_gb=alias, total_gb=total, hbm_gb=hbm / 1e9 if hbm else None,
+      fits=None if hbm is None else total * 1e9 <= hbm,
+      compiled_tflops_per_step=per_device * n / 1e12 if per_device else None,
+      analytic_tflops_per_step=analytic / 1e12, compile_s=seconds)
