@@ -267,6 +267,14 @@ class OptimizerConfig:
   stitch_first_steps: int = 1_192_093
   stitch_at: int = 597_046
   stitch_second_steps: int = 1_668_931
+  # Step skipping (REFERENCE §3): an update is skipped when the loss or the pre-clip gradient
+  # norm is more than spike_sigma standard deviations above the mean of the last spike_window
+  # accepted steps (once spike_min_history exist). Non-finite losses or gradients are always
+  # skipped: they never reach the parameters.
+  skip_spikes: bool = True
+  spike_sigma: float = 6.0
+  spike_window: int = 128
+  spike_min_history: int = 64
 
   def __post_init__(self) -> None:
     _coerce_enum(self, "schedule", Schedule)
@@ -281,6 +289,8 @@ class OptimizerConfig:
     _require(self.weight_decay >= 0, c, "weight_decay", self.weight_decay, "must be >= 0")
     _require(self.clip_grad_norm > 0, c, "clip_grad_norm", self.clip_grad_norm, "must be > 0")
     _require(self.warmup_steps >= 0, c, "warmup_steps", self.warmup_steps, "must be >= 0")
+    _require(1 <= self.spike_min_history <= self.spike_window, c, "spike_min_history",
+             self.spike_min_history, f"must be in [1, spike_window={self.spike_window}]")
     _require(self.decay_steps > self.warmup_steps, c, "decay_steps",
              self.decay_steps, f"must be > warmup_steps ({self.warmup_steps})")
 
@@ -312,6 +322,7 @@ class TrainConfig:
   log_every: int = 1
   eval_every: int = 1000  # held-out evaluation every K steps (0: never); also at the end
   eval_batches: int | None = None  # cap on held-out batches per evaluation (None: all)
+  max_consecutive_skips: int = 10  # stop the run after this many skipped steps in a row
 
   def __post_init__(self) -> None:
     c = type(self).__name__
@@ -332,6 +343,9 @@ class CheckpointConfig:
   # directory: its latest step): parameters and optimizer moments; step, schedule and data
   # position start fresh. Used when the workdir has no checkpoint of its own.
   init_from: str | None = None
+  # A damaged latest checkpoint (missing or truncated files) is reported by name; with
+  # fallback the run resumes from the previous one instead of stopping.
+  fallback: bool = True
 
   def __post_init__(self) -> None:
     c = type(self).__name__

@@ -94,3 +94,87 @@ def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
   t2.run()
   assert sorted(_losses(tmp_path / "s2")) == [1, 2, 3]
 
+
+
+NAN_MARK, SPIKE_MARK = 491, 490  # token ids the corpus never holds (it draws below 480)
+
+
+class _Injecting(Trainer):
+  """Turns a batch holding a marker token into a NaN loss or a large loss spike."""
+
+  def _apply(self, params, tokens):
+    logits = super()._apply(params, tokens)
+    scale = jnp.where(jnp.any(tokens == NAN_MARK), jnp.nan,
+                      jnp.where(jnp.any(tokens == SPIKE_MARK), 30.0, 1.0))
+    return logits * scale
+
+
+def _marked_corpus(tmp_path, marks):
+  """The training corpus with marker tokens planted in the given instances."""
+  from olmo3.data import tokens as tokens_lib
+
+  path = write_corpus(tmp_path, vocab=480)
+  data = np.fromfile(path, dtype="<u4")
+  for instance, mark in marks.items():
+    data[instance * 32] = mark
+  tokens_lib.write_token_file(path, data)
+  return path
+
+
+def _skip_experiment(path, steps, **optimizer):
+  exp = micro_experiment(path, steps=steps, every=1000)
+  return dataclasses.replace(
+      exp, optimizer=dataclasses.replace(exp.optimizer, spike_window=16, spike_min_history=8,
+                                         **optimizer))
+
+
+def test_nan_and_spike_steps_are_skipped(tmp_path):
+  path = _marked_corpus(tmp_path, {0: NAN_MARK, 1: SPIKE_MARK})
+  exp = _skip_experiment(path, steps=30)
+  trainer = _Injecting(exp, str(tmp_path / "run"))
+  from olmo3.data.order import GlobalOrder
+
+  order = GlobalOrder(40_000 // 32, 8, exp.data.seed)  # write_corpus: 40,000 tokens
+  step_of = {i: next(s for s in range(200) if i in order.batch(s)) + 1 for i in (0, 1)}
+  trainer.run()
+  rows = {r["step"]: r for r in metrics_lib.read_jsonl(tmp_path / "run" / "metrics.jsonl")}
+  skipped = sorted(s for s, r in rows.items() if r.get("skipped"))
+  expected = sorted(s for s in step_of.values() if s <= 30 and (s > 8 or s == step_of[0]))
+  assert skipped == expected and expected  # the NaN step always; the spike once history exists
+  assert np.isnan(rows[step_of[0]]["loss"])
+  state = trainer.init_state()  # the final checkpoint
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+  assert rows[30]["skipped_total"] == len(expected)
+
+
+def test_consecutive_nan_steps_stop_the_run(tmp_path):
+  path = _marked_corpus(tmp_path, {i: NAN_MARK for i in range(40_000 // 32)})
+  exp = _skip_experiment(path, steps=20)
+  exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, max_consecutive_skips=3))
+  from olmo3.train.loop import TrainingStopped
+
+  with pytest.raises(TrainingStopped, match="3 consecutive steps skipped"):
+    _Injecting(exp, str(tmp_path / "run")).run()
+
+
+def test_damaged_checkpoint_is_named_and_the_run_falls_back(tmp_path, caplog):
+  path = write_corpus(tmp_path)
+  full = micro_experiment(path, steps=6, every=2)
+  Trainer(full, str(tmp_path / "full")).run()
+  first = dataclasses.replace(full, train=dataclasses.replace(full.train, steps=4))
+  Trainer(first, str(tmp_path / "run")).run()  # checkpoints 2 and 4
+  victim = next(p for p in (tmp_path / "run" / "checkpoints" / "4" / "params").rglob("*")
+                if p.is_file() and p.stat().st_size > 1000)
+  victim.write_bytes(victim.read_bytes()[:100])  # truncated
+  strict = dataclasses.replace(full, checkpoint=dataclasses.replace(full.checkpoint,
+                                                                    fallback=False))
+  from olmo3.train.checkpoint import CheckpointError
+
+  with pytest.raises(CheckpointError, match=r"checkpoints/4 is damaged"):
+    Trainer(strict, str(tmp_path / "run")).init_state()
+  import logging
+
+  with caplog.at_level(logging.ERROR):
+    Trainer(full, str(tmp_path / "run")).run()  # resumes from step 2
+  assert "checkpoints/4 is damaged" in caplog.text
+  assert _losses(tmp_path / "run") == _losses(tmp_path / "full")

@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import json
 import os
+import signal
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -42,10 +44,43 @@ class TrainState(NamedTuple):
   step: jax.Array  # int32 scalar: steps done in this stage
   params: Any  # nested dict of float32 arrays (the checkpoint layout)
   opt_state: Any
+  skip: optim.SkipStats  # step-skipping statistics (reset when a stage starts)
+
+
+class TrainingStopped(RuntimeError):
+  """The run cannot continue (too many consecutive skipped steps). The message says why."""
 
 
 def _shardings(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.sharding, tree)
+
+
+class _Preemption:
+  """SIGTERM / SIGINT ask the run to stop; every process agrees on the step to stop at (a
+  tiny all-gather of the flag per step when the job spans several processes)."""
+
+  def __init__(self):
+    self.signal: int | None = None
+    self._previous = {}
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal = signum
+
+  def agreed(self) -> bool:
+    local = np.int32(self.signal is not None)
+    if jax.process_count() == 1:
+      return bool(local)
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(local)).any())
+
+  def restore(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
 
 class Trainer:
@@ -77,7 +112,9 @@ class Trainer:
     self.opt_target = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes,
         opt_shardings)
-    self.state_shardings = TrainState(replicated, self.param_shardings, opt_shardings)
+    self.state_shardings = TrainState(replicated, self.param_shardings, opt_shardings,
+                                      jax.tree.map(lambda _: replicated,
+                                                   optim.init_skip_stats(exp.optimizer)))
     self.batch_sharding = jax.sharding.NamedSharding(
         self.mesh, sharding_lib.logical_to_spec(("batch", "seq"), self.rules))
     self._train_step = jax.jit(self._step, in_shardings=(self.state_shardings, None),
@@ -130,13 +167,21 @@ class Trainer:
       return lm_loss(logits, batch["labels"], exp.train.z_loss_weight)
 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grad_norm = optax.global_norm(grads)
     lr = optim.learning_rate(exp.optimizer, state.step)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, jax.tree.map(lambda u: lr * u, updates))
+    # A skipped step (NaN/Inf, or a loss / gradient-norm spike) leaves parameters and optimizer
+    # state exactly as they were; the data moves on, as in OLMo-core.
+    skip = optim.should_skip(exp.optimizer, state.skip, loss, grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+    params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+    stats = optim.record(exp.optimizer, state.skip, loss, grad_norm, skip)
     metrics = {"loss": loss, "ce_loss": aux["ce_loss"], "z_loss": aux["z_loss"],
-               "grad_norm": optax.global_norm(grads), "lr": lr,
-               "tokens": aux["tokens"].astype(jnp.float32)}
-    return TrainState(state.step + 1, params, opt_state), metrics
+               "grad_norm": grad_norm, "lr": lr, "tokens": aux["tokens"].astype(jnp.float32),
+               "skipped": skip.astype(jnp.float32),
+               "skipped_total": stats.skipped.astype(jnp.float32)}
+    return TrainState(state.step + 1, params, opt_state, stats), metrics
 
   # --- state -------------------------------------------------------------------------------
 
@@ -146,12 +191,30 @@ class Trainer:
       return self._init_state()
 
   def _init_state(self) -> TrainState:
-    latest = self.checkpoints.latest_step()
-    if latest is not None:
-      params, opt_state, meta = ckpt.restore_train_state(
-          self.checkpoints.directory / str(latest), self.param_target, self.opt_target)
-      logging.info("resumed from %s (step %d)", self.checkpoints.directory / str(latest), latest)
-      return self._state(meta["step"], params, opt_state)
+    # Newest first: a checkpoint found damaged (missing or truncated files) is reported by
+    # name, and with checkpoint.fallback the run resumes from the one before it.
+    steps = sorted(self.checkpoints.manager.all_steps(), reverse=True)
+    for step in steps:
+      path = self.checkpoints.directory / str(step)
+      try:
+        params, opt_state, meta = ckpt.restore_train_state(path, self.param_target,
+                                                           self.opt_target)
+      except Exception as e:  # Orbax/TensorStore raise many types for damaged files
+        message = f"checkpoint {path} is damaged or unreadable: {type(e).__name__}: {e}"
+        if not self.exp.checkpoint.fallback:
+          raise ckpt.CheckpointError(message + " (checkpoint.fallback is off)") from e
+        aside = path.parent / f"{step}.damaged"  # kept for inspection; the step can be redone
+        if jax.process_index() == 0:
+          path.rename(aside)
+        self.checkpoints.manager.reload()
+        logging.error("%s; moved it to %s and falling back to the previous checkpoint",
+                      message, aside)
+        continue
+      logging.info("resumed from %s (step %d)", path, step)
+      return self._state(meta["step"], params, opt_state, meta.get("skip"))
+    if steps:  # never silently start over a run whose checkpoints all failed
+      raise ckpt.CheckpointError(f"{self.checkpoints.directory}: no readable checkpoint among "
+                                 f"steps {sorted(steps)}")
     if self.exp.checkpoint.init_from:
       source = ckpt.resolve_step_dir(self.exp.checkpoint.init_from)
       params, opt_state, meta = ckpt.restore_train_state(source, self.param_target,
@@ -172,8 +235,10 @@ class Trainer:
 
   def abstract_inputs(self) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct]]:
     """The train step's inputs as sharded ShapeDtypeStructs (ahead-of-time compilation)."""
+    skip = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        optim.init_skip_stats(self.exp.optimizer), self.state_shardings.skip)
     state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=self.state_shardings.step),
-                       self.param_target, self.opt_target)
+                       self.param_target, self.opt_target, skip)
     shape = (self.exp.data.global_batch_size, self.exp.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
              for k in ("input_ids", "labels")}
@@ -183,14 +248,21 @@ class Trainer:
     with self.mesh_context():
       return self._train_step.lower(*self.abstract_inputs())
 
-  def _state(self, step, params, opt_state) -> TrainState:
-    step = jax.device_put(jnp.asarray(step, jnp.int32), self.state_shardings.step)
-    return TrainState(step, params, opt_state)
+  def _state(self, step, params, opt_state, skip: dict | None = None) -> TrainState:
+    """A TrainState on the mesh; `skip` is the step-skipping statistics saved in a checkpoint's
+    meta (None: fresh, as when a stage starts)."""
+    fresh = optim.init_skip_stats(self.exp.optimizer)
+    stats = fresh if skip is None else optim.SkipStats(
+        *(np.asarray(skip[f], dtype=getattr(fresh, f).dtype) for f in fresh._fields))
+    put = lambda x, sh: jax.device_put(jnp.asarray(x), sh)
+    return TrainState(put(np.int32(step), self.state_shardings.step), params, opt_state,
+                      jax.tree.map(put, stats, self.state_shardings.skip))
 
   def save(self, state: TrainState) -> None:
     step = int(state.step)
+    skip = {f: np.asarray(v).tolist() for f, v in state.skip._asdict().items()}
     self.checkpoints.save(step, state.params, state.opt_state, {
-        "step": step, "data_step": step, "experiment": self.name,
+        "step": step, "data_step": step, "experiment": self.name, "skip": skip,
         "model_config": dataclasses.asdict(self.exp.model)})
 
   # --- evaluation ----------------------------------------------------------------------------
@@ -269,6 +341,7 @@ class Trainer:
       return last
     loader = pipeline.Loader(exp.data, self.batch_sharding, start_step=start,
                              num_steps=exp.train.steps - start, vocab_size=exp.model.vocab_size)
+    preemption = _Preemption()
     alarm = GapAlarm(exp.eval.alarm_window, exp.eval.alarm_margin)
     train_losses: list[float] = []  # logged since the last evaluation
     tick = time.perf_counter()
@@ -279,6 +352,16 @@ class Trainer:
         state, step_metrics = self._train_step(state, batch)
         step = int(state.step)
         progress(step)
+        consecutive = int(state.skip.consecutive)
+        if consecutive >= exp.train.max_consecutive_skips:
+          writer.write_scalars(step, {k: float(v) for k, v in
+                                      jax.device_get(step_metrics).items()})
+          raise TrainingStopped(
+              f"step {step}: {consecutive} consecutive steps skipped (NaN/Inf or loss / "
+              f"gradient-norm spikes; the last loss was {float(step_metrics['loss'])}): "
+              f"stopping. Parameters are those of step {step - consecutive}; the latest "
+              "checkpoint is intact. Lower the LR, check the data, or raise "
+              "train.max_consecutive_skips.")
         if step % exp.train.log_every == 0 or step == exp.train.steps:
           values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
           elapsed = (time.perf_counter() - tick) / exp.train.log_every
@@ -306,7 +389,14 @@ class Trainer:
         if step % exp.checkpoint.every == 0 or step == exp.train.steps:
           writer.flush()  # metrics up to a checkpoint are on disk before it can exist
           self.save(state)
+        elif preemption.agreed():
+          writer.flush()
+          self.save(state)
+          logging.warning("preempted (signal %s): saved step %d; rerun the same command to "
+                          "resume", preemption.signal, step)
+          break
     finally:
+      preemption.restore()
       self.checkpoints.wait()
       writer.flush()
     return last

@@ -8,10 +8,11 @@ keep their bias correction while its step and schedule start from zero, as OLMo-
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from olmo3.config import OptimizerConfig, Schedule
@@ -57,3 +58,42 @@ def adamw(cfg: OptimizerConfig, params: Any) -> optax.GradientTransformation:
       optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask(cfg, params)),
       optax.scale(-1.0),
   )
+
+
+class SkipStats(NamedTuple):
+  """Recent accepted steps' loss and gradient norm, and the skip counters."""
+
+  history: jax.Array  # [2, window] float32 (loss, grad norm), a ring buffer
+  recorded: jax.Array  # int32: accepted steps recorded so far
+  consecutive: jax.Array  # int32: skipped steps in a row
+  skipped: jax.Array  # int32: skipped steps in this stage
+
+
+def init_skip_stats(cfg: OptimizerConfig) -> SkipStats:
+  # Distinct arrays: the train step donates its state, and aliased leaves would be freed twice.
+  return SkipStats(np.zeros((2, cfg.spike_window), np.float32), np.zeros((), np.int32),
+                   np.zeros((), np.int32), np.zeros((), np.int32))
+
+
+def should_skip(cfg: OptimizerConfig, stats: SkipStats, loss, grad_norm) -> jax.Array:
+  """True for a non-finite loss or gradient, or (skip_spikes) a > spike_sigma·σ spike."""
+  values = jnp.stack([loss, grad_norm]).astype(jnp.float32)
+  skip = ~jnp.isfinite(values).all()
+  if cfg.skip_spikes:
+    n = jnp.minimum(stats.recorded, cfg.spike_window)
+    valid = jnp.arange(cfg.spike_window) < n
+    count = jnp.maximum(n, 1).astype(jnp.float32)
+    mean = jnp.where(valid, stats.history, 0.0).sum(-1) / count
+    var = jnp.where(valid, jnp.square(stats.history - mean[:, None]), 0.0).sum(-1) / count
+    spike = (values > mean + cfg.spike_sigma * jnp.sqrt(var)).any()
+    skip |= spike & (n >= cfg.spike_min_history)
+  return skip
+
+
+def record(cfg: OptimizerConfig, stats: SkipStats, loss, grad_norm, skip) -> SkipStats:
+  values = jnp.stack([loss, grad_norm]).astype(jnp.float32)
+  slot = stats.recorded % cfg.spike_window
+  history = jnp.where(skip, stats.history, stats.history.at[:, slot].set(values))
+  return SkipStats(history, stats.recorded + jnp.where(skip, 0, 1).astype(jnp.int32),
+                   jnp.where(skip, stats.consecutive + 1, 0).astype(jnp.int32),
+                   stats.skipped + skip.astype(jnp.int32))
