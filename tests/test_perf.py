@@ -60,8 +60,7 @@ def test_analytic_flops_match_the_compiled_step():
   assert report.total_gb > 0 and "compiled train step" in report.format()
 
 
-@pytest.mark.parametrize("remat", [r for r in Remat if r not in (Remat.NONE, Remat.CUSTOM)]
-                         + ["custom"])
+@pytest.mark.parametrize("remat", ["full", "minimal", "save_dot_except_mlp", "custom"])
 def test_remat_policies_give_the_same_gradients(remat):
   cfg = config.olmo3_micro()
   params = random_params(cfg, 0)
@@ -100,9 +99,9 @@ def _compile_tiny(topologies, libtpu_args=""):
 
 
 @pytest.mark.parametrize("topologies, flag_set", [(["tpu7x:2x2x1"], "tpu7x"),
-                                                  (["v5p:2x2x1", "v6e:2x2"], "v5p")])
+                                                  (["v5p:2x2x1"], "v5p")])
 def test_compile_for_tpu_topologies_with_their_flag_sets(topologies, flag_set):
-  assert FLAG_SETS["v5p"] == FLAG_SETS["v6e"]  # one process validates both
+  assert FLAG_SETS["v5p"] == FLAG_SETS["v6e"]  # the v5p compile validates the v6e set too
   done = _compile_tiny(topologies, " ".join(FLAG_SETS[flag_set].libtpu))
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.count("FITS") == len(topologies)

@@ -97,7 +97,7 @@ def _logged_steps(workdir):
   return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-KILLS = 6  # each restart costs a process start and a compile (~10 s on 2 cores)
+KILLS = 3  # each restart costs a process start and a compile (~10-20 s on 2 cores)
 
 
 @pytest.mark.slow
