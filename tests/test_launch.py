@@ -80,10 +80,10 @@ def _losses(workdir):
 def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   s1, s2 = tmp_path / "s1", tmp_path / "s2"
   _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
-        "--fdl_set=train.steps=9", "--fdl_set=train.eval_every=3", "--fdl_set=train.log_every=1")
+        "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4", "--fdl_set=train.log_every=1")
   rows = metrics_lib.read_jsonl(s1 / "metrics.jsonl")
   losses = [r["loss"] for r in rows if "loss" in r]
-  assert len(losses) == 9 and losses[-1] < losses[0] - 1.0  # clearly falling
+  assert len(losses) == 12 and losses[-1] < losses[0] - 1.0  # clearly falling
   evals = [r["eval/embedded/ce_loss"] for r in rows if "eval/embedded/ce_loss" in r]
   assert len(evals) == 3 and evals[2] < evals[1] < evals[0]
   assert [r["alarm/generalization_gap"] for r in rows if "alarm/generalization_gap" in r] == [
@@ -96,13 +96,13 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
 
   events = event_accumulator.EventAccumulator(str(s1 / "tensorboard"))
   events.Reload()
-  assert [e.step for e in events.Scalars("loss")] == list(range(1, 10))
+  assert [e.step for e in events.Scalars("loss")] == list(range(1, 13))
   assert "eval/embedded/ce_loss" in events.Tags()["scalars"]
   # The run record loads back and builds the same experiment.
   record = configs.from_workdir(str(s1))
   cfg = configs.resolve("experiments.olmo3_tiny:stage1",
                         [a.removeprefix("--fdl_set=") for a in TINY_FAST]
-                        + ["train.steps=9", "train.eval_every=3", "train.log_every=1"])
+                        + ["train.steps=12", "train.eval_every=4", "train.log_every=1"])
   assert fdl.build(record) == fdl.build(cfg)
   assert "--fdl_config=experiments.olmo3_tiny:stage1" in (s1 / "command.txt").read_text()
   # Stage 2 anneals from stage 1's final checkpoint.
@@ -120,7 +120,7 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
                          "--out", str(tmp_path / "report.json")], capture_output=True, text=True,
                         cwd=ROOT, env=ENV, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
-  report = json.loads((tmp_path / "report.json").read_text())["steps"]["9"]
+  report = json.loads((tmp_path / "report.json").read_text())["steps"]["12"]
   assert report["heldout"]["embedded"]["ce_loss"] == pytest.approx(evals[-1], rel=1e-6)
   assert len(report["tasks"]) == 8
   assert {"metric", "value", "examples"} <= set(report["tasks"]["piqa:rc_0shot"])
