@@ -16,7 +16,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 from olmo_core.data import DataCollator, NumpyFSLDataLoader
 from olmo_core.data.numpy_dataset import InstanceFilterConfig, NumpyFSLDataset
 from olmo_core.data.utils import find_periodic_sequences

@@ -1,7 +1,5 @@
 import gzip
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from olmo3.config import EvalConfig, Experiment, MeshConfig
+from olmo3.config import Experiment, MeshConfig
 
 
 def load_experiment(workdir: str) -> Experiment:
