@@ -104,11 +104,13 @@ class Trainer:
         self.param_shardings)
     self.tx = optim.adamw(exp.optimizer, shapes)
     opt_shapes = jax.eval_shape(self.tx.init, shapes)
-    # Moments follow their parameters' shardings; scalars (Adam's count) are replicated.
+    # Moments follow their parameters' shardings; scalars (Adam's count) are replicated. Set
+    # explicitly: the compiler is free to replicate `zeros_like(params)` (it did on TPU, which
+    # put a full copy of both Adam moments on every device).
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    opt_shardings = jax.tree.map(
-        lambda s: s if isinstance(s, jax.sharding.NamedSharding) else replicated,
-        jax.jit(self.tx.init).lower(self.param_target).compile().output_shardings)
+    opt_shardings = optax.tree_map_params(
+        self.tx, lambda _, sharding: sharding, opt_shapes, self.param_shardings,
+        transform_non_params=lambda _: replicated)
     self.opt_target = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_shapes,
         opt_shardings)
