@@ -25,6 +25,7 @@ from absl import app, flags, logging  # noqa: E402
 from fiddle import printing  # noqa: E402
 
 from launch import configs  # noqa: E402
+from olmo3.perf import flags as flags_lib  # noqa: E402
 
 FLAGS = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function (or the dotted form)")
@@ -37,6 +38,11 @@ COMPILE_ONLY = flags.DEFINE_string(
     "machine's devices, or a TPU topology kind:AxBxC (e.g. tpu7x:4x8x8; needs the tpu extra)")
 FORCE = flags.DEFINE_bool("force_workdir", False,
                           "use a workdir that holds a run of a different config")
+CACHE = flags.DEFINE_string(
+    "compilation_cache", os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                        os.path.join("~", ".cache", "olmo3", "jax")),
+    "persistent XLA compilation cache (a restarted or resumed run skips recompiling; a shared "
+    "path such as gs://... serves every host); '' turns it off")
 
 # Fields that may change between runs in one workdir (a longer run, a different cadence).
 RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
@@ -48,14 +54,6 @@ def default_workdir(ref: str) -> str:
   """runs/<module>.<function>: experiments.olmo3_tiny:stage1 -> runs/olmo3_tiny.stage1."""
   module, name = configs.split_ref(ref)
   return os.path.join("runs", f"{module.rsplit('.', 1)[-1]}.{name}")
-
-
-def apply_flag_sets(exp) -> None:
-  """The experiment's XLA / libtpu flags, into the environment before JAX initialises."""
-  for var, extra in (("XLA_FLAGS", exp.xla_flags), ("LIBTPU_INIT_ARGS", exp.libtpu_flags)):
-    if extra:
-      os.environ[var] = " ".join([os.environ.get(var, ""), *extra]).strip()
-  os.environ.update(dict(exp.env))
 
 
 def maybe_initialize_distributed() -> None:
@@ -102,7 +100,7 @@ def main(argv: list[str]) -> None:
     exp = fdl.build(cfg)
   except (configs.ConfigRefError, ValueError, TypeError) as e:
     raise app.UsageError(str(e)) from None
-  apply_flag_sets(exp)
+  flags_lib.apply_to_environ(exp.xla_flags, exp.libtpu_flags, exp.env)
   if DRY_RUN.value:
     dry_run(cfg, exp)
     return
@@ -133,6 +131,9 @@ def main(argv: list[str]) -> None:
   import jax
 
   from olmo3.train.loop import Trainer
+
+  if CACHE.value:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(CACHE.value))
 
   if jax.process_index() == 0:
     configs.write_run_record(workdir, cfg, sys.argv)

@@ -7,7 +7,9 @@
   ... --variant 'model.remat=full,data.global_batch_size=16'    # rerun one variant alone
 
 A sweep is a function returning a list of override dicts ({"model.remat": "full", ...}); each
-variant is named after its overrides. With --compile_only each variant's train step is compiled
+variant is named after its overrides and runs in a process of its own, so its XLA / libtpu flag
+set takes effect and a crash costs that variant alone (--jobs N runs N at a time). With
+--compile_only each variant's train step is compiled
 for the target (memory, fits, compiled FLOPs); with --steps each trains N steps in a scratch
 workdir (tokens/s, TFLOP/s per device, MFU when the device's peak is known). Writes
 OUT/results.csv, OUT/results.md (ranked: what fits, by MFU or by memory) and OUT/results.png.
@@ -16,9 +18,12 @@ OUT/results.csv, OUT/results.md (ranked: what fits, by MFU or by memory) and OUT
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import dataclasses
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fiddle as fdl  # noqa: E402
 
 from launch import configs  # noqa: E402
+from olmo3.perf import flags as flags_lib  # noqa: E402
 
 
 def variant_name(overrides: dict[str, Any]) -> str:
@@ -128,6 +134,43 @@ def _chart(path: str, rows: list[dict[str, Any]]) -> None:
   plt.close(fig)
 
 
+def _variant_in_subprocess(args, index: int, name: str) -> dict[str, Any]:
+  """Runs one variant in a fresh process: its XLA / libtpu flags only take effect before JAX
+  starts, and a compiler crash or out-of-memory abort costs that variant alone."""
+  with tempfile.TemporaryDirectory() as scratch:
+    result_path = os.path.join(scratch, "result.json")
+    mode = (["--compile_only", args.compile_only] if args.compile_only
+            else ["--steps", str(args.steps)])
+    cmd = [sys.executable, os.path.abspath(__file__), "--fdl_config", args.fdl_config,
+           "--sweep", args.sweep, *(f"--fdl_set={s}" for s in args.fdl_set), *mode,
+           "--out", scratch, "--_worker", str(index), "--_result", result_path]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    log = done.stdout + done.stderr
+    if args.jobs == 1:
+      print(log[-2000:] if done.returncode else "", end="", flush=True)
+    if os.path.exists(result_path):
+      with open(result_path) as f:
+        return json.load(f)
+    last = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["no output"]
+    return {"fits": False, "error": f"variant process exited {done.returncode}: {last[0][:200]}"}
+
+
+def _worker(args) -> int:
+  overrides = load_sweep(args.sweep)[args._worker]
+  exp = fdl.build(apply(configs.resolve(args.fdl_config, args.fdl_set), overrides))
+  flags_lib.apply_to_environ(exp.xla_flags, exp.libtpu_flags, exp.env)  # before JAX starts
+  if args.compile_only and args.compile_only != "local":
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no TPU is held
+  try:
+    result = run_variant(exp, args.compile_only, args.steps)
+  except Exception as e:  # reported in the table; the sweep goes on
+    traceback.print_exc()
+    result = {"fits": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+  with open(args._result, "w") as f:
+    json.dump(result, f)
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="launch/sweep.py", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,25 +182,32 @@ def main(argv: list[str] | None = None) -> int:
   mode.add_argument("--steps", type=int, help="train each variant this many steps")
   parser.add_argument("--out", required=True)
   parser.add_argument("--variant", default=None, help="run only the variant of this name")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="variants at a time (compile-only sweeps of a big model on a "
+                      "many-core machine; keep 1 when timing with --steps)")
+  parser.add_argument("--_worker", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--_result", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
-  variants = load_sweep(args.sweep)
+  if args._worker is not None:
+    return _worker(args)
+  variants = list(enumerate(load_sweep(args.sweep)))
   if args.variant:
-    variants = [v for v in variants if variant_name(v) == args.variant]
+    variants = [(i, v) for i, v in variants if variant_name(v) == args.variant]
     if not variants:
       print(f"error: no variant named {args.variant!r}", file=sys.stderr)
       return 2
-  rows = []
-  for overrides in variants:
+
+  def one(item):
+    index, overrides = item
     name = variant_name(overrides)
-    print(f"--- {name}", flush=True)
-    try:
-      exp = fdl.build(apply(configs.resolve(args.fdl_config, args.fdl_set), overrides))
-      result = run_variant(exp, args.compile_only, args.steps)
-    except Exception as e:  # one broken variant must not sink the sweep
-      traceback.print_exc()
-      result = {"fits": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-    rows.append({"variant": name, **result})
-    print({k: v for k, v in rows[-1].items() if k != "variant"}, flush=True)
+    if args.jobs == 1:
+      print(f"--- {name}", flush=True)
+    row = {"variant": name, **_variant_in_subprocess(args, index, name)}
+    print(f"{name}: {({k: v for k, v in row.items() if k != 'variant'})}", flush=True)
+    return row
+
+  with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+    rows = list(pool.map(one, variants))
   write_results(args.out, rows)
   print(f"wrote {args.out}/results.csv, results.md, results.png ({len(rows)} variants)")
   return 0

@@ -1,3 +1,4 @@
+import csv
 import os
 import subprocess
 import sys
@@ -120,10 +121,14 @@ def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                         env=ENV, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
-  rows = (tmp_path / "results.csv").read_text().splitlines()
-  assert len(rows) == 1 + 12
-  assert "model.remat=full,data.global_batch_size=16,model.attention=dot_product" in rows[-1] or \
-      any("model.remat=full" in r for r in rows)
+  with open(tmp_path / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  from experiments import olmo3_tiny
+  from launch.sweep import variant_name
+
+  assert len(rows) == 12
+  assert {r["variant"] for r in rows} == {variant_name(v) for v in olmo3_tiny.mfu_sweep()}
+  assert all(r["fits"] == "True" and float(r["memory_gb"]) > 0 for r in rows)
   assert (tmp_path / "results.md").read_text().count("\n") == 2 + 12
   assert (tmp_path / "results.png").stat().st_size > 5_000
   one = subprocess.run([sys.executable, "launch/sweep.py",
@@ -134,6 +139,25 @@ def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
                        env=ENV, timeout=600)
   assert one.returncode == 0, one.stderr[-3000:]
   assert "tokens_per_s" in (tmp_path / "one" / "results.csv").read_text()
+
+
+def test_each_sweep_variant_gets_its_own_flag_set(tmp_path):
+  """Flags only apply before JAX starts, so every variant runs in a process of its own: an
+  unknown XLA flag aborts that variant's process (XLA refuses it), the other variant compiles."""
+  (tmp_path / "flag_sweep.py").write_text(
+      "def sweep():\n"
+      "  return [{'xla_flags': ()}, {'xla_flags': ('--xla_this_flag_does_not_exist=1',)}]\n")
+  done = subprocess.run([sys.executable, "launch/sweep.py",
+                         "--fdl_config=experiments.olmo3_tiny:stage1", "--sweep=flag_sweep:sweep",
+                         "--fdl_set=data.global_batch_size=8", "--compile_only=local",
+                         "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                        cwd=ROOT, env=dict(ENV, PYTHONPATH=str(tmp_path)), timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  with open(tmp_path / "out" / "results.csv") as f:
+    rows = {r["variant"]: r for r in csv.DictReader(f)}
+  assert rows["xla_flags=off"]["fits"] == "True" and float(rows["xla_flags=off"]["memory_gb"]) > 0
+  assert rows["xla_flags=on"]["fits"] == "False"
+  assert "exited" in rows["xla_flags=on"]["error"]
 
 
 def test_mfu_gpu_benchmark_smoke_mode():

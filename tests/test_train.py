@@ -199,3 +199,17 @@ def test_damaged_checkpoint_is_named_and_the_run_falls_back(tmp_path, caplog):
     Trainer(full, str(tmp_path / "run")).run()  # resumes from step 2
   assert "checkpoints/4 is damaged" in caplog.text
   assert _losses(tmp_path / "run") == _losses(tmp_path / "full")
+
+
+def test_metric_writer_starts_without_importing_torch(tmp_path):
+  """tensorboardX imports torch at import (≈2 s per process start); the shim hides it, and
+  scalars still land in TensorBoard event files."""
+  import subprocess
+  import sys
+
+  code = ("import sys; from olmo3.train import metrics; "
+          f"w = metrics.create_writer({str(tmp_path)!r}, True); w.write_scalars(1, {{'loss': 2.5}}); "
+          "w.close(); assert 'torch' not in sys.modules; import torch")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert list(tmp_path.rglob("events.out.tfevents*"))

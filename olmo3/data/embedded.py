@@ -9,6 +9,7 @@ only. Deterministic; held-out documents (by hash of their text) are disjoint fro
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -24,20 +25,38 @@ FORMAT = 1  # bump when the corpus or its preparation changes
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")  # ids 0 (EOS) and 1 (PAD)
 
 
+def _source_paths() -> list[Path]:
+  """The standard library's .py files outside site-packages and test directories, sorted.
+  (os.walk prunes those directories instead of walking all of site-packages.)"""
+  stdlib = Path(sysconfig.get_paths()["stdlib"])
+  paths = []
+  for root, dirs, files in os.walk(stdlib):
+    top = Path(root) == stdlib
+    dirs[:] = [d for d in dirs if d not in ("test", "tests", "idle_test") and not (
+        top and d in ("site-packages", "dist-packages"))]
+    paths.extend(Path(root) / f for f in files if f.endswith(".py"))
+  return sorted(paths)
+
+
 def documents() -> list[tuple[str, str]]:
   """(name, text) of every document, in a fixed order."""
   stdlib = Path(sysconfig.get_paths()["stdlib"])
-  docs = []
-  for path in sorted(stdlib.rglob("*.py")):
-    rel = path.relative_to(stdlib)
-    if rel.parts[0] in ("site-packages", "dist-packages") or any(
-        p in ("test", "tests", "idle_test") for p in rel.parts):
-      continue
-    docs.append((str(rel), path.read_text(encoding="utf-8", errors="replace")))
+  docs = [(str(path.relative_to(stdlib)), path.read_text(encoding="utf-8", errors="replace"))
+          for path in _source_paths()]
   from pydoc_data import topics
 
   docs.extend((f"pydoc:{name}", topics.topics[name]) for name in sorted(topics.topics))
   return [(n, t) for n, t in docs if t.strip()]
+
+
+def _fingerprint() -> list:
+  """What the corpus is made of, cheaply: every source file's name and size, every topic's
+  length. Reading the 13 MB of text is left to the one process that prepares it."""
+  from pydoc_data import topics
+
+  stdlib = Path(sysconfig.get_paths()["stdlib"])
+  return ([(str(p.relative_to(stdlib)), p.stat().st_size) for p in _source_paths()]
+          + [(name, len(topics.topics[name])) for name in sorted(topics.topics)])
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -58,16 +77,20 @@ def cache_root() -> Path:
 def corpus_dir(vocab_size: int = 8192, heldout_fraction: float = 0.05,
                progress: bool = False) -> Path:
   """The prepared corpus (manifest.json, tokenizer.json, token files), built on first use."""
-  docs = documents()
-  key = hashlib.sha256(json.dumps(
-      [FORMAT, vocab_size, heldout_fraction, [(n, len(t)) for n, t in docs]]).encode()
-  ).hexdigest()[:12]
-  out = cache_root() / f"embedded-{key}"
+  return _corpus_dir(cache_root(), vocab_size, heldout_fraction, progress)
+
+
+@functools.lru_cache  # a run asks several times (train mix, held-out mix, tokenizer)
+def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: bool) -> Path:
+  key = hashlib.sha256(json.dumps([FORMAT, vocab_size, heldout_fraction, _fingerprint()]).encode()
+                       ).hexdigest()[:12]
+  out = root / f"embedded-{key}"
   out.mkdir(parents=True, exist_ok=True)
   with open(out / ".lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer at a time; the others wait, then reuse it
     if (out / "manifest.json").exists():
       return out
+    docs = documents()
     train_texts = [t for _, t in docs if not prepare_lib.is_heldout(t, heldout_fraction)]
     tokenizer = train_tokenizer(train_texts, vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from olmo3.config import Experiment
+from olmo3.config import AttentionKernel, Experiment
 from olmo3.perf import flops as flops_lib
 
 
@@ -46,6 +46,7 @@ class CompileReport:
   compiled_tflops_per_step: float | None
   analytic_tflops_per_step: float
   compile_s: float
+  flops_caveat: str = ""  # why the compiled count understates the step, when it does
 
   def format(self) -> str:
     fit = ("unknown HBM" if self.fits is None else
@@ -59,7 +60,8 @@ class CompileReport:
         f"{self.temp_gb:.2f} GB + outputs {self.output_gb:.2f} GB - donated "
         f"{self.alias_gb:.2f} GB = {self.total_gb:.2f} GB -> {fit}",
         f"TFLOP per step: compiled {compiled} vs analytic {self.analytic_tflops_per_step:,.4g} "
-        "(exact causal + sliding-window count; XLA counts masked attention in full)"])
+        "(exact causal + sliding-window count; XLA counts masked attention in full)"
+        + (f"; {self.flops_caveat}" if self.flops_caveat else "")])
 
 
 def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileReport:
@@ -89,10 +91,16 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
   per_device = (cost or {}).get("flops")
   n = trainer.mesh.devices.size
   analytic = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
+  caveats = []
+  if exp.model.scan_layers and exp.model.n_layers >= exp.model.global_every:
+    caveats.append("XLA's cost analysis counts the scanned layer group once, not once per "
+                   "iteration")
+  if exp.model.attention is AttentionKernel.SPLASH:
+    caveats.append("Pallas attention kernels count as zero")
   return CompileReport(
       target=topology or f"local {jax.default_backend()}", devices=n, device_kind=kind,
       mesh=dict(trainer.mesh.shape), argument_gb=args, temp_gb=temps, output_gb=outs,
       alias_gb=alias, total_gb=total, hbm_gb=hbm / 1e9 if hbm else None,
       fits=None if hbm is None else total * 1e9 <= hbm,
       compiled_tflops_per_step=per_device * n / 1e12 if per_device else None,
-      analytic_tflops_per_step=analytic / 1e12, compile_s=seconds)
+      analytic_tflops_per_step=analytic / 1e12, compile_s=seconds, flops_caveat="; ".join(caveats))

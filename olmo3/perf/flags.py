@@ -5,6 +5,7 @@ flags it does not know, so `--compile_only` for a TPU topology validates a set."
 from __future__ import annotations
 
 import dataclasses
+import os
 
 _SPARSECORE_OFFLOAD = (
     "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
@@ -51,3 +52,16 @@ FLAG_SETS: dict[str, FlagSet] = {
         "--xla_disable_hlo_passes=rematerialization",
     ), env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
 }
+
+
+def apply_to_environ(xla: tuple[str, ...], libtpu: tuple[str, ...],
+                     env: tuple[tuple[str, str], ...]) -> None:
+  """Adds an experiment's flags to XLA_FLAGS / LIBTPU_INIT_ARGS and sets its environment.
+
+  Only takes effect before JAX initialises its backends: one flag set per process.
+  """
+
+  for var, extra in (("XLA_FLAGS", xla), ("LIBTPU_INIT_ARGS", libtpu)):
+    if extra:
+      os.environ[var] = " ".join([os.environ.get(var, ""), *extra]).strip()
+  os.environ.update(dict(env))

@@ -20,9 +20,24 @@ from typing import Any, Mapping
 import numpy as np
 
 
+def _import_tensorboardx():
+  """tensorboardX, imported with torch hidden: its writer module imports torch (≈2 s per process
+  start) only to recognise torch tensors, which we never pass it. torch, when installed (the test
+  and eval extras), stays importable afterwards."""
+  if "torch" in sys.modules:
+    import tensorboardX
+    return tensorboardX
+  sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` fail fast
+  try:
+    import tensorboardX
+  finally:
+    del sys.modules["torch"]
+  return tensorboardX
+
+
 def _tensorboardx_writer_class():
   from clu.metric_writers import interface
-  from tensorboardX import SummaryWriter as TbxWriter
+  TbxWriter = _import_tensorboardx().SummaryWriter
 
   class SummaryWriter(interface.MetricWriter):
     """CLU MetricWriter -> TensorBoard event files, via tensorboardX (no TensorFlow)."""
