@@ -99,7 +99,7 @@ def main() -> None:
   print(f"\n{args.files} files x {args.tokens_per_file:,} tokens, seq_len {args.seq_len}, "
         f"{args.global_batch} instances/step, {args.steps} steps; {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs")
-  print(f"| loader | workers | tokens/s per host |\n|---|---|---|")
+  print("| loader | workers | tokens/s per host |\n|---|---|---|")
   for name, workers, rate in rows:
     print(f"| {name} | {workers} | {rate:,.0f} |")
   best = {name: max(r for n, _, r in rows if n == name) for name, _, _ in rows}

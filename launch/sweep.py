@@ -7,8 +7,9 @@
   ... --variant 'model.remat=full,data.global_batch_size=16'    # rerun one variant alone
 
 A sweep is a function returning a list of override dicts ({"model.remat": "full", ...}); each
-variant is named after its overrides and runs in a process of its own, so its XLA / libtpu flag
-set takes effect and a crash costs that variant alone (--jobs N runs N at a time). With
+variant is named after its overrides. Variants run in worker processes, one per flag set, so each
+variant's XLA / libtpu flags take effect; a crash costs the variant that caused it alone (the
+others are rerun); --jobs N runs N workers at a time. With
 --compile_only each variant's train step is compiled
 for the target (memory, fits, compiled FLOPs); with --steps each trains N steps in a scratch
 workdir (tokens/s, TFLOP/s per device, MFU when the device's peak is known). Writes
@@ -26,6 +27,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -107,6 +110,25 @@ def write_results(out: str, rows: list[dict[str, Any]]) -> None:
   _chart(os.path.join(out, "results.png"), ranked)
 
 
+def _read_rows(out: str) -> dict[str, dict[str, Any]]:
+  """The rows of an earlier OUT/results.csv, by variant, values parsed back from text."""
+  path = os.path.join(out, "results.csv")
+  if not os.path.exists(path):
+    return {}
+
+  def parse(v: str):
+    if v in ("", "True", "False"):
+      return {"": None, "True": True, "False": False}[v]
+    try:
+      return float(v)
+    except ValueError:
+      return v
+
+  with open(path, newline="") as f:
+    return {r["variant"]: {k: parse(v) if k != "variant" else v for k, v in r.items()}
+            for r in csv.DictReader(f)}
+
+
 def _fmt(v) -> str:
   if isinstance(v, float):
     return f"{v:.4g}"
@@ -134,40 +156,69 @@ def _chart(path: str, rows: list[dict[str, Any]]) -> None:
   plt.close(fig)
 
 
-def _variant_in_subprocess(args, index: int, name: str) -> dict[str, Any]:
-  """Runs one variant in a fresh process: its XLA / libtpu flags only take effect before JAX
-  starts, and a compiler crash or out-of-memory abort costs that variant alone."""
+def _flag_key(exp) -> tuple:
+  return exp.xla_flags, exp.libtpu_flags, exp.env
+
+
+def _run_worker(args, indices: list[int], on_result) -> None:
+  """Runs variants `indices` (one flag set) in a fresh process: flags only take effect before
+  JAX starts. Results stream back one JSON line per variant; `on_result(index, result)` gets
+  each. If the process dies (a compiler abort, out of host memory), the variants it did not
+  finish are rerun one process each, so a crash costs the variant that caused it alone."""
   with tempfile.TemporaryDirectory() as scratch:
-    result_path = os.path.join(scratch, "result.json")
+    results = os.path.join(scratch, "results.jsonl")
     mode = (["--compile_only", args.compile_only] if args.compile_only
             else ["--steps", str(args.steps)])
     cmd = [sys.executable, os.path.abspath(__file__), "--fdl_config", args.fdl_config,
            "--sweep", args.sweep, *(f"--fdl_set={s}" for s in args.fdl_set), *mode,
-           "--out", scratch, "--_worker", str(index), "--_result", result_path]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    log = done.stdout + done.stderr
-    if args.jobs == 1:
-      print(log[-2000:] if done.returncode else "", end="", flush=True)
-    if os.path.exists(result_path):
-      with open(result_path) as f:
-        return json.load(f)
-    last = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["no output"]
-    return {"fits": False, "error": f"variant process exited {done.returncode}: {last[0][:200]}"}
+           "--out", scratch, "--_worker", ",".join(map(str, indices)), "--_results", results]
+    with open(os.path.join(scratch, "log"), "w+") as log:
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+      seen = 0
+      while True:
+        finished = proc.poll() is not None
+        lines = []
+        if os.path.exists(results):
+          with open(results) as f:
+            lines = f.read().splitlines()
+        for line in lines[seen:]:
+          row = json.loads(line)
+          on_result(row["index"], row["result"])
+        seen = len(lines)
+        if finished:
+          break
+        time.sleep(0.5)
+      log.seek(0)
+      tail = [line for line in log.read().strip().splitlines() if line.strip()]
+    missing = indices[seen:]
+  if not missing:
+    return
+  if args.jobs == 1:
+    print("\n".join(tail[-20:]), flush=True)
+  if len(missing) > 1:
+    for index in missing:
+      _run_worker(args, [index], on_result)
+    return
+  on_result(missing[0], {"fits": False, "error": f"variant process exited {proc.returncode}: "
+                                                 f"{(tail or ['no output'])[-1][:200]}"})
 
 
 def _worker(args) -> int:
-  overrides = load_sweep(args.sweep)[args._worker]
-  exp = fdl.build(apply(configs.resolve(args.fdl_config, args.fdl_set), overrides))
-  flags_lib.apply_to_environ(exp.xla_flags, exp.libtpu_flags, exp.env)  # before JAX starts
-  if args.compile_only and args.compile_only != "local":
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no TPU is held
-  try:
-    result = run_variant(exp, args.compile_only, args.steps)
-  except Exception as e:  # reported in the table; the sweep goes on
-    traceback.print_exc()
-    result = {"fits": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-  with open(args._result, "w") as f:
-    json.dump(result, f)
+  variants = load_sweep(args.sweep)
+  for n, index in enumerate(int(i) for i in args._worker.split(",")):
+    exp = fdl.build(apply(configs.resolve(args.fdl_config, args.fdl_set), variants[index]))
+    if n == 0:  # the caller groups variants by flag set
+      flags_lib.apply_to_environ(*_flag_key(exp))  # before JAX starts
+      if args.compile_only and args.compile_only != "local":
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no TPU held
+    print(f"--- {variant_name(variants[index])}", flush=True)
+    try:
+      result = run_variant(exp, args.compile_only, args.steps)
+    except Exception as e:  # reported in the table; the sweep goes on
+      traceback.print_exc()
+      result = {"fits": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    with open(args._results, "a") as f:
+      f.write(json.dumps({"index": index, "result": result}) + "\n")
   return 0
 
 
@@ -185,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--jobs", type=int, default=1,
                       help="variants at a time (compile-only sweeps of a big model on a "
                       "many-core machine; keep 1 when timing with --steps)")
-  parser.add_argument("--_worker", type=int, default=None, help=argparse.SUPPRESS)
-  parser.add_argument("--_result", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--resume", action="store_true",
+                      help="keep the variants OUT/results.csv already has; run the others")
+  parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)  # variant indices
+  parser.add_argument("--_results", default=None, help=argparse.SUPPRESS)  # JSON lines
   args = parser.parse_args(argv)
   if args._worker is not None:
     return _worker(args)
@@ -197,17 +250,29 @@ def main(argv: list[str] | None = None) -> int:
       print(f"error: no variant named {args.variant!r}", file=sys.stderr)
       return 2
 
-  def one(item):
-    index, overrides = item
-    name = variant_name(overrides)
-    if args.jobs == 1:
-      print(f"--- {name}", flush=True)
-    row = {"variant": name, **_variant_in_subprocess(args, index, name)}
-    print(f"{name}: {({k: v for k, v in row.items() if k != 'variant'})}", flush=True)
-    return row
+  # Variants that share a flag set share a worker process (--jobs splits them further). The
+  # tables are rewritten after every variant: an interrupted sweep keeps what it measured, and
+  # --resume picks it up.
+  done = _read_rows(args.out) if args.resume else {}
+  names = {i: variant_name(v) for i, v in variants}
+  groups: dict[tuple, list[int]] = {}
+  for i, overrides in variants:
+    if names[i] not in done:
+      exp = fdl.build(apply(configs.resolve(args.fdl_config, args.fdl_set), overrides))
+      groups.setdefault(_flag_key(exp), []).append(i)
+  units = [g[j::args.jobs] for g in groups.values() for j in range(min(args.jobs, len(g)))]
+  lock = threading.Lock()
+
+  def on_result(index: int, result: dict[str, Any]) -> None:
+    row = {"variant": names[index], **result}
+    print(f"{names[index]}: {result}", flush=True)
+    with lock:
+      done[names[index]] = row
+      write_results(args.out, list(done.values()))
 
   with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-    rows = list(pool.map(one, variants))
+    list(pool.map(lambda unit: _run_worker(args, unit, on_result), units))
+  rows = list(done.values())
   write_results(args.out, rows)
   print(f"wrote {args.out}/results.csv, results.md, results.png ({len(rows)} variants)")
   return 0

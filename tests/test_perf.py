@@ -147,14 +147,21 @@ def test_each_sweep_variant_gets_its_own_flag_set(tmp_path):
   (tmp_path / "flag_sweep.py").write_text(
       "def sweep():\n"
       "  return [{'xla_flags': ()}, {'xla_flags': ('--xla_this_flag_does_not_exist=1',)}]\n")
-  done = subprocess.run([sys.executable, "launch/sweep.py",
-                         "--fdl_config=experiments.olmo3_tiny:stage1", "--sweep=flag_sweep:sweep",
-                         "--fdl_set=data.global_batch_size=8", "--compile_only=local",
-                         "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                        cwd=ROOT, env=dict(ENV, PYTHONPATH=str(tmp_path)), timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  with open(tmp_path / "out" / "results.csv") as f:
-    rows = {r["variant"]: r for r in csv.DictReader(f)}
+  def sweep(*extra):
+    done = subprocess.run([sys.executable, "launch/sweep.py",
+                           "--fdl_config=experiments.olmo3_tiny:stage1",
+                           "--sweep=flag_sweep:sweep", "--fdl_set=data.global_batch_size=8",
+                           "--compile_only=local", "--out", str(tmp_path / "out"), *extra],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env=dict(ENV, PYTHONPATH=str(tmp_path)), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "out" / "results.csv") as f:
+      return {r["variant"]: r for r in csv.DictReader(f)}
+
+  first = sweep("--variant", "xla_flags=off")  # one variant alone
+  assert list(first) == ["xla_flags=off"]
+  rows = sweep("--resume")  # keeps it, runs the other
+  assert {k: v for k, v in rows["xla_flags=off"].items() if v} == first["xla_flags=off"]
   assert rows["xla_flags=off"]["fits"] == "True" and float(rows["xla_flags=off"]["memory_gb"]) > 0
   assert rows["xla_flags=on"]["fits"] == "False"
   assert "exited" in rows["xla_flags=on"]["error"]
