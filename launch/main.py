@@ -47,7 +47,7 @@ CACHE = flags.DEFINE_string(
 # Fields that may change between runs in one workdir (a longer run, a different cadence).
 RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                      "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
-                     "data.num_workers", "data.prefetch", "mesh.shape")
+                     "data.num_workers", "data.prefetch", "mesh.shape", "train.microbatches")
 
 
 def default_workdir(ref: str) -> str:

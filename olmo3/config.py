@@ -323,6 +323,10 @@ class TrainConfig:
   eval_every: int = 1000  # held-out evaluation every K steps (0: never); also at the end
   eval_batches: int | None = None  # cap on held-out batches per evaluation (None: all)
   max_consecutive_skips: int = 10  # stop the run after this many skipped steps in a row
+  # Gradient accumulation: each step's global batch runs as this many sequential microbatches
+  # (same data, same update, 1/k of the activation memory). How a run resumed on a smaller
+  # slice keeps its global batch and per-device memory.
+  microbatches: int = 1
 
   def __post_init__(self) -> None:
     c = type(self).__name__
@@ -330,6 +334,7 @@ class TrainConfig:
     _require(self.log_every >= 1, c, "log_every", self.log_every, "must be >= 1")
     _require(self.eval_every >= 0, c, "eval_every", self.eval_every, "must be >= 0")
     _require(self.z_loss_weight >= 0, c, "z_loss_weight", self.z_loss_weight, "must be >= 0")
+    _require(self.microbatches >= 1, c, "microbatches", self.microbatches, "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

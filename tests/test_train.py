@@ -213,3 +213,25 @@ def test_metric_writer_starts_without_importing_torch(tmp_path):
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   assert done.returncode == 0, done.stderr[-2000:]
   assert list(tmp_path.rglob("events.out.tfevents*"))
+
+
+def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
+  """Two microbatches per step (each 1/2 of every device's rows) give the losses and gradient
+  norms of the whole batch at once, up to float32 summation order; a batch the microbatches
+  cannot split over the devices is refused up front."""
+  from olmo3.data.tokens import DataError
+
+  path = write_corpus(tmp_path)
+  whole = micro_experiment(path, steps=4, every=10)
+  accumulated = dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=2))
+  devices = jax.devices()[:2]
+  for name, exp in (("whole", whole), ("accumulated", accumulated)):
+    Trainer(exp, str(tmp_path / name), devices=devices).run()
+  rows = {name: [r for r in metrics_lib.read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
+          for name in ("whole", "accumulated")}
+  for key in ("loss", "grad_norm", "tokens"):
+    np.testing.assert_allclose([r[key] for r in rows["accumulated"]],
+                               [r[key] for r in rows["whole"]], rtol=1e-5)
+  with pytest.raises(DataError, match=r"global_batch_size=8 .*TrainConfig.microbatches=8"):
+    Trainer(dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=8)),
+            devices=devices)

@@ -130,11 +130,14 @@ def batch_only(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedShardi
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0]))
 
 
-def check_divisible(cfg: DataConfig, sharding: jax.sharding.NamedSharding) -> None:
-  """The global batch must split evenly over the devices that shard the batch dimension."""
+def check_divisible(cfg: DataConfig, sharding: jax.sharding.NamedSharding,
+                    microbatches: int = 1) -> None:
+  """The global batch (each microbatch of it) must split evenly over the devices that shard
+  the batch dimension."""
   axes = sharding.spec[0] if sharding.spec else None
   axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
   ways = int(np.prod([sharding.mesh.shape[a] for a in axes])) if axes else 1
-  if cfg.global_batch_size % ways:
+  if cfg.global_batch_size % (ways * microbatches):
+    split = f" x TrainConfig.microbatches={microbatches}" if microbatches > 1 else ""
     raise DataError(f"DataConfig.global_batch_size={cfg.global_batch_size} is not divisible by "
-                    f"the data-parallel size {ways} (mesh axes {axes})")
+                    f"the data-parallel size {ways} (mesh axes {axes}){split}")

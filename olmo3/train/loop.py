@@ -119,6 +119,7 @@ class Trainer:
                                                    optim.init_skip_stats(exp.optimizer)))
     self.batch_sharding = jax.sharding.NamedSharding(
         self.mesh, sharding_lib.logical_to_spec(("batch", "seq"), self.rules))
+    pipeline.check_divisible(exp.data, self.batch_sharding, exp.train.microbatches)
     self._train_step = jax.jit(self._step, in_shardings=(self.state_shardings, None),
                                out_shardings=(self.state_shardings, None), donate_argnums=0)
     self._eval_step = jax.jit(heldout_eval.make_eval_step(self._apply))
@@ -164,11 +165,7 @@ class Trainer:
   def _step(self, state: TrainState, batch: dict[str, jax.Array]):
     exp = self.exp
 
-    def loss_fn(params):
-      logits = self._apply(params, batch["input_ids"])
-      return lm_loss(logits, batch["labels"], exp.train.z_loss_weight)
-
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (loss, aux), grads = self._loss_and_grads(state.params, batch)
     grad_norm = optax.global_norm(grads)
     lr = optim.learning_rate(exp.optimizer, state.step)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -184,6 +181,36 @@ class Trainer:
                "skipped": skip.astype(jnp.float32),
                "skipped_total": stats.skipped.astype(jnp.float32)}
     return TrainState(state.step + 1, params, opt_state, stats), metrics
+
+  def _loss_and_grads(self, params, batch: dict[str, jax.Array]):
+    """((loss, metrics), gradients) of the whole global batch; with train.microbatches = k,
+    accumulated over k sequential microbatches (each a 1/k slice of every device's rows, so no
+    data moves), normalised by the whole batch's token count: the same loss and update."""
+    z_loss_weight, k = self.exp.train.z_loss_weight, self.exp.train.microbatches
+
+    def loss_fn(params, tokens_BT, labels_BT, batch_tokens=None):
+      return lm_loss(self._apply(params, tokens_BT), labels_BT, z_loss_weight, batch_tokens)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+      return grad_fn(params, batch["input_ids"], batch["labels"])
+    batch_tokens = (batch["labels"] >= 0).sum()
+
+    def split(x_BT):  # microbatch i holds rows i, i + k, ...: a slice of every device's rows
+      x_KMT = x_BT.reshape(x_BT.shape[0] // k, k, *x_BT.shape[1:]).swapaxes(0, 1)
+      return sharding_lib.constrain(x_KMT, (None, "batch", "seq"))
+
+    def accumulate(total, micro):
+      out = grad_fn(params, *micro, batch_tokens)
+      total = jax.tree.map(jnp.add, total, out)
+      return (total[0], jax.lax.with_sharding_constraint(total[1], self.param_shardings)), None
+
+    shapes = jax.eval_shape(grad_fn, params, batch["input_ids"][: batch["input_ids"].shape[0] // k],
+                            batch["labels"][: batch["labels"].shape[0] // k], batch_tokens)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], self.param_shardings))
+    total, _ = jax.lax.scan(accumulate, zeros, (split(batch["input_ids"]), split(batch["labels"])))
+    return total
 
   # --- state -------------------------------------------------------------------------------
 
