@@ -19,6 +19,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from olmo3 import model as model_lib  # noqa: E402
 from olmo3.config import ModelConfig  # noqa: E402
@@ -50,3 +51,16 @@ def random_params(cfg: ModelConfig, seed: int) -> dict:
 
 def write_random_hf_dir(path, cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> None:
   hf.write_hf_dir(path, cfg, random_params(cfg, seed), dtype=dtype)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  """Longest first: `@pytest.mark.slow(seconds=N)` (rough, on 2 cores) orders the slow tests
+  ahead of the rest, longest first. With -n 2 and --maxschedchunk=1 (pyproject) the two
+  workers start on them and the short tests fill in around them, instead of a long test
+  starting last and running alone."""
+
+  def seconds(item: pytest.Item) -> float:
+    mark = item.get_closest_marker("slow")
+    return 0.0 if mark is None else float(mark.kwargs.get("seconds", 1))
+
+  items.sort(key=lambda item: -seconds(item))  # stable: otherwise file order

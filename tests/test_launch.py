@@ -77,10 +77,13 @@ def _losses(workdir):
           if "loss" in r}
 
 
+@pytest.mark.slow(seconds=90)
 def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   s1, s2 = tmp_path / "s1", tmp_path / "s2"
   _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
-        "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4", "--fdl_set=train.log_every=1")
+        "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4", "--fdl_set=train.log_every=1",
+        f"--compilation_cache={tmp_path / 'xla'}")
+  assert any("jit__step" in p.name for p in (tmp_path / "xla").iterdir())  # restarts skip it
   rows = metrics_lib.read_jsonl(s1 / "metrics.jsonl")
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 12 and losses[-1] < losses[0] - 1.0  # clearly falling
@@ -139,6 +142,7 @@ def test_workdir_of_another_experiment_is_refused(tmp_path):
   assert done.returncode != 0 and "holds a run of a different config" in done.stderr
 
 
+@pytest.mark.slow(seconds=80)
 def test_memorize_fires_the_generalization_gap_alarm(tmp_path):
   done = _main("--fdl_config=experiments.olmo3_tiny:memorize", f"--workdir={tmp_path}",
                *TINY_FAST, "--fdl_set=data.global_batch_size=16", "--fdl_set=train.steps=40")

@@ -114,6 +114,7 @@ def test_libtpu_rejects_an_unknown_flag():
   assert done.returncode != 0
 
 
+@pytest.mark.slow(seconds=80)
 def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
   done = subprocess.run([sys.executable, "launch/sweep.py",
                          "--fdl_config=experiments.olmo3_tiny:stage1",

@@ -76,7 +76,7 @@ def test_sigterm_saves_exits_zero_and_resumes(tmp_path, straight):
   assert _losses(tmp_path) == straight
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=70)
 def test_two_processes_train_save_and_resume_on_another_mesh(tmp_path, straight):
   # 8 devices in 2 processes -> 2 devices in 1 process.
   _run(tmp_path / "a", steps=6, devices=4, processes=2)
@@ -101,7 +101,7 @@ KILLS = 20  # each restart costs a process start; the session's compilation cach
 # spares it the compile
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=200)
 def test_sigkill_at_random_points_never_corrupts_the_run(tmp_path, straight):
   """Kills land mid-step and mid-async-save (checkpoints every 3 steps); every restart of the
   same command ends with the uninterrupted run's losses."""
