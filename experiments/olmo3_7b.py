@@ -44,7 +44,7 @@ def stage1() -> fdl.Config[Experiment]:
                                remat=Remat.CUSTOM, remat_custom=IRONWOOD_REMAT),
       data=DataConfig(mix="OLMo-mix-0625-official", root="", seq_len=8192,
                       global_batch_size=512, seed=34521, validate_tokens=False, num_workers=2),
-      mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("tensor", 1))),
+      mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("sequence", 1), ("tensor", 1))),
       optimizer=OptimizerConfig(peak_lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                                 no_decay=("embed_tokens",), clip_grad_norm=1.0,
                                 schedule=Schedule.COSINE, warmup_steps=2000, final_lr=3e-5,

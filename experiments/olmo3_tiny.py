@@ -30,7 +30,7 @@ def stage1() -> fdl.Config[Experiment]:
   return as_config(Experiment(
       model=olmo3_tiny(),
       data=DataConfig(mix="embedded", seq_len=256, global_batch_size=16, seed=34521),
-      mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("tensor", 1))),
+      mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("sequence", 1), ("tensor", 1))),
       optimizer=OptimizerConfig(peak_lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                                 no_decay=("embed_tokens",), clip_grad_norm=1.0,
                                 schedule=Schedule.COSINE, warmup_steps=10, final_lr=3e-4,

@@ -47,7 +47,8 @@ CACHE = flags.DEFINE_string(
 # Fields that may change between runs in one workdir (a longer run, a different cadence).
 RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
                      "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
-                     "data.num_workers", "data.prefetch", "mesh.shape", "train.microbatches")
+                     "data.num_workers", "data.prefetch", "mesh.shape", "mesh.dcn",
+                     "train.microbatches")
 
 
 def default_workdir(ref: str) -> str:

@@ -301,12 +301,18 @@ class MeshConfig:
 
   shape: tuple[tuple[str, int], ...] = (("data", 1), ("fsdp", -1), ("tensor", 1))
   rules: tuple[tuple[str, Any], ...] | None = None  # None: olmo3.sharding.FSDP_RULES
+  # Multi-slice pods: the axes spanning slices over DCN, e.g. (("data", 4),); () = the slices
+  # (if any) form the data axis. Each mesh axis is its `shape` size x its `dcn` size.
+  dcn: tuple[tuple[str, int], ...] = ()
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "shape", tuple((str(a), int(n)) for a, n in dict(self.shape).items()))
     if self.rules is not None:  # JSON gives lists
       object.__setattr__(self, "rules", tuple(
           (str(n), tuple(m) if isinstance(m, list) else m) for n, m in self.rules))
+    object.__setattr__(self, "dcn", tuple((str(a), int(n)) for a, n in dict(self.dcn).items()))
+    _require(all(n >= 1 for _, n in self.dcn), type(self).__name__, "dcn", self.dcn,
+             "sizes must be >= 1")
     sizes = [n for _, n in self.shape]
     _require(all(n == -1 or n >= 1 for n in sizes), type(self).__name__, "shape", self.shape,
              "sizes must be >= 1, or -1 for one axis")

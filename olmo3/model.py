@@ -145,6 +145,12 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window):
 
   if not mesh.empty and spmd.get_logical_axis_rules():
     spec = logical_to_spec(("batch", "act_heads", "seq", None), spmd.get_logical_axis_rules())
+    seq_axes = spec[2] if isinstance(spec[2], tuple) else (spec[2],)
+    if any(a is not None and mesh.shape[a] > 1 for a in seq_axes):
+      # Each shard would attend only to its own chunk of keys: that needs ring attention.
+      raise ValueError(f"splash attention does not support a sharded sequence (mesh axes "
+                       f"{seq_axes}); use model.attention='xla' or 'dot_product' with "
+                       "sequence parallelism")
     kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                            check_vma=False)
   return kernel(q, k, v).transpose(0, 2, 1, 3)

@@ -18,15 +18,16 @@ from jax.sharding import AxisType, Mesh, PartitionSpec
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 # Pure FSDP (the 7B default): weights sharded over `fsdp` on their model dimension, batch over
-# (data, fsdp). The embedding table is sharded on vocab, not embed: sharding it over fsdp while
+# (data, fsdp), activations' sequence dimension over `sequence` (context parallelism; size 1
+# unless a mesh asks for it). The embedding table is sharded on vocab, not embed: sharding it over fsdp while
 # the batch is sharded over (data, fsdp) makes XLA rematerialise the whole gather (REFERENCE §9),
 # so the table has axis names of its own.
 FSDP_RULES: Rules = (
     ("batch", ("data", "fsdp")),
-    ("seq", None),
+    ("seq", "sequence"),
     ("layers", None),
     ("table_vocab", ("fsdp", "tensor")),  # the input embedding table's rows
     ("table_embed", None),
@@ -43,26 +44,45 @@ FSDP_RULES: Rules = (
 
 
 def make_mesh(shape: dict[str, int] | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A mesh over `MESH_AXES`. One size may be -1 (fill the devices); default: all on fsdp."""
+              devices: Sequence[jax.Device] | None = None,
+              dcn: dict[str, int] | None = None) -> Mesh:
+  """A mesh over `MESH_AXES`. One size may be -1 (fill the devices); default: all on fsdp.
+
+  `shape` is the mesh within a slice (ICI). Devices from several slices (multi-slice TPU pods)
+  add `dcn`, the axes that span slices over the data-center network; by default the slices
+  form the data axis (pure data parallelism across slices, the usual choice: only gradient
+  all-reduces cross DCN). Each mesh axis is ICI size x DCN size.
+  """
   devices = list(devices if devices is not None else jax.devices())
+  slices = len({getattr(d, "slice_index", 0) or 0 for d in devices})
+  dcn = dict(dcn or ({"data": slices} if slices > 1 else {}))
   shape = dict(shape or {"fsdp": -1})
-  unknown = set(shape) - set(MESH_AXES)
+  unknown = (set(shape) | set(dcn)) - set(MESH_AXES)
   if unknown:
     raise ValueError(f"mesh axes {sorted(unknown)} unknown; axes are {MESH_AXES}")
+  dcn_sizes = [dcn.get(a, 1) for a in MESH_AXES]
+  if any(n < 1 for n in dcn_sizes) or int(np.prod(dcn_sizes)) != slices:
+    raise ValueError(f"mesh dcn {dcn}: the devices come from {slices} slice(s); the DCN sizes "
+                     f"must multiply to that")
+  per_slice = len(devices) // slices
   sizes = [shape.get(a, 1) for a in MESH_AXES]
   if sizes.count(-1) > 1:
     raise ValueError(f"mesh {shape}: at most one axis may be -1")
   known = int(np.prod([s for s in sizes if s != -1]))
   if -1 in sizes:
-    if len(devices) % known:
-      raise ValueError(f"mesh {shape}: {len(devices)} devices are not divisible by {known}")
-    sizes[sizes.index(-1)] = len(devices) // known
-  if int(np.prod(sizes)) != len(devices):
+    if per_slice % known:
+      raise ValueError(f"mesh {shape}: {per_slice} devices are not divisible by {known}")
+    sizes[sizes.index(-1)] = per_slice // known
+  if int(np.prod(sizes)) != per_slice:
     raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices; "
-                     f"{len(devices)} are available")
-  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices)
+                     f"{per_slice} are available" + (" per slice" if slices > 1 else ""))
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  if slices == 1:
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=axis_types, devices=devices)
+  from jax.experimental import mesh_utils
+
+  grid = mesh_utils.create_hybrid_device_mesh(sizes, dcn_sizes, devices)
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 @contextlib.contextmanager

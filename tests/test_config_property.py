@@ -88,3 +88,7 @@ def test_mesh_that_does_not_match_the_devices_is_refused_clearly():
     sharding.make_mesh({"data": 3, "fsdp": -1})
   with pytest.raises(ValueError, match=r"mesh axes \['model'\] unknown"):
     sharding.make_mesh({"model": 8})
+  with pytest.raises(ValueError, match=r"devices come from 1 slice\(s\)"):
+    sharding.make_mesh({"fsdp": 4}, dcn={"data": 2})  # one host's CPU devices are one slice
+  with pytest.raises(ValueError, match=r"mesh axes \['pipeline'\] unknown"):
+    sharding.make_mesh({"fsdp": -1}, dcn={"pipeline": 1})

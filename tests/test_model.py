@@ -142,10 +142,12 @@ def test_out_of_vocabulary_ids_are_rejected(micro_params):
   assert np.isnan(np.asarray(logits[1, 7])).all() and np.isfinite(np.asarray(logits[0])).all()
 
 
-def test_sharded_on_8_devices_equals_one_device(micro_params):
+@pytest.mark.parametrize("shape", [{"data": 2, "fsdp": 4}, {"fsdp": 4, "sequence": 2}],
+                         ids=["data2_fsdp4", "fsdp4_sequence2"])
+def test_sharded_on_8_devices_equals_one_device(micro_params, shape):
   tokens = _tokens(MICRO, 8, 32)
   ref = model_lib.from_params(MICRO, micro_params)(tokens)
-  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  mesh = sharding.make_mesh(shape)
   with sharding.use_mesh(mesh):
     model = model_lib.Transformer(MICRO, rngs=nnx.Rngs(0))
     nnx.update(model, nnx.State(micro_params))
@@ -156,3 +158,11 @@ def test_sharded_on_8_devices_equals_one_device(micro_params):
     assert model.layers.mlp.gate_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
     out = nnx.jit(lambda m, t: m(t))(model, tokens)
   np.testing.assert_allclose(out, ref, atol=5e-5, rtol=1e-5)
+
+
+def test_splash_refuses_a_sharded_sequence():
+  cfg = MICRO.replace(attention=AttentionKernel.SPLASH)
+  with sharding.use_mesh(sharding.make_mesh({"fsdp": 4, "sequence": 2})):
+    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="splash attention does not support a sharded sequence"):
+      nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 32), jnp.int32))

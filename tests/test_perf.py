@@ -100,13 +100,15 @@ def _compile_tiny(topologies, libtpu_args=""):
 
 
 @pytest.mark.parametrize("topologies, flag_set", [(["tpu7x:2x2x1"], "tpu7x"),
-                                                  (["v5p:2x2x1"], "v5p")])
+                                                  (["v5p:2x2x1", "v5p:2x2x1*2"], "v5p")])
 def test_compile_for_tpu_topologies_with_their_flag_sets(topologies, flag_set):
   assert FLAG_SETS["v5p"] == FLAG_SETS["v6e"]  # the v5p compile validates the v6e set too
   done = _compile_tiny(topologies, " ".join(FLAG_SETS[flag_set].libtpu))
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.count("FITS") == len(topologies)
   assert all(t in done.stdout for t in topologies)
+  if "v5p:2x2x1*2" in topologies:  # two slices over DCN: the slices form the data axis
+    assert "8 x TPU v5, mesh {'data': 2, 'fsdp': 4, 'sequence': 1, 'tensor': 1}" in done.stdout
 
 
 def test_libtpu_rejects_an_unknown_flag():

@@ -16,14 +16,19 @@ from olmo3.perf import flops as flops_lib
 
 
 def topology_devices(topology: str) -> list:
-  """Abstract devices of a TPU topology, e.g. tpu7x:4x8x8, v5p:8x8x8, v6e:16x16."""
+  """Abstract devices of a TPU topology, e.g. tpu7x:4x8x8, v5p:8x8x8, v6e:16x16; `*N` for N
+  slices joined over DCN (multi-slice), e.g. 'v5p:8x8x8*4'."""
   from jax.experimental import topologies
 
+  name, _, slices = topology.partition("*")
   try:
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    num_slices = int(slices) if slices else 1
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                             num_slices=num_slices).devices)
   except Exception as e:  # libtpu missing, or a name it does not know
     raise ValueError(f"--compile_only={topology}: no TPU topology of that name ({e}); install "
-                     "the tpu extra (pip install -e '.[tpu]') and use kind:AxBxC") from None
+                     "the tpu extra (pip install -e '.[tpu]') and use kind:AxBxC or "
+                     "kind:AxBxC*SLICES") from None
 
 
 class DoesNotFit(RuntimeError):

@@ -89,7 +89,8 @@ class Trainer:
     """Builds the mesh (over `devices`, default all), shardings, optimizer and jitted steps;
     checkpoints, held-out sets and tasks are opened on first use."""
     self.exp, self.workdir, self.name = exp, workdir, name
-    self.mesh = sharding_lib.make_mesh(dict(exp.mesh.shape), devices=devices)
+    self.mesh = sharding_lib.make_mesh(dict(exp.mesh.shape), devices=devices,
+                                       dcn=dict(exp.mesh.dcn))
     self.rules = exp.mesh.rules or sharding_lib.FSDP_RULES
     with sharding_lib.use_mesh(self.mesh, self.rules):
       abstract = model_lib.abstract_model(exp.model)
