@@ -206,11 +206,11 @@ class Trainer:
       total = jax.tree.map(jnp.add, total, out)
       return (total[0], jax.lax.with_sharding_constraint(total[1], self.param_shardings)), None
 
-    shapes = jax.eval_shape(grad_fn, params, batch["input_ids"][: batch["input_ids"].shape[0] // k],
-                            batch["labels"][: batch["labels"].shape[0] // k], batch_tokens)
+    micro_KMT = (split(batch["input_ids"]), split(batch["labels"]))
+    shapes = jax.eval_shape(grad_fn, params, micro_KMT[0][0], micro_KMT[1][0], batch_tokens)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], self.param_shardings))
-    total, _ = jax.lax.scan(accumulate, zeros, (split(batch["input_ids"]), split(batch["labels"])))
+    total, _ = jax.lax.scan(accumulate, zeros, micro_KMT)
     return total
 
   # --- state -------------------------------------------------------------------------------
