@@ -106,7 +106,6 @@ def main(argv: list[str]) -> None:
     dry_run(cfg, exp)
     return
   if COMPILE_ONLY.value:
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no TPU is held
     from olmo3.perf import aot
 
     target = None if COMPILE_ONLY.value == "local" else COMPILE_ONLY.value

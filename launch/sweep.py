@@ -7,13 +7,12 @@
   ... --variant 'model.remat=full,data.global_batch_size=16'    # rerun one variant alone
 
 A sweep is a function returning a list of override dicts ({"model.remat": "full", ...}); each
-variant is named after its overrides. Variants run in worker processes, one per flag set, so each
-variant's XLA / libtpu flags take effect; a crash costs the variant that caused it alone (the
-others are rerun); --jobs N runs N workers at a time. With
---compile_only each variant's train step is compiled
-for the target (memory, fits, compiled FLOPs); with --steps each trains N steps in a scratch
-workdir (tokens/s, TFLOP/s per device, MFU when the device's peak is known). Writes
-OUT/results.csv, OUT/results.md (ranked: what fits, by MFU or by memory) and OUT/results.png.
+variant is named after its overrides. Variants run in worker processes, one per flag set, so
+each variant's XLA / libtpu flags take effect; a crash costs the variant that caused it alone
+(the others are rerun); --jobs N runs N workers at a time. With --compile_only each variant's
+train step is compiled for the target (memory, fits, compiled FLOPs); with --steps each trains
+N steps in a scratch workdir (tokens/s, TFLOP/s per device, MFU when the device's peak is
+known). Writes OUT/results.csv, OUT/results.md (ranked: what fits, by MFU or by memory) and OUT/results.png.
 """
 
 from __future__ import annotations
@@ -209,8 +208,6 @@ def _worker(args) -> int:
     exp = fdl.build(apply(configs.resolve(args.fdl_config, args.fdl_set), variants[index]))
     if n == 0:  # the caller groups variants by flag set
       flags_lib.apply_to_environ(*_flag_key(exp))  # before JAX starts
-      if args.compile_only and args.compile_only != "local":
-        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no TPU held
     print(f"--- {variant_name(variants[index])}", flush=True)
     try:
       result = run_variant(exp, args.compile_only, args.steps)

@@ -22,9 +22,9 @@ MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
 # Pure FSDP (the 7B default): weights sharded over `fsdp` on their model dimension, batch over
 # (data, fsdp), activations' sequence dimension over `sequence` (context parallelism; size 1
-# unless a mesh asks for it). The embedding table is sharded on vocab, not embed: sharding it over fsdp while
-# the batch is sharded over (data, fsdp) makes XLA rematerialise the whole gather (REFERENCE §9),
-# so the table has axis names of its own.
+# unless a mesh asks for it). The embedding table is sharded on vocab, not embed: sharding it
+# over fsdp while the batch is sharded over (data, fsdp) makes XLA rematerialise the whole
+# gather (REFERENCE §9), so the table has axis names of its own.
 FSDP_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("seq", "sequence"),

@@ -6,6 +6,7 @@ experiment's LIBTPU_INIT_ARGS are parsed by the compiler, so a bad flag fails he
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -20,6 +21,8 @@ def topology_devices(topology: str) -> list:
   slices joined over DCN (multi-slice), e.g. 'v5p:8x8x8*4'."""
   from jax.experimental import topologies
 
+  # Compile-only holds no TPU; without this, libtpu refuses to load beside another process's.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   name, _, slices = topology.partition("*")
   try:
     num_slices = int(slices) if slices else 1
