@@ -56,7 +56,7 @@ def ours(paths, args, workers: int, to_global: bool) -> float:
   mesh = sharding.make_mesh({"data": -1})
   batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
   loader = pipeline.Loader(cfg, batch_sharding, start_step=0, num_steps=args.steps + 1)
-  batches = (jax.block_until_ready(loader.to_global(b)) for b in loader) if to_global else loader
+  batches = (jax.block_until_ready(b) for b in loader) if to_global else loader.host_batches()
   return _rate(batches, args.steps, args.global_batch * args.seq_len)
 
 

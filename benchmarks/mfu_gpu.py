@@ -34,10 +34,12 @@ def main(argv: list[str] | None = None) -> dict:
   import jax
 
   from olmo3 import config
+  from olmo3 import flops as flops_lib
   from olmo3.config import (AttentionKernel, DataConfig, DType, Experiment, OptimizerConfig,
                             TrainConfig)
-  from olmo3.perf import flops as flops_lib
-  from olmo3.train.loop import Trainer
+  from olmo3.sharded import ShardedModel
+  from olmo3.train.state import StateLayout
+  from olmo3.train.step import jit_train_step
 
   on_gpu = jax.default_backend() == "gpu"
   model = config.olmo3_7b().replace(
@@ -51,18 +53,20 @@ def main(argv: list[str] | None = None) -> dict:
                                                 global_batch_size=batch),
                    optimizer=OptimizerConfig(warmup_steps=0, decay_steps=1000),
                    train=TrainConfig(steps=args.steps))
-  trainer = Trainer(exp, devices=jax.devices()[:1])
-  state = trainer.init_state()
+  sharded = ShardedModel.for_experiment(exp, jax.devices()[:1])
+  layout = StateLayout(exp, sharded)
+  train_step = jit_train_step(exp, sharded, layout)
+  state = layout.fresh()
   rng = jax.random.key(0)
   tokens = jax.random.randint(rng, (batch, seq_len), 0, model.vocab_size)
-  batch_arrays = {"input_ids": jax.device_put(tokens, trainer.batch_sharding),
-                  "labels": jax.device_put(tokens, trainer.batch_sharding)}
-  with trainer.mesh_context():
-    state, metrics = trainer._train_step(state, batch_arrays)  # compile + warm up
+  batch_arrays = {"input_ids": jax.device_put(tokens, sharded.batch_sharding),
+                  "labels": jax.device_put(tokens, sharded.batch_sharding)}
+  with sharded.context():
+    state, metrics = train_step(state, batch_arrays)  # compile + warm up
     jax.block_until_ready(metrics)
     start = time.perf_counter()
     for _ in range(args.steps):
-      state, metrics = trainer._train_step(state, batch_arrays)
+      state, metrics = train_step(state, batch_arrays)
     jax.block_until_ready(metrics)
   step_s = (time.perf_counter() - start) / args.steps
   tokens_per_step = batch * seq_len

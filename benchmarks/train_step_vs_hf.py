@@ -31,7 +31,7 @@ def ours(cfg, tokens, steps):
 
   from olmo3 import model as model_lib
   from olmo3 import sharding
-  from olmo3.train.loss import lm_loss
+  from olmo3.loss import lm_loss
 
   with sharding.use_mesh(sharding.make_mesh(devices=jax.devices()[:1])):
     model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))

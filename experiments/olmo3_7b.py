@@ -1,6 +1,7 @@
 """OLMo 3 7B, as AI2 trained it: stage 1 pretraining and stage 2 midtraining anneal.
 
-Numbers from AI2's OLMo 3 release and OLMo-core's OLMo 3 7B scripts (REFERENCE.md §1, §3).
+Numbers from AI2's OLMo 3 release and OLMo-core's OLMo 3 7B scripts
+(src/scripts/official/OLMo3/OLMo-3-1025-7B-*.py); docs/recipe.md lists each with its source.
 
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --dry_run
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --workdir=gs://bucket/olmo3-7b-s1
@@ -22,12 +23,14 @@ from olmo3.config import (AttentionKernel, CheckpointConfig, DataConfig, DType, 
                           olmo3_7b)
 from olmo3.eval.tasks import DEFAULT_SUITE
 from olmo3.perf.flags import FLAG_SETS
+from olmo3.remat import Mode, Name
 
 STAGE1_STEPS = 1_413_814  # one epoch of the Dolma 3 mix at 512 x 8192 tokens (≈ 5.93T tokens)
 STAGE2_STEPS = 47_684  # ≈ 100B tokens at 256 x 8192
-IRONWOOD_REMAT = tuple((name, "remat" if name == "mlpwi_1" else "device") for name in (
-    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj",
-    "mlpwi_0", "mlpwi_1", "mlpwo"))
+# The Ironwood run's remat: keep every named activation on the device but the MLP
+# up-projection, which is recomputed (docs/performance.md#remat).
+IRONWOOD_REMAT = tuple((name.value, (Mode.REMAT if name is Name.MLPWI_1 else Mode.DEVICE).value)
+                       for name in Name)
 
 
 def stage1() -> fdl.Config[Experiment]:
@@ -38,8 +41,7 @@ def stage1() -> fdl.Config[Experiment]:
   matched; `stitched_schedule` restores AI2's). bfloat16 compute, float32 parameters and
   optimizer state; pure FSDP."""
   return as_config(Experiment(
-      # Splash attention (TPU) and the Ironwood run's remat: keep every named activation but
-      # the MLP up-projection (REFERENCE §7). On GPUs: --fiddler=gpu.
+      # Splash attention (TPU) and the Ironwood run's remat. On GPUs: --fiddler=gpu.
       model=olmo3_7b().replace(compute_dtype=DType.BFLOAT16, attention=AttentionKernel.SPLASH,
                                remat=Remat.CUSTOM, remat_custom=IRONWOOD_REMAT),
       data=DataConfig(mix="OLMo-mix-0625-official", root="", seq_len=8192,
@@ -79,7 +81,7 @@ def stage2() -> fdl.Config[Experiment]:
 
 
 def stitched_schedule(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
-  """Fiddler: AI2's stage-1 schedule, two stitched cosines (REFERENCE.md §3): the first aimed at
+  """Fiddler: AI2's stage-1 schedule, two stitched cosines (docs/recipe.md): the first aimed at
   1,192,093 steps until step 597,046 (LR 1.65e-4), then the second half of one aimed at
   1,668,931 steps; the epoch ends first, at LR ≈ 3.93e-5."""
   cfg.optimizer.schedule = Schedule.STITCHED_COSINE

@@ -1,63 +1,86 @@
-"""The OLMo 3 recipe shrunk to a laptop CPU: the embedded default. No download.
+"""The OLMo 3 7B recipe shrunk to a laptop CPU: the embedded default. No download.
 
   python launch/main.py --fdl_config=experiments.olmo3_tiny:stage1   # ≈ 3 minutes on 2 cores
   python launch/main.py --fdl_config=experiments.olmo3_tiny:stage2   # anneals from stage 1
+  python launch/diff.py experiments.olmo3_7b:stage2 experiments.olmo3_tiny:stage2
 
-Data: the embedded corpus (this Python's standard library and its documentation topics,
-tokenised with an 8k BPE trained locally on first use); held-out loss on documents never
-trained on. Same optimizer, clipping, z-loss and schedule shapes as the 7B (olmo3_7b.py),
-with a learning rate and step counts for a 2.9M-parameter model.
+Each stage is the 7B's (experiments/olmo3_7b.py) passed through `shrink`, so every recipe
+choice there (optimizer, clipping, z-loss, schedule shape, seeds, step skipping, stage-2
+initialisation) reaches the run that tests it. `shrink` changes size fields (model shape,
+batch, steps, schedule lengths, cadences, LR scale), data fields (the embedded corpus, its
+held-out split and tokenizer, zero-shot task variants) and, through `cpu`, the machine fields
+a CPU needs (XLA attention instead of TPU splash, float32 compute, no TPU flags, no Grain
+worker processes).
 """
 
 from __future__ import annotations
 
 import fiddle as fdl
 
-from experiments.common import as_config
-from olmo3.config import (CheckpointConfig, DataConfig, EvalConfig, Experiment, MeshConfig,
-                          OptimizerConfig, Schedule, TrainConfig, olmo3_tiny)
+from experiments import olmo3_7b
+from olmo3.config import AttentionKernel, DType, Experiment, Schedule, olmo3_tiny
 
-STAGE1_STEPS = 100
-STAGE2_STEPS = 40
+# The tiny model's shape (2,902,144 parameters; an 8k BPE vocabulary trained on the corpus).
+SIZE_FIELDS = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+               "mlp_hidden", "sliding_window", "max_seq_len", "eos_token_id", "pad_token_id")
+BATCH_DIVISOR = 32  # 512 -> 16 instances per step in stage 1, 256 -> 8 in stage 2
+SEQ_LEN = 256  # the window (128) is half of it, as the 7B's 4096 of 8192
+LR_SCALE = 10.0  # a 2.9M-parameter model takes a 10x larger learning rate
+WARMUP_STEPS = 10  # for stages that warm up (the 7B's 2000 would be most of the run)
 # OLMo's default in-loop suite, zero-shot (short contexts for a 256-token model), 20 documents.
 TASKS = tuple(f"{t}:rc_0shot" for t in ("arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag",
                                         "openbookqa", "piqa", "winogrande"))
 
 
+def cpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
+  """Fiddler: what a CPU needs of a TPU recipe: XLA attention (splash would run interpreted),
+  float32 compute, no libtpu flags, batches read in the main process."""
+  cfg.model.attention = AttentionKernel.XLA
+  cfg.model.compute_dtype = DType.FLOAT32
+  cfg.xla_flags, cfg.libtpu_flags, cfg.env = (), (), ()
+  cfg.data.num_workers = 0
+  return cfg
+
+
+def shrink(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | None = None
+           ) -> fdl.Config[Experiment]:
+  """Fiddler: a 7B stage at laptop size, `steps` long, on the embedded corpus."""
+  tiny = olmo3_tiny()
+  for field in SIZE_FIELDS:
+    setattr(cfg.model, field, getattr(tiny, field))
+  cfg.data.mix, cfg.data.root = "embedded", ""
+  cfg.data.seq_len = SEQ_LEN
+  cfg.data.global_batch_size //= BATCH_DIVISOR
+  # Schedule lengths keep their proportion to the stage; the learning rate scales with size.
+  ratio = steps / cfg.train.steps
+  opt = cfg.optimizer
+  lengths = ("decay_steps",) + (("stitch_first_steps", "stitch_at", "stitch_second_steps")
+                                if opt.schedule == Schedule.STITCHED_COSINE else ())
+  for field in lengths:
+    setattr(opt, field, max(1, round(getattr(opt, field) * ratio)))
+  opt.warmup_steps = WARMUP_STEPS if opt.warmup_steps else 0
+  opt.peak_lr *= LR_SCALE
+  opt.final_lr *= LR_SCALE
+  cfg.train.steps = steps
+  cfg.train.log_every, cfg.train.eval_every, cfg.checkpoint.every = 5, 25, 50
+  if workdir_of_stage1 is not None:
+    cfg.checkpoint.init_from = workdir_of_stage1
+  cfg.eval.heldout = (("embedded", "embedded-heldout"),)
+  cfg.eval.tokenizer = "embedded"
+  cfg.eval.batch_size, cfg.eval.max_documents = 16, 32
+  cfg.eval.tasks, cfg.eval.task_limit = TASKS, 20
+  return cpu(cfg)
+
+
 def stage1() -> fdl.Config[Experiment]:
-  """Stage 1: 16 x 256 tokens per step, 100 steps, peak LR 3e-3 (a small model takes a larger
-  one), 10 warmup steps, cosine to 3e-4."""
-  return as_config(Experiment(
-      model=olmo3_tiny(),
-      data=DataConfig(mix="embedded", seq_len=256, global_batch_size=16, seed=34521),
-      mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("sequence", 1), ("tensor", 1))),
-      optimizer=OptimizerConfig(peak_lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
-                                no_decay=("embed_tokens",), clip_grad_norm=1.0,
-                                schedule=Schedule.COSINE, warmup_steps=10, final_lr=3e-4,
-                                decay_steps=STAGE1_STEPS),
-      train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=5,
-                        eval_every=25),
-      checkpoint=CheckpointConfig(every=50, keep=2, async_save=True, init_from=None),
-      eval=EvalConfig(heldout=(("embedded", "embedded-heldout"),), batch_size=16,
-                      max_documents=32, tasks=TASKS, task_limit=20, tokenizer="embedded",
-                      alarm_window=2, alarm_margin=0.05),
-  ))
+  """Stage 1: 16 x 256 tokens per step, 100 steps, peak LR 3e-3 after 10 warmup steps."""
+  return shrink(olmo3_7b.stage1(), steps=100)
 
 
 def stage2() -> fdl.Config[Experiment]:
-  """Stage 2: stage 1 with half the batch, seed 1337, LR linear from 2/3 of stage 1's peak to
-  0 without warmup, initialised from stage 1's final checkpoint (parameters and moments)."""
-  cfg = stage1()
-  cfg.data.seed = 1337
-  cfg.data.global_batch_size = 8
-  cfg.optimizer.peak_lr = 2e-3
-  cfg.optimizer.schedule = Schedule.LINEAR
-  cfg.optimizer.warmup_steps = 0
-  cfg.optimizer.final_lr = 0.0
-  cfg.optimizer.decay_steps = STAGE2_STEPS
-  cfg.train.steps = STAGE2_STEPS
-  cfg.checkpoint.init_from = "runs/olmo3_tiny.stage1"
-  return cfg
+  """Stage 2: 8 x 256 tokens per step, 40 steps, LR 2.07e-3 linear to 0, initialised from
+  stage 1's final checkpoint (parameters and moments)."""
+  return shrink(olmo3_7b.stage2(), steps=40, workdir_of_stage1="runs/olmo3_tiny.stage1")
 
 
 def memorize() -> fdl.Config[Experiment]:

@@ -1,35 +1,50 @@
-"""Audit an experiment's own input pipeline for exactly-once reading (olmo3.data.audit).
+r"""Audit an experiment's own input pipeline for exactly-once reading (olmo3.data.audit).
 
   python launch/audit.py --fdl_config=experiments.olmo3_tiny:stage1 --processes 4 \
       --devices_per_process 2 --steps 200 [--start_step K] [--dump DIR] [--fdl_set=...]
 
 Builds the experiment (with any --fdl_set overrides) and audits its DataConfig: the same files,
-order, batch and filters the trainer would use, read by P real processes.
+order, batch and filters the trainer would use, read by P real processes. Exits 1 if the audit
+finds a duplicate, a gap or a mismatch.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import fiddle as fdl
+from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch import configs
+from olmo3.data import audit
 
-import fiddle as fdl  # noqa: E402
+CONFIG = flags.DEFINE_string(
+    "fdl_config", None, "experiment reference: package.module:function", required=True)
+SETS = flags.DEFINE_multi_string("fdl_set", [], "override: path=value (a Python literal)")
+PROCESSES = flags.DEFINE_integer("processes", 2, "real OS processes (jax.distributed on CPU)",
+                                 lower_bound=1)
+DEVICES = flags.DEFINE_integer("devices_per_process", 2, "simulated CPU devices per process",
+                               lower_bound=1)
+STEPS = flags.DEFINE_integer("steps", None, "steps to read", required=True, lower_bound=1)
+START_STEP = flags.DEFINE_integer("start_step", 0, "first step read", lower_bound=0)
+DUMP = flags.DEFINE_string("dump", None, "directory for the rows each process holds per step")
 
-from launch import configs  # noqa: E402
-from olmo3.data import audit  # noqa: E402
+
+def audit_argv() -> list[str]:
+  """olmo3.data.audit's own command line (it parses with argparse) for these flags."""
+  argv = ["--processes", str(PROCESSES.value), "--devices_per_process", str(DEVICES.value),
+          "--steps", str(STEPS.value), "--start_step", str(START_STEP.value)]
+  return argv + (["--dump", DUMP.value] if DUMP.value else [])
 
 
 def main(argv: list[str]) -> int:
-  ref = next((a.split("=", 1)[1] for a in argv if a.startswith("--fdl_config=")), None)
-  if ref is None:
-    print("error: --fdl_config=REF is required", file=sys.stderr)
-    return 2
-  sets = [a.split("=", 1)[1] for a in argv if a.startswith("--fdl_set=")]
-  rest = [a for a in argv if not a.startswith(("--fdl_config=", "--fdl_set="))]
-  exp = fdl.build(configs.resolve(ref, sets))
-  return audit.main(rest, data=exp.data)
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  configs.make_cwd_importable()
+  try:
+    exp = fdl.build(configs.resolve(CONFIG.value, SETS.value))
+  except (configs.ConfigRefError, ValueError, TypeError) as e:
+    raise app.UsageError(str(e)) from None
+  return audit.main(audit_argv(), data=exp.data)
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  app.run(main)

@@ -4,6 +4,11 @@ A reference is `package.module:function` (or the dotted `package.module.function
 no-argument function that returns fdl.Config[Experiment]. Overrides are `path=value` with a
 Python literal value (strings quoted), as Fiddle's own flags take them; fiddlers are functions
 of the config in the experiment's module (`name`, `name(arg=1)`) or given as `module:function`.
+A sweep is a function returning a list of override dicts ({"model.remat": "full", ...}).
+
+Nothing here touches sys.path: `olmo3`, `experiments` and `launch` import because
+`pip install -e .` installs them, and each launch script's entry point calls
+`make_cwd_importable()` once so a user's own module in the working directory imports too.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import sys
 from typing import Any
 
 import fiddle as fdl
-from fiddle import diffing, printing
-from fiddle._src import daglish
+from fiddle import daglish, diffing, printing
 from fiddle.experimental import serialization
+
+from olmo3.config import resumable_fields
 
 # Symbols a config.json may name: loading one never imports anything else (and never unpickles).
 ALLOWED_MODULES = ("olmo3", "experiments", "fiddle", "optax", "jax", "numpy", "builtins", "enum")
@@ -41,9 +47,21 @@ def split_ref(ref: str) -> tuple[str, str]:
   return module, name
 
 
+def make_cwd_importable() -> None:
+  """Puts the working directory first on sys.path, as `python -m` would.
+
+  The one place the launch scripts change sys.path; each script's entry point calls it (library
+  functions never do). `python launch/X.py` puts launch/ on sys.path, not the directory it is run
+  from, so without this a user's own experiment, fiddler or sweep module there
+  (`--fdl_config=my_exp:stage1`) would not import. `olmo3`, `experiments` and `launch` need no
+  path at all: `pip install -e .` installs them.
+  """
+  cwd = os.getcwd()
+  if cwd not in sys.path:
+    sys.path.insert(0, cwd)
+
+
 def import_module(module: str, what: str):
-  if os.getcwd() not in sys.path:
-    sys.path.insert(0, os.getcwd())  # experiments/ of the checkout run from
   try:
     return importlib.import_module(module)
   except ModuleNotFoundError as e:
@@ -81,6 +99,32 @@ def apply_fiddler(cfg: fdl.Config, spec: str, default_module: str) -> fdl.Config
   return fn(cfg, **kwargs) or cfg
 
 
+def set_field(cfg: fdl.Buildable, path: str, value: Any, where: str | None = None) -> None:
+  """Sets `a.b.c` to `value`: each of a, a.b is a config and c is one of its fields, or
+  ConfigRefError names the path (`where` prefixes the message; default the path itself)."""
+  where = where or repr(path)
+  names = path.strip().split(".")
+  if not all(n.isidentifier() for n in names):
+    raise ConfigRefError(f"{where}: {path!r} is not a dotted field path")
+  *parents, leaf = names
+  node = cfg
+  for i, name in enumerate(parents):
+    node = getattr(node, name, None)
+    if not isinstance(node, fdl.Buildable):
+      raise ConfigRefError(f"{where}: {'.'.join(parents[:i + 1])} is not a config "
+                           f"(setting {path})")
+  fn = fdl.get_callable(node)
+  if dataclasses.is_dataclass(fn):
+    fields = {f.name for f in dataclasses.fields(fn) if f.init}
+    if leaf not in fields:
+      raise ConfigRefError(f"{where}: {fn.__name__} has no field {leaf!r} "
+                           f"(fields: {', '.join(sorted(fields))})")
+  try:
+    setattr(node, leaf, value)
+  except (AttributeError, TypeError) as e:  # Fiddle checks the callable's own parameters
+    raise ConfigRefError(f"{where}: {e}") from None
+
+
 def apply_set(cfg: fdl.Config, assignment: str) -> None:
   """`a.b.c=value`: sets the field; the value is a Python literal ('"text"' for strings)."""
   path, sep, text = assignment.partition("=")
@@ -91,19 +135,7 @@ def apply_set(cfg: fdl.Config, assignment: str) -> None:
   except (ValueError, SyntaxError):
     raise ConfigRefError(f"--fdl_set={assignment!r}: {text!r} is not a Python literal "
                          "(quote strings: path='\"text\"')") from None
-  *parents, leaf = path.strip().split(".")
-  node = cfg
-  for i, name in enumerate(parents):
-    node = getattr(node, name, None)
-    if not isinstance(node, fdl.Buildable):
-      raise ConfigRefError(f"--fdl_set={assignment!r}: {'.'.join(parents[:i + 1])} is not a "
-                           "config")
-  fields = {f.name for f in dataclasses.fields(fdl.get_callable(node))} if dataclasses.is_dataclass(
-      fdl.get_callable(node)) else None
-  if fields is not None and leaf not in fields:
-    raise ConfigRefError(f"--fdl_set={assignment!r}: {fdl.get_callable(node).__name__} has no "
-                         f"field {leaf!r} (fields: {', '.join(sorted(fields))})")
-  setattr(node, leaf, value)
+  set_field(cfg, path, value, f"--fdl_set={assignment!r}")
 
 
 def resolve(ref: str, sets: list[str] = (), fiddlers: list[str] = ()) -> fdl.Config:
@@ -114,6 +146,25 @@ def resolve(ref: str, sets: list[str] = (), fiddlers: list[str] = ()) -> fdl.Con
   for assignment in sets:
     apply_set(cfg, assignment)
   return cfg
+
+
+def load_sweep(ref: str) -> list[dict[str, Any]]:
+  """The variants a sweep reference (module:function) returns: a list of override dicts."""
+  module, name = split_ref(ref)
+  fn = getattr(import_module(module, f"--sweep={ref!r}"), name, None)
+  if not callable(fn):
+    raise ConfigRefError(f"--sweep={ref!r}: {module} has no function {name!r}")
+  return list(fn())
+
+
+def variant_name(overrides: dict[str, Any]) -> str:
+  """A sweep variant's name (its row in results.csv; `launch/sweep.py --variant NAME`)."""
+  def short(v):
+    if isinstance(v, (tuple, list)):
+      return "on" if v else "off"
+    return str(getattr(v, "value", v))
+
+  return ",".join(f"{k}={short(v)}" for k, v in overrides.items())
 
 
 # --- run records ---------------------------------------------------------------------------
@@ -200,3 +251,11 @@ def _plain(value: Any) -> Any:
 def diff_json(changes: list[Change]) -> str:
   return json.dumps([{"path": c.path, "a": _plain(c.a), "b": _plain(c.b)} for c in changes],
                     indent=2)
+
+
+def unresumable_changes(previous: fdl.Config, cfg: fdl.Config) -> list[Change]:
+  """The changes from a workdir's config to `cfg` that a resumed run cannot take: every field
+  not marked resumable in olmo3.config (`olmo3.config.resumable_fields`)."""
+  allowed = resumable_fields()
+  return [c for c in diff(previous, cfg)
+          if not any(c.path == p or c.path.startswith((f"{p}.", f"{p}[")) for p in allowed)]

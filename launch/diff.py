@@ -9,39 +9,32 @@ Programmatic use: `launch.configs.diff(configs.load_any(a), configs.load_any(b))
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch import configs
 
-from launch import configs  # noqa: E402
+JSON = flags.DEFINE_bool("json", False, "print a JSON list of changes")
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="launch/diff.py", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("a")
-  parser.add_argument("b")
-  parser.add_argument("--json", action="store_true", help="print a JSON list of changes")
-  args = parser.parse_args(argv)
-  try:
-    changes = configs.diff(configs.load_any(args.a), configs.load_any(args.b))
-  except configs.ConfigRefError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  if args.json:
-    print(configs.diff_json(changes))
-    return 0
+def format_table(changes: list[configs.Change], a: str, b: str) -> str:
   if not changes:
-    print("no differences")
-    return 0
+    return "no differences"
   width = max(len(c.path) for c in changes)
-  print(f"{'field'.ljust(width)}  {args.a}  ->  {args.b}")
-  for c in changes:
-    print(f"{c.path.ljust(width)}  {c.a!r}  ->  {c.b!r}")
-  return 0
+  return "\n".join([f"{'field'.ljust(width)}  {a}  ->  {b}"]
+                   + [f"{c.path.ljust(width)}  {c.a!r}  ->  {c.b!r}" for c in changes])
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) != 3:
+    raise app.UsageError(f"expected two experiments or run workdirs (A B), got {argv[1:]}")
+  a, b = argv[1:]
+  configs.make_cwd_importable()
+  try:
+    changes = configs.diff(configs.load_any(a), configs.load_any(b))
+  except configs.ConfigRefError as e:
+    raise app.UsageError(str(e)) from None
+  print(configs.diff_json(changes) if JSON.value else format_table(changes, a, b))
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  app.run(main)

@@ -18,14 +18,12 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fiddle as fdl
+from absl import app, flags, logging
+from fiddle import printing
 
-import fiddle as fdl  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
-from fiddle import printing  # noqa: E402
-
-from launch import configs  # noqa: E402
-from olmo3.perf import flags as flags_lib  # noqa: E402
+from launch import configs
+from olmo3.perf import flags as flags_lib
 
 FLAGS = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function (or the dotted form)")
@@ -43,12 +41,6 @@ CACHE = flags.DEFINE_string(
                                         os.path.join("~", ".cache", "olmo3", "jax")),
     "persistent XLA compilation cache (a restarted or resumed run skips recompiling; a shared "
     "path such as gs://... serves every host); '' turns it off")
-
-# Fields that may change between runs in one workdir (a longer run, a different cadence).
-RESUMABLE_CHANGES = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
-                     "data.num_workers", "data.prefetch", "mesh.shape", "mesh.dcn",
-                     "train.microbatches")
 
 
 def default_workdir(ref: str) -> str:
@@ -94,6 +86,7 @@ def dry_run(cfg: fdl.Config, exp) -> None:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  configs.make_cwd_importable()
   if not FLAGS.value:
     raise app.UsageError("--fdl_config is required, e.g. experiments.olmo3_tiny:stage1")
   try:
@@ -118,10 +111,9 @@ def main(argv: list[str]) -> None:
       raise app.UsageError(str(e)) from None
     return
   workdir = WORKDIR.value or default_workdir(FLAGS.value)
-  previous = os.path.join(workdir, "config.json")
-  if os.path.exists(previous) and not FORCE.value:
-    changed = [c for c in configs.diff(configs.from_workdir(workdir), cfg)
-               if not c.path.startswith(RESUMABLE_CHANGES)]
+  if os.path.exists(os.path.join(workdir, "config.json")) and not FORCE.value:
+    # Only fields marked resumable in olmo3.config may change (a longer run, another slice).
+    changed = configs.unresumable_changes(configs.from_workdir(workdir), cfg)
     if changed:
       raise app.UsageError(
           f"{workdir} holds a run of a different config (" + "; ".join(
@@ -130,7 +122,7 @@ def main(argv: list[str]) -> None:
   maybe_initialize_distributed()
   import jax
 
-  from olmo3.train.loop import Trainer
+  from olmo3.train.loop import train
 
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(CACHE.value))
@@ -139,7 +131,7 @@ def main(argv: list[str]) -> None:
     configs.write_run_record(workdir, cfg, sys.argv)
   logging.info("training %s in %s on %d %s devices", FLAGS.value, workdir, jax.device_count(),
                jax.default_backend())
-  last = Trainer(exp, workdir, name=FLAGS.value).run()
+  last = train(exp, workdir, name=FLAGS.value)
   if jax.process_index() == 0 and last:
     shown = {k: v for k, v in last.items() if not k.startswith("downstream/")}
     tasks = sorted({k.split("/")[1] for k in last if k.startswith("downstream/")})

@@ -1,4 +1,4 @@
-"""Generate, compile or run, and rank the variants of a sweep.
+r"""Generate, compile or run, and rank the variants of a sweep.
 
   python launch/sweep.py --fdl_config=experiments.olmo3_7b:stage1 \
       --sweep=experiments.olmo3_7b:mfu_sweep --compile_only=tpu7x:4x8x8 --out sweeps/7b
@@ -12,12 +12,12 @@ each variant's XLA / libtpu flags take effect; a crash costs the variant that ca
 (the others are rerun); --jobs N runs N workers at a time. With --compile_only each variant's
 train step is compiled for the target (memory, fits, compiled FLOPs); with --steps each trains
 N steps in a scratch workdir (tokens/s, TFLOP/s per device, MFU when the device's peak is
-known). Writes OUT/results.csv, OUT/results.md (ranked: what fits, by MFU or by memory) and OUT/results.png.
+known). Writes OUT/results.csv, OUT/results.md (ranked: what fits, by MFU or by memory) and
+OUT/results.png. A misspelt override path stops the sweep before any variant runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import csv
 import dataclasses
@@ -31,39 +31,58 @@ import time
 import traceback
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fiddle as fdl
+from absl import app, flags
 
-import fiddle as fdl  # noqa: E402
+from launch import configs
+from olmo3.perf import flags as flags_lib
 
-from launch import configs  # noqa: E402
-from olmo3.perf import flags as flags_lib  # noqa: E402
+CONFIG = flags.DEFINE_string(
+    "fdl_config", None, "experiment reference: package.module:function", required=True)
+SWEEP = flags.DEFINE_string(
+    "sweep", None, "sweep reference: package.module:function returning a list of override dicts",
+    required=True)
+SETS = flags.DEFINE_multi_string("fdl_set", [], "override for every variant: path=value "
+                                 "(a Python literal)")
+COMPILE_ONLY = flags.DEFINE_string("compile_only", None,
+                                   "'local' or a TPU topology kind:AxBxC")
+STEPS = flags.DEFINE_integer("steps", None, "train each variant this many steps", lower_bound=1)
+flags.mark_flags_as_mutual_exclusive(["compile_only", "steps"], required=True)
+OUT = flags.DEFINE_string("out", None, "directory for results.csv, results.md, results.png",
+                          required=True)
+VARIANT = flags.DEFINE_string("variant", None, "run only the variant of this name")
+JOBS = flags.DEFINE_integer("jobs", 1, "variants at a time (compile-only sweeps of a big model on "
+                            "a many-core machine; keep 1 when timing with --steps)", lower_bound=1)
+RESUME = flags.DEFINE_bool("resume", False,
+                           "keep the variants OUT/results.csv already has; run the others")
+# Set by the sweep for its own worker processes; kept out of --help (--helpfull lists them).
+_WORKER = flags.DEFINE_string("_worker", None, "variant indices this worker runs",
+                              module_name="launch.sweep.worker")
+_RESULTS = flags.DEFINE_string("_results", None, "the worker's JSON-lines results file",
+                               module_name="launch.sweep.worker")
 
 
-def variant_name(overrides: dict[str, Any]) -> str:
-  def short(v):
-    if isinstance(v, (tuple, list)):
-      return "on" if v else "off"
-    return str(getattr(v, "value", v))
-
-  return ",".join(f"{k}={short(v)}" for k, v in overrides.items())
-
-
-def load_sweep(ref: str) -> list[dict[str, Any]]:
-  module, name = configs.split_ref(ref)
-  fn = getattr(configs.import_module(module, f"--sweep={ref!r}"), name, None)
-  if not callable(fn):
-    raise configs.ConfigRefError(f"--sweep={ref!r}: {module} has no function {name!r}")
-  return list(fn())
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """What the flags ask for; workers get it back as flags."""
+  fdl_config: str
+  sweep: str
+  fdl_set: tuple[str, ...]
+  compile_only: str | None
+  steps: int | None
+  out: str
+  jobs: int = 1
 
 
 def apply(cfg: fdl.Config, overrides: dict[str, Any]) -> fdl.Config:
+  """A variant's overrides, each checked (a bad path raises ConfigRefError naming it)."""
   for path, value in overrides.items():
-    *parents, leaf = path.split(".")
-    node = cfg
-    for p in parents:
-      node = getattr(node, p)
-    setattr(node, leaf, value)
+    configs.set_field(cfg, path, value, f"sweep override {path!r}")
   return cfg
+
+
+def variant_config(sweep: Sweep, overrides: dict[str, Any]) -> fdl.Config:
+  return apply(configs.resolve(sweep.fdl_config, sweep.fdl_set), overrides)
 
 
 def run_variant(exp, compile_only: str | None, steps: int | None) -> dict[str, Any]:
@@ -77,13 +96,13 @@ def run_variant(exp, compile_only: str | None, steps: int | None) -> dict[str, A
     return {"fits": r.fits if r.fits is not None else True, "memory_gb": round(r.total_gb, 3),
             "temp_gb": round(r.temp_gb, 3), "compiled_tflops": r.compiled_tflops_per_step,
             "analytic_tflops": r.analytic_tflops_per_step, "compile_s": round(r.compile_s, 1)}
-  from olmo3.train.loop import Trainer
+  from olmo3.train.loop import train
 
   exp = dataclasses.replace(
       exp, train=dataclasses.replace(exp.train, steps=steps, log_every=steps, eval_every=0),
       checkpoint=dataclasses.replace(exp.checkpoint, every=10**9, init_from=None))
   with tempfile.TemporaryDirectory() as workdir:
-    last = Trainer(exp, workdir).run()
+    last = train(exp, workdir)
   return {"fits": True, "tokens_per_s": last.get("tokens_per_s"),
           "tflops_per_device": last.get("tflops_per_device"), "mfu": last.get("mfu"),
           "loss": last.get("loss")}
@@ -159,17 +178,17 @@ def _flag_key(exp) -> tuple:
   return exp.xla_flags, exp.libtpu_flags, exp.env
 
 
-def _run_worker(args, indices: list[int], on_result) -> None:
+def _run_worker(sweep: Sweep, indices: list[int], on_result) -> None:
   """Runs variants `indices` (one flag set) in a fresh process: flags only take effect before
   JAX starts. Results stream back one JSON line per variant; `on_result(index, result)` gets
   each. If the process dies (a compiler abort, out of host memory), the variants it did not
   finish are rerun one process each, so a crash costs the variant that caused it alone."""
   with tempfile.TemporaryDirectory() as scratch:
     results = os.path.join(scratch, "results.jsonl")
-    mode = (["--compile_only", args.compile_only] if args.compile_only
-            else ["--steps", str(args.steps)])
-    cmd = [sys.executable, os.path.abspath(__file__), "--fdl_config", args.fdl_config,
-           "--sweep", args.sweep, *(f"--fdl_set={s}" for s in args.fdl_set), *mode,
+    mode = (["--compile_only", sweep.compile_only] if sweep.compile_only
+            else ["--steps", str(sweep.steps)])
+    cmd = [sys.executable, os.path.abspath(__file__), "--fdl_config", sweep.fdl_config,
+           "--sweep", sweep.sweep, *(f"--fdl_set={s}" for s in sweep.fdl_set), *mode,
            "--out", scratch, "--_worker", ",".join(map(str, indices)), "--_results", results]
     with open(os.path.join(scratch, "log"), "w+") as log:
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -192,72 +211,59 @@ def _run_worker(args, indices: list[int], on_result) -> None:
     missing = indices[seen:]
   if not missing:
     return
-  if args.jobs == 1:
+  if sweep.jobs == 1:
     print("\n".join(tail[-20:]), flush=True)
   if len(missing) > 1:
     for index in missing:
-      _run_worker(args, [index], on_result)
+      _run_worker(sweep, [index], on_result)
     return
   on_result(missing[0], {"fits": False, "error": f"variant process exited {proc.returncode}: "
                                                  f"{(tail or ['no output'])[-1][:200]}"})
 
 
-def _worker(args) -> int:
-  variants = load_sweep(args.sweep)
-  for n, index in enumerate(int(i) for i in args._worker.split(",")):
-    exp = fdl.build(apply(configs.resolve(args.fdl_config, args.fdl_set), variants[index]))
+def _build(sweep: Sweep, overrides: dict[str, Any]):
+  """The variant's experiment; a bad override or an invalid config raises ConfigRefError."""
+  try:
+    return fdl.build(variant_config(sweep, overrides))
+  except (ValueError, TypeError) as e:  # ConfigRefError included; Experiment's own checks
+    raise configs.ConfigRefError(f"variant {configs.variant_name(overrides)}: {e}") from None
+
+
+def _worker(sweep: Sweep, indices: list[int], results: str) -> None:
+  variants = configs.load_sweep(sweep.sweep)
+  for n, index in enumerate(indices):
+    exp = _build(sweep, variants[index])
     if n == 0:  # the caller groups variants by flag set
       flags_lib.apply_to_environ(*_flag_key(exp))  # before JAX starts
-    print(f"--- {variant_name(variants[index])}", flush=True)
+    print(f"--- {configs.variant_name(variants[index])}", flush=True)
     try:
-      result = run_variant(exp, args.compile_only, args.steps)
+      result = run_variant(exp, sweep.compile_only, sweep.steps)
     except Exception as e:  # reported in the table; the sweep goes on
       traceback.print_exc()
       result = {"fits": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
-    with open(args._results, "a") as f:
+    with open(results, "a") as f:
       f.write(json.dumps({"index": index, "result": result}) + "\n")
-  return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="launch/sweep.py", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--fdl_config", required=True)
-  parser.add_argument("--sweep", required=True)
-  parser.add_argument("--fdl_set", action="append", default=[])
-  mode = parser.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--compile_only", help="'local' or a TPU topology kind:AxBxC")
-  mode.add_argument("--steps", type=int, help="train each variant this many steps")
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--variant", default=None, help="run only the variant of this name")
-  parser.add_argument("--jobs", type=int, default=1,
-                      help="variants at a time (compile-only sweeps of a big model on a "
-                      "many-core machine; keep 1 when timing with --steps)")
-  parser.add_argument("--resume", action="store_true",
-                      help="keep the variants OUT/results.csv already has; run the others")
-  parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)  # variant indices
-  parser.add_argument("--_results", default=None, help=argparse.SUPPRESS)  # JSON lines
-  args = parser.parse_args(argv)
-  if args._worker is not None:
-    return _worker(args)
-  variants = list(enumerate(load_sweep(args.sweep)))
-  if args.variant:
-    variants = [(i, v) for i, v in variants if variant_name(v) == args.variant]
+def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) -> list[dict]:
+  """Runs the sweep's variants (or the one named `variant`) and writes the tables."""
+  variants = list(enumerate(configs.load_sweep(sweep.sweep)))
+  if variant:
+    variants = [(i, v) for i, v in variants if configs.variant_name(v) == variant]
     if not variants:
-      print(f"error: no variant named {args.variant!r}", file=sys.stderr)
-      return 2
+      raise configs.ConfigRefError(f"--variant={variant!r}: {sweep.sweep} has no variant of "
+                                   "that name")
 
   # Variants that share a flag set share a worker process (--jobs splits them further). The
   # tables are rewritten after every variant: an interrupted sweep keeps what it measured, and
   # --resume picks it up.
-  done = _read_rows(args.out) if args.resume else {}
-  names = {i: variant_name(v) for i, v in variants}
+  done = _read_rows(sweep.out) if resume else {}
+  names = {i: configs.variant_name(v) for i, v in variants}
   groups: dict[tuple, list[int]] = {}
   for i, overrides in variants:
     if names[i] not in done:
-      exp = fdl.build(apply(configs.resolve(args.fdl_config, args.fdl_set), overrides))
-      groups.setdefault(_flag_key(exp), []).append(i)
-  units = [g[j::args.jobs] for g in groups.values() for j in range(min(args.jobs, len(g)))]
+      groups.setdefault(_flag_key(_build(sweep, overrides)), []).append(i)
+  units = [g[j::sweep.jobs] for g in groups.values() for j in range(min(sweep.jobs, len(g)))]
   lock = threading.Lock()
 
   def on_result(index: int, result: dict[str, Any]) -> None:
@@ -265,15 +271,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{names[index]}: {result}", flush=True)
     with lock:
       done[names[index]] = row
-      write_results(args.out, list(done.values()))
+      write_results(sweep.out, list(done.values()))
 
-  with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-    list(pool.map(lambda unit: _run_worker(args, unit, on_result), units))
+  with concurrent.futures.ThreadPoolExecutor(sweep.jobs) as pool:
+    list(pool.map(lambda unit: _run_worker(sweep, unit, on_result), units))
   rows = list(done.values())
-  write_results(args.out, rows)
-  print(f"wrote {args.out}/results.csv, results.md, results.png ({len(rows)} variants)")
-  return 0
+  write_results(sweep.out, rows)
+  return rows
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  configs.make_cwd_importable()
+  sweep = Sweep(CONFIG.value, SWEEP.value, tuple(SETS.value), COMPILE_ONLY.value, STEPS.value,
+                OUT.value, JOBS.value)
+  try:
+    if _WORKER.value is not None:
+      _worker(sweep, [int(i) for i in _WORKER.value.split(",")], _RESULTS.value)
+      return
+    rows = run_sweep(sweep, VARIANT.value, RESUME.value)
+  except configs.ConfigRefError as e:
+    raise app.UsageError(str(e)) from None
+  print(f"wrote {sweep.out}/results.csv, results.md, results.png ({len(rows)} variants)")
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  app.run(main)

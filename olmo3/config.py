@@ -10,6 +10,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from olmo3.remat import Remat, check_custom
+
 
 class ConfigError(ValueError):
   """A configuration field holds an invalid value. The message names the field."""
@@ -29,18 +31,6 @@ class AttentionKernel(enum.StrEnum):
   SPLASH = "splash"  # Pallas splash attention (TPU; interpret mode elsewhere, slow).
 
 
-class Remat(enum.StrEnum):
-  """What the backward pass recomputes, per layer group (olmo3.perf.remat; MaxText's names)."""
-
-  NONE = "none"  # no jax.checkpoint: everything the backward pass needs is kept
-  FULL = "full"  # save nothing inside a layer group: recompute it all
-  MINIMAL = "minimal"  # save q/k/v/out projections and the MLP matmuls
-  SAVE_QKV_PROJ = "save_qkv_proj"
-  SAVE_DOT_EXCEPT_MLP = "save_dot_except_mlp"  # the attention matmuls, not the MLP's
-  MINIMAL_WITH_CONTEXT = "minimal_with_context"  # minimal + the attention output
-  CUSTOM = "custom"  # per name (remat_custom): "device" (save), "offload" (pinned host), "remat"
-
-
 def _coerce_enum(obj: Any, name: str, enum_type: type[enum.Enum]) -> None:
   """Accepts the enum or its string value (configs round-trip through JSON and CLI flags)."""
   value = getattr(obj, name)
@@ -58,9 +48,33 @@ def _require(cond: bool, cls: str, field: str, value: Any, why: str) -> None:
     raise ConfigError(f"{cls}.{field}={value!r}: {why}")
 
 
+RESUMABLE = "resumable"  # field metadata: may change between runs in one workdir
+
+
+def resumable(default: Any) -> Any:
+  """A field that may change when a run resumes in the same workdir (a longer run, another
+  cadence, another slice): the launcher accepts a changed value instead of refusing the
+  workdir. Every other field must match the run's config.json."""
+  return dataclasses.field(default=default, metadata={RESUMABLE: True})
+
+
+def resumable_fields(cls: type | None = None, prefix: str = "") -> tuple[str, ...]:
+  """Dotted paths of every resumable field under `cls` (default: Experiment)."""
+  cls = Experiment if cls is None else cls
+  out = []
+  for f in dataclasses.fields(cls):
+    path = f"{prefix}{f.name}"
+    if f.metadata.get(RESUMABLE):
+      out.append(path)
+    elif f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(
+        f.default_factory()):
+      out.extend(resumable_fields(type(f.default_factory()), f"{path}."))
+  return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """The OLMo 3 transformer (REFERENCE.md §1). Defaults are OLMo 3 7B."""
+  """The OLMo 3 transformer (docs/architecture.md). Defaults are OLMo 3 7B."""
 
   vocab_size: int = 100_278  # tokenizer vocabulary (dolma2)
   padded_vocab_size: int = 100_352  # embedding / LM-head rows, a multiple of 128
@@ -90,6 +104,8 @@ class ModelConfig:
     _coerce_enum(self, "remat", Remat)
     object.__setattr__(self, "remat_custom", tuple(tuple(x) for x in self.remat_custom))
     c = type(self).__name__
+    why = check_custom(self.remat_custom)
+    _require(why is None, c, "remat_custom", self.remat_custom, str(why))
     for f in ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
               "mlp_hidden", "global_every", "max_seq_len"):
       v = getattr(self, f)
@@ -149,7 +165,7 @@ class ModelConfig:
 
   @property
   def matmul_param_count(self) -> int:
-    """N of REFERENCE.md §6: matmul weights; input embedding and norm weights excluded."""
+    """N of docs/flops.md: matmul weights; input embedding and norm weights excluded."""
     d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
     per_block = 2 * d * q + 2 * d * kv + 3 * d * self.mlp_hidden
     return self.n_layers * per_block + self.d_model * self.padded_vocab_size
@@ -164,7 +180,7 @@ class ModelConfig:
   def flops_per_token(self, seq_len: int) -> float:
     """Exact training FLOPs per token (forward + backward): 6N + sum_l 12*H*Q*mean_keys(l).
 
-    Counts the causal half and the sliding window exactly (REFERENCE.md §6): 46.56 GFLOP for
+    Counts the causal half and the sliding window exactly (docs/flops.md#our-count): 46.56 GFLOP for
     OLMo 3 7B at T=8192.
     """
     if seq_len < 1:
@@ -180,7 +196,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class RepetitionFilter:
   """Mask the labels of an instance holding a run of >= max_count repetitions of any period in
-  [min_period, max_period] (OLMo-core's instance filter, REFERENCE.md §4)."""
+  [min_period, max_period] (OLMo-core's instance filter, docs/data.md#repetition-filter)."""
 
   max_period: int = 13
   min_period: int = 1
@@ -197,7 +213,7 @@ class RepetitionFilter:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where training tokens come from and in which order (OLMo-core's semantics, REFERENCE §4).
+  """Where training tokens come from and in which order (OLMo-core's semantics, docs/data.md).
 
   Token files are given directly (`paths`) or by a mix file (`mix`: lines `label,path` with
   `{TOKENIZER}` in the path, as OLMo-core's mixes; a file path or the name of a mix that the
@@ -215,8 +231,8 @@ class DataConfig:
   repetition_filter: RepetitionFilter | None = None  # off in the OLMo 3 7B recipe
   max_instances: int | None = None  # only the first N instances (memorisation experiments)
   validate_tokens: bool = True  # scan every token file at startup for ids >= vocab
-  num_workers: int = 0  # Grain worker processes reading steps ahead (0: in the main process)
-  prefetch: int = 2  # steps buffered per worker
+  num_workers: int = resumable(0)  # Grain worker processes reading steps ahead (0: in the main process)
+  prefetch: int = resumable(2)  # steps buffered per worker
 
   def __post_init__(self) -> None:
     c = type(self).__name__
@@ -242,12 +258,12 @@ class DataConfig:
 class Schedule(enum.StrEnum):
   COSINE = "cosine"  # linear warmup, then one cosine from peak to final_lr over the stage
   LINEAR = "linear"  # linear warmup (possibly none), then linear from peak to final_lr
-  STITCHED_COSINE = "stitched_cosine"  # AI2's stage-1 schedule: two cosines (REFERENCE §3)
+  STITCHED_COSINE = "stitched_cosine"  # AI2's stage-1 schedule: two cosines (docs/recipe.md)
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """AdamW with decoupled weight decay (p -= lr·wd·p) and global-norm clipping (REFERENCE §3)."""
+  """AdamW with decoupled weight decay (p -= lr·wd·p) and global-norm clipping (docs/recipe.md#optimizer)."""
 
   peak_lr: float = 3e-4
   b1: float = 0.9
@@ -263,11 +279,11 @@ class OptimizerConfig:
   # steps (--fdl_set=train.steps=N) runs the first N steps of the same schedule.
   decay_steps: int = 1_413_814
   # STITCHED_COSINE only: the first cosine's length, the step where the second takes over, and
-  # the length the second cosine was aimed at (REFERENCE §3).
+  # the length the second cosine was aimed at (docs/recipe.md#learning-rate-schedules).
   stitch_first_steps: int = 1_192_093
   stitch_at: int = 597_046
   stitch_second_steps: int = 1_668_931
-  # Step skipping (REFERENCE §3): an update is skipped when the loss or the pre-clip gradient
+  # Step skipping (docs/recipe.md#step-skipping): an update is skipped when the loss or the pre-clip gradient
   # norm is more than spike_sigma standard deviations above the mean of the last spike_window
   # accepted steps (once spike_min_history exist). Non-finite losses or gradients are always
   # skipped: they never reach the parameters.
@@ -299,11 +315,11 @@ class OptimizerConfig:
 class MeshConfig:
   """Mesh axis sizes (one may be -1: fill the devices) and the logical-axis rules."""
 
-  shape: tuple[tuple[str, int], ...] = (("data", 1), ("fsdp", -1), ("tensor", 1))
+  shape: tuple[tuple[str, int], ...] = resumable((("data", 1), ("fsdp", -1), ("tensor", 1)))
   rules: tuple[tuple[str, Any], ...] | None = None  # None: olmo3.sharding.FSDP_RULES
   # Multi-slice pods: the axes spanning slices over DCN, e.g. (("data", 4),); () = the slices
   # (if any) form the data axis. Each mesh axis is its `shape` size x its `dcn` size.
-  dcn: tuple[tuple[str, int], ...] = ()
+  dcn: tuple[tuple[str, int], ...] = resumable(())
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "shape", tuple((str(a), int(n)) for a, n in dict(self.shape).items()))
@@ -322,17 +338,17 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 1_413_814
+  steps: int = resumable(1_413_814)
   seed: int = 0  # parameter initialisation
   z_loss_weight: float = 1e-5
-  log_every: int = 1
-  eval_every: int = 1000  # held-out evaluation every K steps (0: never); also at the end
-  eval_batches: int | None = None  # cap on held-out batches per evaluation (None: all)
+  log_every: int = resumable(1)
+  eval_every: int = resumable(1000)  # held-out evaluation every K steps (0: never); also at the end
+  eval_batches: int | None = resumable(None)  # cap on held-out batches per evaluation (None: all)
   max_consecutive_skips: int = 10  # stop the run after this many skipped steps in a row
   # Gradient accumulation: each step's global batch runs as this many sequential microbatches
   # (same data, same update, 1/k of the activation memory). How a run resumed on a smaller
   # slice keeps its global batch and per-device memory.
-  microbatches: int = 1
+  microbatches: int = resumable(1)
 
   def __post_init__(self) -> None:
     c = type(self).__name__
@@ -347,9 +363,9 @@ class TrainConfig:
 class CheckpointConfig:
   """Orbax checkpoints in WORKDIR/checkpoints; resume from the latest automatically."""
 
-  every: int = 1000
-  keep: int = 3
-  async_save: bool = True
+  every: int = resumable(1000)
+  keep: int = resumable(3)
+  async_save: bool = resumable(True)
   # Initialise from another run's checkpoint (a step directory, or a run's checkpoints
   # directory: its latest step): parameters and optimizer moments; step, schedule and data
   # position start fresh. Used when the workdir has no checkpoint of its own.
@@ -440,17 +456,17 @@ class Experiment:
 
 
 def olmo3_7b() -> ModelConfig:
-  """OLMo 3 7B, stages 1-2 (REFERENCE.md §1)."""
+  """OLMo 3 7B, stages 1-2 (docs/architecture.md)."""
   return ModelConfig()
 
 
 def olmo3_32b() -> ModelConfig:
-  """OLMo 3 32B: grouped-query attention (REFERENCE.md §1)."""
+  """OLMo 3 32B: grouped-query attention (docs/architecture.md#shapes)."""
   return ModelConfig(d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8, mlp_hidden=27_648)
 
 
 def olmo3_tiny() -> ModelConfig:
-  """≈ 2.6M parameters: the CPU default, trained on the embedded corpus (8k BPE vocabulary).
+  """2,902,144 parameters: the CPU default, trained on the embedded corpus (8k BPE vocabulary).
 
   Sized to train visibly on 2 CPU cores in minutes. The window (128) is half the sequence
   length the tiny experiments train on (256), as in the 7B (4096 of 8192), so sliding and

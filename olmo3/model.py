@@ -1,4 +1,4 @@
-"""The OLMo 3 transformer in Flax NNX, top to bottom (REFERENCE.md §1).
+"""The OLMo 3 transformer in Flax NNX, top to bottom (docs/architecture.md).
 
 Shapes in names: B batch, T query positions, S key positions, D d_model, H query heads,
 G key/value heads, R = H / G, K head dim, F MLP hidden, V padded vocabulary, L layers.
@@ -18,7 +18,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from olmo3.config import AttentionKernel, ModelConfig
-from olmo3.perf import remat as remat_lib
+from olmo3 import remat as remat_lib
+from olmo3.remat import Name
 from olmo3.sharding import constrain, logical_to_spec
 
 
@@ -191,16 +192,16 @@ class Attention(nnx.Module):
                window: int | None) -> jax.Array:
     cfg = self.cfg
     b, t, _ = x_BTD.shape
-    q = self.q_norm(checkpoint_name(self.q_proj(x_BTD), "query_proj"))
-    k = self.k_norm(checkpoint_name(self.k_proj(x_BTD), "key_proj"))
-    v = checkpoint_name(self.v_proj(x_BTD), "value_proj")
+    q = self.q_norm(checkpoint_name(self.q_proj(x_BTD), Name.QUERY_PROJ))
+    k = self.k_norm(checkpoint_name(self.k_proj(x_BTD), Name.KEY_PROJ))
+    v = checkpoint_name(self.v_proj(x_BTD), Name.VALUE_PROJ)
     heads = ("batch", "seq", "act_heads", None)
     q_BTHK = constrain(apply_rope(q.reshape(b, t, cfg.n_heads, cfg.head_dim), *rope), heads)
     k_BTGK = constrain(apply_rope(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), *rope), heads)
     v_BTGK = constrain(v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), heads)
     out_BTHK = attend(q_BTHK, k_BTGK, v_BTGK, window, cfg.attention)
-    context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), "context")
-    return checkpoint_name(self.o_proj(context), "out_proj")
+    context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), Name.CONTEXT)
+    return checkpoint_name(self.o_proj(context), Name.OUT_PROJ)
 
 
 class MLP(nnx.Module):
@@ -212,10 +213,10 @@ class MLP(nnx.Module):
     self.down_proj = _dense(cfg, cfg.mlp_hidden, cfg.d_model, ("mlp", "embed"), rngs)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    gate_BTF = checkpoint_name(self.gate_proj(x_BTD), "mlpwi_0")
-    up_BTF = checkpoint_name(self.up_proj(x_BTD), "mlpwi_1")
+    gate_BTF = checkpoint_name(self.gate_proj(x_BTD), Name.MLPWI_0)
+    up_BTF = checkpoint_name(self.up_proj(x_BTD), Name.MLPWI_1)
     hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
-    return checkpoint_name(self.down_proj(hidden_BTF), "mlpwo")
+    return checkpoint_name(self.down_proj(hidden_BTF), Name.MLPWO)
 
 
 class Block(nnx.Module):
@@ -229,7 +230,7 @@ class Block(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array],
                window: int | None) -> jax.Array:
-    x_BTD = constrain(checkpoint_name(x_BTD, "decoder_layer_input"),
+    x_BTD = constrain(checkpoint_name(x_BTD, Name.DECODER_LAYER_INPUT),
                       ("batch", "seq", "act_embed"))
     h_BTD = x_BTD + self.post_attention_layernorm(self.self_attn(x_BTD, rope, window))
     return h_BTD + self.post_feedforward_layernorm(self.mlp(h_BTD))

@@ -24,7 +24,7 @@ MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 # (data, fsdp), activations' sequence dimension over `sequence` (context parallelism; size 1
 # unless a mesh asks for it). The embedding table is sharded on vocab, not embed: sharding it
 # over fsdp while the batch is sharded over (data, fsdp) makes XLA rematerialise the whole
-# gather (REFERENCE §9), so the table has axis names of its own.
+# gather (docs/performance.md#sharding), so the table has axis names of its own.
 FSDP_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("seq", "sequence"),

@@ -25,7 +25,7 @@ def test_7b_flops_per_token():
   cfg = config.olmo3_7b()
   assert 6 * cfg.matmul_param_count / 1e9 == pytest.approx(41.3223, abs=1e-4)
   assert cfg.flops_per_token(8192) / 1e9 == pytest.approx(46.557, abs=1e-3)
-  # Sliding layers attend to (W(W+1)/2 + (T-W)W)/T keys on average (REFERENCE.md §6).
+  # Sliding layers attend to (W(W+1)/2 + (T-W)W)/T keys on average (docs/flops.md#our-count).
   assert cfg.mean_keys_per_query(0, 8192) == 3072.25
   assert cfg.mean_keys_per_query(3, 8192) == 4096.5
   # A sequence shorter than the window: every layer is plain causal.

@@ -105,8 +105,12 @@ def test_audit_an_experiments_own_pipeline():
   root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
   out = subprocess.run([sys.executable, "launch/audit.py",
                         "--fdl_config=experiments.olmo3_tiny:stage1", "--processes", "2",
-                        "--devices_per_process", "1", "--steps", "4"],
+                        "--devices_per_process", "1", "--steps", "4", "--start_step=1",
+                        "--fdl_set=data.global_batch_size=8"],
                        capture_output=True, text=True, timeout=300, cwd=root)
   assert out.returncode == 0, out.stderr[-2000:]
   report = json.loads(out.stdout.strip().splitlines()[-1])
-  assert report["ok"] and report["instances_read"] == 4 * 16
+  # Every flag reached the audit: 2 processes of 1 device, steps 1..4, the overridden batch.
+  assert report["ok"] and report["processes"] == 2 and report["devices_per_process"] == 1
+  assert report["steps"] == [1, 4] and sorted(report["digests"], key=int) == ["1", "2", "3", "4"]
+  assert report["instances_read"] == 4 * 8 and report["instances_read_per_process"] == [16, 16]

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from olmo3.config import DataConfig, RepetitionFilter
-from olmo3.data import pipeline, tokens
+from olmo3.data import pipeline, sources, tokens
 from olmo3.data.tokens import DataError
-from olmo3.train.loss import lm_loss
+from olmo3.loss import IGNORE, lm_loss
 
 from data_helpers import batch_sharding, write_files
 
@@ -21,7 +21,7 @@ def _cfg(paths, **kw):
 
 def _global_batches(cfg, sharding, start, steps, **kw):
   loader = pipeline.Loader(cfg, sharding, start_step=start, num_steps=steps, vocab_size=100, **kw)
-  return [{k: np.asarray(v) for k, v in loader.to_global(b).items()} for b in loader]
+  return [{k: np.asarray(v) for k, v in b.items()} for b in loader]  # the exit training reads
 
 
 def test_instances_never_span_files_and_tails_are_dropped(tmp_path):
@@ -49,7 +49,7 @@ def test_each_device_holds_its_own_rows(tmp_path):
   cfg = _cfg(write_files(tmp_path, [3000]))
   sharding = batch_sharding(8, {"data": 2, "fsdp": 4})
   loader = pipeline.Loader(cfg, sharding, start_step=0, num_steps=1, vocab_size=100)
-  batch = loader.to_global(next(iter(loader)))
+  batch = next(iter(loader))
   expected = np.stack([loader.source[i] for i in loader.order.batch(0)])
   for shard in batch["input_ids"].addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index])
@@ -66,11 +66,14 @@ def test_labels_shift_left_and_repetitive_instances_are_masked(tmp_path):
   batch = _global_batches(cfg, batch_sharding(1), 0, 1)[0]
   for ids, labels in zip(batch["input_ids"], batch["labels"]):
     if (ids == 7).all():
-      assert (labels == pipeline.IGNORE).all()  # masked, but keeps its slot in the batch
+      assert (labels == IGNORE).all()  # masked, but keeps its slot in the batch
     else:
       np.testing.assert_array_equal(labels[:-1], ids[1:])
-      assert labels[-1] == pipeline.IGNORE
-  assert sorted(batch["instance"]) == [0, 1, 2, 3]
+      assert labels[-1] == IGNORE
+  host = next(pipeline.Loader(cfg, batch_sharding(1), start_step=0, num_steps=1,
+                              vocab_size=100).host_batches())
+  assert sorted(host["instance"]) == [0, 1, 2, 3]  # the audit metadata, kept on the host
+  np.testing.assert_array_equal(host["input_ids"], batch["input_ids"])
 
 
 def test_all_masked_batch_gives_zero_loss_not_nan():
@@ -94,7 +97,7 @@ def test_mix_files_resolve_against_a_root(tmp_path):
   mix = tmp_path / "mix.txt"
   mix.write_text("# a comment\n\n" + "".join(
       f"src,{os.path.basename(p).replace('000', '{TOKENIZER}')}\n" for p in paths))
-  source = pipeline.token_files(DataConfig(mix=str(mix), root=str(tmp_path), seq_len=16,
+  source = sources.token_files(DataConfig(mix=str(mix), root=str(tmp_path), seq_len=16,
                                            tokenizer_id="000"), vocab_size=100)
   assert [str(p) for p in source.paths] == paths
 
@@ -117,12 +120,12 @@ def test_bad_mix_and_batch_fail_at_startup(tmp_path):
   mix = tmp_path / "mix.txt"
   mix.write_text("a,missing/{TOKENIZER}/000.npy\n")
   with pytest.raises(DataError, match=r"missing/x/000\.npy does not exist"):
-    pipeline.token_files(DataConfig(mix=str(mix), tokenizer_id="x"), vocab_size=100)
+    sources.token_files(DataConfig(mix=str(mix), tokenizer_id="x"), vocab_size=100)
   mix.write_text("no comma here\n")
   with pytest.raises(DataError, match=r"mix\.txt:1: expected 'label,path'"):
-    pipeline.token_files(DataConfig(mix=str(mix)), vocab_size=100)
+    sources.token_files(DataConfig(mix=str(mix)), vocab_size=100)
   with pytest.raises(DataError, match=r"DataConfig\.mix='nope'"):
-    pipeline.token_files(DataConfig(mix="nope"), vocab_size=100)
+    sources.token_files(DataConfig(mix="nope"), vocab_size=100)
   paths = write_files(tmp_path, [1000])
   with pytest.raises(DataError, match=r"global_batch_size=6 is not divisible by the "
                                       r"data-parallel size 4"):

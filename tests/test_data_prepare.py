@@ -11,7 +11,7 @@ import pytest
 
 from olmo3.data import embedded, prepare, tokens
 from olmo3.data.heldout import HeldoutDocs
-from olmo3.data.pipeline import IGNORE
+from olmo3.loss import IGNORE
 from olmo3.data.tokens import DataError
 
 

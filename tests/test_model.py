@@ -32,7 +32,7 @@ def test_attention_mask_window_counts_the_query_itself():
 
 
 def test_dot_product_local_window_matches_our_window():
-  # jax.nn.dot_product_attention's local_window_size=(W-1, 0) is our W-key window (REFERENCE §7).
+  # jax.nn.dot_product_attention's local_window_size=(W-1, 0) is our W-key window (docs/performance.md#attention-kernels).
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 12, 2, 8)), jnp.float32) for _ in range(3))
   for window in (1, 3, 5):

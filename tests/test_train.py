@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 
 from olmo3.config import OptimizerConfig, Schedule
-from olmo3.train import metrics as metrics_lib
+from olmo3 import metrics as metrics_lib
 from olmo3.train import optim
-from olmo3.train.loop import Trainer
+from olmo3.sharded import ShardedModel
+from olmo3.train import state as state_lib
+from olmo3.train.checkpoints import RunCheckpoints
+from olmo3.train.loop import train
 
 from train_helpers import micro_experiment, write_corpus
 
@@ -54,8 +57,8 @@ def test_weight_decay_spares_only_the_input_embedding():
 def test_adam_moments_are_sharded_like_their_parameters(tmp_path):
   """Every Adam moment lives where its parameter lives: a replicated moment would put a full
   copy of the optimizer state on every device (the 7B would need 58 GB more per device)."""
-  trainer = Trainer(micro_experiment(write_corpus(tmp_path)))
-  state = trainer.init_state()
+  exp = micro_experiment(write_corpus(tmp_path))
+  state = state_lib.StateLayout(exp, ShardedModel.for_experiment(exp)).fresh()
   params = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
   moments = 0
   for path, x in jax.tree_util.tree_leaves_with_path(state.opt_state):
@@ -72,6 +75,14 @@ def test_adam_moments_are_sharded_like_their_parameters(tmp_path):
   assert kernel.addressable_shards[0].data.size * 8 == kernel.size
 
 
+def _restored(exp, workdir):
+  """The state a run in `workdir` resumes from (its latest checkpoint, or init_from)."""
+  model = ShardedModel.for_experiment(exp)
+  with model.context():
+    return state_lib.restore_or_init(state_lib.StateLayout(exp, model),
+                                     RunCheckpoints(f"{workdir}/checkpoints", 10, False))
+
+
 def _losses(workdir):
   by_step = {}
   for row in metrics_lib.read_jsonl(f"{workdir}/metrics.jsonl"):
@@ -83,10 +94,10 @@ def _losses(workdir):
 def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path):
   path = write_corpus(tmp_path)
   full = micro_experiment(path, steps=8)
-  Trainer(full, str(tmp_path / "full")).run()
+  train(full, str(tmp_path / "full"))
   first = dataclasses.replace(full, train=dataclasses.replace(full.train, steps=5))
-  Trainer(first, str(tmp_path / "resumed")).run()  # checkpoints at 2, 4, 5
-  Trainer(full, str(tmp_path / "resumed")).run()  # resumes from step 5
+  train(first, str(tmp_path / "resumed"))  # checkpoints at 2, 4, 5
+  train(full, str(tmp_path / "resumed"))  # resumes from step 5
   a, b = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
   assert sorted(a) == sorted(b) == list(range(1, 9))
   assert a == b  # bit-identical on CPU, step for step
@@ -96,23 +107,21 @@ def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path):
 def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
   path = write_corpus(tmp_path)
   stage1 = micro_experiment(path, steps=4)
-  t1 = Trainer(stage1, str(tmp_path / "s1"))
-  t1.run()
+  train(stage1, str(tmp_path / "s1"))
   stage2 = dataclasses.replace(
       stage1, data=dataclasses.replace(stage1.data, seed=1337),
       optimizer=dataclasses.replace(stage1.optimizer, schedule=Schedule.LINEAR, warmup_steps=0,
                                     final_lr=0.0, decay_steps=3),
       train=dataclasses.replace(stage1.train, steps=3),
       checkpoint=dataclasses.replace(stage1.checkpoint, init_from=str(tmp_path / "s1")))
-  t2 = Trainer(stage2, str(tmp_path / "s2"))
-  state = t2.init_state()
-  final1 = t1.init_state()  # stage 1's latest checkpoint (step 4)
+  state = _restored(stage2, tmp_path / "s2")
+  final1 = _restored(stage1, tmp_path / "s1")  # stage 1's latest checkpoint (step 4)
   assert int(state.step) == 0 and int(final1.step) == 4
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(final1.params)):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(final1.opt_state)):
     np.testing.assert_array_equal(a, b)  # moments and Adam's count (bias correction) carried
-  t2.run()
+  train(stage2, str(tmp_path / "s2"))
   assert sorted(_losses(tmp_path / "s2")) == [1, 2, 3]
 
 
@@ -120,11 +129,11 @@ def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
 NAN_MARK, SPIKE_MARK = 491, 490  # token ids the corpus never holds (it draws below 480)
 
 
-class _Injecting(Trainer):
+class _Injecting(ShardedModel):
   """Turns a batch holding a marker token into a NaN loss or a large loss spike."""
 
-  def _apply(self, params, tokens):
-    logits = super()._apply(params, tokens)
+  def apply(self, params, tokens):
+    logits = super().apply(params, tokens)
     scale = jnp.where(jnp.any(tokens == NAN_MARK), jnp.nan,
                       jnp.where(jnp.any(tokens == SPIKE_MARK), 30.0, 1.0))
     return logits * scale
@@ -152,18 +161,17 @@ def _skip_experiment(path, steps, **optimizer):
 def test_nan_and_spike_steps_are_skipped(tmp_path):
   path = _marked_corpus(tmp_path, {0: NAN_MARK, 1: SPIKE_MARK})
   exp = _skip_experiment(path, steps=30)
-  trainer = _Injecting(exp, str(tmp_path / "run"))
   from olmo3.data.order import GlobalOrder
 
   order = GlobalOrder(40_000 // 32, 8, exp.data.seed)  # write_corpus: 40,000 tokens
   step_of = {i: next(s for s in range(200) if i in order.batch(s)) + 1 for i in (0, 1)}
-  trainer.run()
+  train(exp, str(tmp_path / "run"), model=_Injecting.for_experiment(exp))
   rows = {r["step"]: r for r in metrics_lib.read_jsonl(tmp_path / "run" / "metrics.jsonl")}
   skipped = sorted(s for s, r in rows.items() if r.get("skipped"))
   expected = sorted(s for s in step_of.values() if s <= 30 and (s > 8 or s == step_of[0]))
   assert skipped == expected and expected  # the NaN step always; the spike once history exists
   assert np.isnan(rows[step_of[0]]["loss"])
-  state = trainer.init_state()  # the final checkpoint
+  state = _restored(exp, tmp_path / "run")  # the final checkpoint
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
   assert rows[30]["skipped_total"] == len(expected)
 
@@ -175,28 +183,28 @@ def test_consecutive_nan_steps_stop_the_run(tmp_path):
   from olmo3.train.loop import TrainingStopped
 
   with pytest.raises(TrainingStopped, match="3 consecutive steps skipped"):
-    _Injecting(exp, str(tmp_path / "run")).run()
+    train(exp, str(tmp_path / "run"), model=_Injecting.for_experiment(exp))
 
 
 def test_damaged_checkpoint_is_named_and_the_run_falls_back(tmp_path, caplog):
   path = write_corpus(tmp_path)
   full = micro_experiment(path, steps=6, every=2)
-  Trainer(full, str(tmp_path / "full")).run()
+  train(full, str(tmp_path / "full"))
   first = dataclasses.replace(full, train=dataclasses.replace(full.train, steps=4))
-  Trainer(first, str(tmp_path / "run")).run()  # checkpoints 2 and 4
+  train(first, str(tmp_path / "run"))  # checkpoints 2 and 4
   victim = next(p for p in (tmp_path / "run" / "checkpoints" / "4" / "params").rglob("*")
                 if p.is_file() and p.stat().st_size > 1000)
   victim.write_bytes(victim.read_bytes()[:100])  # truncated
   strict = dataclasses.replace(full, checkpoint=dataclasses.replace(full.checkpoint,
                                                                     fallback=False))
-  from olmo3.train.checkpoint import CheckpointError
+  from olmo3.checkpoint import CheckpointError
 
   with pytest.raises(CheckpointError, match=r"checkpoints/4 is damaged"):
-    Trainer(strict, str(tmp_path / "run")).init_state()
+    _restored(strict, tmp_path / "run")
   import logging
 
   with caplog.at_level(logging.ERROR):
-    Trainer(full, str(tmp_path / "run")).run()  # resumes from step 2
+    train(full, str(tmp_path / "run"))  # resumes from step 2
   assert "checkpoints/4 is damaged" in caplog.text
   assert _losses(tmp_path / "run") == _losses(tmp_path / "full")
 
@@ -207,7 +215,7 @@ def test_metric_writer_starts_without_importing_torch(tmp_path):
   import subprocess
   import sys
 
-  code = ("import sys; from olmo3.train import metrics; "
+  code = ("import sys; from olmo3 import metrics; "
           f"w = metrics.create_writer({str(tmp_path)!r}, True); w.write_scalars(1, {{'loss': 2.5}}); "
           "w.close(); assert 'torch' not in sys.modules; import torch")
   done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -226,12 +234,12 @@ def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
   accumulated = dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=2))
   devices = jax.devices()[:2]
   for name, exp in (("whole", whole), ("accumulated", accumulated)):
-    Trainer(exp, str(tmp_path / name), devices=devices).run()
+    train(exp, str(tmp_path / name), model=ShardedModel.for_experiment(exp, devices))
   rows = {name: [r for r in metrics_lib.read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
           for name in ("whole", "accumulated")}
   for key in ("loss", "grad_norm", "tokens"):
     np.testing.assert_allclose([r[key] for r in rows["accumulated"]],
                                [r[key] for r in rows["whole"]], rtol=1e-5)
   with pytest.raises(DataError, match=r"global_batch_size=8 .*TrainConfig.microbatches=8"):
-    Trainer(dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=8)),
-            devices=devices)
+    bad = dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=8))
+    train(bad, str(tmp_path / "bad"), model=ShardedModel.for_experiment(bad, devices))

@@ -15,7 +15,7 @@ import tempfile
 
 from olmo3 import model as model_lib
 from olmo3.convert import hf, parity
-from olmo3.train import checkpoint
+from olmo3 import checkpoint
 
 
 def _restore_host(ckpt: str):

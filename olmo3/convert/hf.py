@@ -126,7 +126,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
 def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
   """An Olmo3Config dict. RoPE theta is written both flat (transformers 5.0-5.3 read
   rope_parameters["rope_theta"]) and per layer type (later 5.x, where a bare `rope_theta`
-  reaches only the full-attention layers, REFERENCE.md §2)."""
+  reaches only the full-attention layers, docs/architecture.md#hugging-face-parity-settings)."""
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   return {
       "architectures": ["Olmo3ForCausalLM"],

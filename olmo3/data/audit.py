@@ -65,11 +65,11 @@ def worker(args: argparse.Namespace) -> None:
   loader = pipeline.Loader(cfg, batch_sharding, start_step=args.start_step, num_steps=args.steps)
   me = jax.process_index()
   steps = {}
-  for batch in loader:
-    step = int(batch["step"])
+  for batch in loader.host_batches():
+    step = int(batch.pop("step"))
     if args.dump:
       np.save(os.path.join(args.dump, f"step{step:06d}.process{me:03d}.npy"), batch["input_ids"])
-    global_batch = loader.to_global(batch)
+    global_batch = loader.host_rows.to_global(batch)  # the path training batches take
     instances = multihost_utils.process_allgather(global_batch["instance"], tiled=True)
     tokens = multihost_utils.process_allgather(global_batch["input_ids"], tiled=True)
     expected = loader.order.batch(step)

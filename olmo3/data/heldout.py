@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from olmo3.data.pipeline import IGNORE
+from olmo3.loss import IGNORE
 from olmo3.data.tokens import TOKEN_DTYPE, DataError
 
 

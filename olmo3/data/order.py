@@ -1,4 +1,4 @@
-"""The global instance order, with OLMo-core's semantics (REFERENCE.md §4).
+"""The global instance order, with OLMo-core's semantics (docs/data.md#global-order).
 
 Epoch e (from 1) shuffles arange(N) with PCG64(seed + e); the tail that does not fill a global
 batch is dropped; global batch b is the b-th block of `global_batch_size` indices. Global step

@@ -6,11 +6,13 @@ splits the data: no Grain shard options, no per-host sampler. Grain runs the rea
 processes, bounded prefetch); each element is one global step's host-local rows, so Grain's
 workers divide steps, never rows. The position stored in checkpoints is the global step alone.
 
-A batch is a dict of numpy arrays over this process's rows:
-  input_ids [R, T] int32   the instance's tokens
-  labels    [R, T] int32   input_ids shifted left; -1 where there is no target (the last
-                           position, and every position of an instance the repetition filter masks)
-  instance  [R]    int64   global instance index (for audits)
+The one exit: iterating a `Loader` yields what the train step consumes, global jax.Arrays
+  input_ids [B, T] int32   the instances' tokens
+  labels    [B, T] int32   input_ids shifted left; IGNORE (-1) where there is no target (the
+                           last position, and every position of an instance the repetition
+                           filter masks)
+Audits read `Loader.host_batches()` instead: this process's rows as numpy arrays, with the
+global step and each row's global instance index (`instance` [R] int64), which stay on the host.
 """
 
 from __future__ import annotations
@@ -21,23 +23,12 @@ from collections.abc import Iterator
 import grain
 import jax
 import numpy as np
-from etils import epath
 
 from olmo3.config import DataConfig, RepetitionFilter
-from olmo3.data import filters, grain_compat
+from olmo3.data import filters, grain_compat, sources
 from olmo3.data.order import GlobalOrder
-from olmo3.data.tokens import DataError, TokenFiles, read_mix
-
-IGNORE = -1  # label of a position with no target
-
-
-def token_files(cfg: DataConfig, vocab_size: int | None) -> TokenFiles:
-  """The configured token files (from `paths`, or a mix), checked at startup."""
-  if cfg.mix:
-    paths = read_mix(cfg.mix, cfg.root, cfg.tokenizer_id)
-  else:
-    paths = [epath.Path(cfg.root) / p if cfg.root else epath.Path(p) for p in cfg.paths]
-  return TokenFiles(paths, cfg.seq_len, vocab_size, validate_tokens=cfg.validate_tokens)
+from olmo3.data.tokens import DataError, TokenFiles
+from olmo3.loss import IGNORE
 
 
 def labels_for(tokens_RT: np.ndarray) -> np.ndarray:
@@ -50,18 +41,37 @@ def labels_for(tokens_RT: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class HostRows:
-  """The rows of the global batch this process reads, and where each local device's shard is."""
+  """The rows of a global batch this process's devices hold, and the one way host rows become
+  a global jax.Array (training batches and evaluation batches alike)."""
 
+  sharding: jax.sharding.NamedSharding  # of [global_batch, seq_len] arrays
+  global_batch: int
   rows: np.ndarray  # sorted global row indices held by this process's devices
   shards: tuple[tuple[jax.Device, np.ndarray, slice], ...]  # (device, positions in rows, cols)
 
   @classmethod
-  def of(cls, sharding: jax.sharding.Sharding, global_batch: int, seq_len: int) -> HostRows:
+  def of(cls, sharding: jax.sharding.NamedSharding, global_batch: int, seq_len: int) -> HostRows:
     index_map = sharding.addressable_devices_indices_map((global_batch, seq_len))
     per_device = {d: (np.arange(global_batch)[idx[0]], idx[1]) for d, idx in index_map.items()}
     rows = np.unique(np.concatenate([r for r, _ in per_device.values()]))
     shards = tuple((d, np.searchsorted(rows, r), cols) for d, (r, cols) in per_device.items())
-    return cls(rows, shards)
+    return cls(sharding, global_batch, rows, shards)
+
+  def take(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's rows of a whole global batch that every process built alike."""
+    return {k: v[self.rows] for k, v in batch.items()}
+
+  def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Global arrays [global_batch, ...] from this process's rows (no cross-host traffic).
+    [R, T] arrays take the batch sharding; [R] vectors its batch dimension's."""
+    out = {}
+    for key, local in batch.items():
+      shape = (self.global_batch, *local.shape[1:])
+      sharding = self.sharding if local.ndim == 2 else batch_only(self.sharding)
+      arrays = [jax.device_put(local[pos][:, cols] if local.ndim == 2 else local[pos], device)
+                for device, pos, cols in self.shards]
+      out[key] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    return out
 
 
 class ReadStep(grain.transforms.Map):
@@ -84,20 +94,18 @@ class ReadStep(grain.transforms.Map):
 
 
 class Loader:
-  """Steps [start_step, start_step + num_steps) of the global sequence, host-local rows."""
+  """Steps [start_step, start_step + num_steps) of the global sequence."""
 
-  def __init__(self, cfg: DataConfig, sharding: jax.sharding.Sharding, *, start_step: int,
+  def __init__(self, cfg: DataConfig, sharding: jax.sharding.NamedSharding, *, start_step: int,
                num_steps: int, vocab_size: int | None = None, source: TokenFiles | None = None):
-    check_divisible(cfg, sharding)
+    check_divisible(cfg.global_batch_size, sharding, "DataConfig.global_batch_size")
     self.cfg = cfg
-    self.source = source or token_files(cfg, vocab_size)
+    self.source = source or sources.token_files(cfg, vocab_size)
     n_instances = len(self.source)
     if cfg.max_instances is not None:
       n_instances = min(n_instances, cfg.max_instances)
     self.order = GlobalOrder(n_instances, cfg.global_batch_size, cfg.seed)
-    self.sharding = sharding
     self.host_rows = HostRows.of(sharding, cfg.global_batch_size, cfg.seq_len)
-    self.start_step, self.num_steps = start_step, num_steps
     dataset = grain.MapDataset.range(start_step, start_step + num_steps).map(
         ReadStep(self.source, self.order, self.host_rows.rows, cfg.repetition_filter))
     dataset = dataset.to_iter_dataset(grain.ReadOptions(
@@ -108,21 +116,14 @@ class Loader:
           num_workers=cfg.num_workers, per_worker_buffer_size=cfg.prefetch))
     self.dataset = dataset
 
-  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+  def host_batches(self) -> Iterator[dict[str, np.ndarray]]:
+    """This process's rows of each step: step, input_ids, labels, instance (for audits)."""
     return iter(self.dataset)
 
-  def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Global arrays [global_batch, ...] from this process's rows (no cross-host traffic)."""
-    out = {}
-    for key, local in batch.items():
-      if key == "step":
-        continue
-      shape = (self.cfg.global_batch_size, *local.shape[1:])
-      sharding = self.sharding if local.ndim == 2 else batch_only(self.sharding)
-      arrays = [jax.device_put(local[pos][:, cols] if local.ndim == 2 else local[pos], device)
-                for device, pos, cols in self.host_rows.shards]
-      out[key] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-    return out
+  def __iter__(self) -> Iterator[dict[str, jax.Array]]:
+    """Each step's global batch, as the train step consumes it (input_ids, labels)."""
+    for batch in self.dataset:
+      yield self.host_rows.to_global({k: batch[k] for k in ("input_ids", "labels")})
 
 
 def batch_only(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
@@ -130,14 +131,14 @@ def batch_only(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedShardi
   return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0]))
 
 
-def check_divisible(cfg: DataConfig, sharding: jax.sharding.NamedSharding,
+def check_divisible(global_batch: int, sharding: jax.sharding.NamedSharding, field: str,
                     microbatches: int = 1) -> None:
-  """The global batch (each microbatch of it) must split evenly over the devices that shard
-  the batch dimension."""
+  """A global batch (each microbatch of it) must split evenly over the devices that shard the
+  batch dimension. `field` names the config field the batch size came from."""
   axes = sharding.spec[0] if sharding.spec else None
   axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
   ways = int(np.prod([sharding.mesh.shape[a] for a in axes])) if axes else 1
-  if cfg.global_batch_size % (ways * microbatches):
+  if global_batch % (ways * microbatches):
     split = f" x TrainConfig.microbatches={microbatches}" if microbatches > 1 else ""
-    raise DataError(f"DataConfig.global_batch_size={cfg.global_batch_size} is not divisible by "
-                    f"the data-parallel size {ways} (mesh axes {axes}){split}")
+    raise DataError(f"{field}={global_batch} is not divisible by the data-parallel size {ways} "
+                    f"(mesh axes {axes}){split}")

@@ -8,7 +8,6 @@ numpy dataset does. Local files are memory-mapped; other etils.epath URLs are re
 from __future__ import annotations
 
 import contextlib
-import importlib.resources
 import os
 from collections.abc import Sequence
 
@@ -25,43 +24,6 @@ class DataError(ValueError):
 
 def _is_local(path: epath.Path) -> bool:
   return "://" not in os.fspath(path)
-
-
-EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout"}  # the built-in corpus's splits
-
-
-def read_mix(mix: str, root: str = "", tokenizer_id: str = "") -> list[epath.Path]:
-  """The token files a mix lists, in order. `mix` is `embedded` / `embedded-heldout` (the
-  built-in corpus, prepared on first use), a mix file (`label,path` lines, `#` comments,
-  `{TOKENIZER}` in paths) or the name of a mix shipped by ai2-olmo-core."""
-  if mix in EMBEDDED:
-    from olmo3.data import embedded, prepare
-
-    directory = embedded.corpus_dir()
-    return [epath.Path(p) for p in prepare.Manifest.load(directory).files(directory, EMBEDDED[mix])]
-  mix_path = epath.Path(mix)
-  if not mix_path.exists():
-    try:
-      packaged = importlib.resources.files("olmo_core").joinpath(f"data/mixes/{mix}.txt")
-    except ModuleNotFoundError:
-      packaged = None
-    if packaged is None or not packaged.is_file():
-      raise DataError(f"DataConfig.mix={mix!r}: no such mix file, and no mix of that name in "
-                      "ai2-olmo-core (pip install ai2-olmo-core to use AI2's named mixes)")
-    mix_path = epath.Path(os.fspath(packaged))
-  base = epath.Path(root) if root else mix_path.parent
-  paths = []
-  for number, line in enumerate(mix_path.read_text().splitlines(), start=1):
-    line = line.strip()
-    if not line or line.startswith("#"):
-      continue
-    if line.count(",") != 1:
-      raise DataError(f"{mix_path}:{number}: expected 'label,path', got {line!r}")
-    _, rel = line.split(",")
-    paths.append(base / rel.replace("{TOKENIZER}", tokenizer_id))
-  if not paths:
-    raise DataError(f"{mix_path}: the mix lists no token files")
-  return paths
 
 
 class TokenFiles:

@@ -43,15 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     eval_cfg = dataclasses.replace(eval_cfg, task_limit=args.task_limit)
   exp = dataclasses.replace(exp, eval=eval_cfg, mesh=MeshConfig())
 
-  from olmo3.train import checkpoint as ckpt
-  from olmo3.train.loop import Trainer
+  from olmo3.checkpoint import restore_params, run_steps
+  from olmo3.eval.evaluator import Evaluator
+  from olmo3.sharded import ShardedModel
 
-  trainer = Trainer(exp, args.workdir)
-  if not exp.eval.heldout and not trainer.tasks:
+  evaluator = Evaluator(exp, ShardedModel.for_experiment(exp))
+  if not exp.eval.heldout and not evaluator.tasks:
     print("nothing to evaluate: the run has no held-out sets and no downstream tasks "
           "available", file=sys.stderr)
     return 2
-  steps = sorted(trainer.checkpoints.manager.all_steps())
+  directory = os.path.join(args.workdir, "checkpoints")
+  steps = run_steps(directory)
   if not steps:
     print(f"error: {args.workdir} has no checkpoint", file=sys.stderr)
     return 2
@@ -63,15 +65,14 @@ def main(argv: list[str] | None = None) -> int:
   elif not args.all_steps:
     steps = steps[-1:]
   report = {"workdir": os.path.abspath(args.workdir), "steps": {}}
-  with trainer.mesh_context():
-    for step in steps:
-      params = ckpt.restore_params(trainer.checkpoints.directory / str(step), trainer.param_target)
-      heldout = trainer.evaluate_heldout(params)
-      tasks = trainer.evaluate_tasks(params)
-      report["steps"][str(step)] = {"heldout": heldout, "tasks": tasks}
-      print(f"step {step}: " + ", ".join(
-          [f"{n} ce {r['ce_loss']:.4f} ppl {r['ppl']:.1f}" for n, r in heldout.items()]
-          + [f"{n} {r['metric']} {r['value']:.4f} ({r['examples']})" for n, r in tasks.items()]))
+  for step in steps:
+    params = restore_params(os.path.join(directory, str(step)), evaluator.model.param_target)
+    heldout = evaluator.heldout_metrics(params)
+    tasks = evaluator.task_metrics(params)
+    report["steps"][str(step)] = {"heldout": heldout, "tasks": tasks}
+    print(f"step {step}: " + ", ".join(
+        [f"{n} ce {r['ce_loss']:.4f} ppl {r['ppl']:.1f}" for n, r in heldout.items()]
+        + [f"{n} {r['metric']} {r['value']:.4f} ({r['examples']})" for n, r in tasks.items()]))
   out = args.out or os.path.join(args.workdir, "eval_report.json")
   tmp = out + ".tmp"
   with open(tmp, "w") as f:

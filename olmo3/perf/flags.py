@@ -1,4 +1,4 @@
-"""Compiler flag sets as data (REFERENCE.md §7). An experiment carries them in `xla_flags`,
+"""Compiler flag sets as data (docs/performance.md#compiler-flag-sets). An experiment carries them in `xla_flags`,
 `libtpu_flags` and `env`; the launcher applies them before JAX initialises, and libtpu rejects
 flags it does not know, so `--compile_only` for a TPU topology validates a set."""
 
@@ -24,6 +24,8 @@ class FlagSet:
   env: tuple[tuple[str, str], ...] = ()
 
 
+_V5P_V6E = FlagSet(libtpu=("--xla_tpu_scoped_vmem_limit_kib=65536", *_SPARSECORE_OFFLOAD))
+
 FLAG_SETS: dict[str, FlagSet] = {
     # The set that took the TPU reproduction from 27% to 44.5% MFU on Ironwood.
     "tpu7x": FlagSet(libtpu=(
@@ -34,9 +36,9 @@ FLAG_SETS: dict[str, FlagSet] = {
         "--xla_tpu_use_tc_device_shape_on_sc=True",
         "--xla_sc_disable_megacore_partitioning=True",
     )),
-    # v5p and v6e do not offload collectives to SparseCore unless told to.
-    "v5p": FlagSet(libtpu=("--xla_tpu_scoped_vmem_limit_kib=65536", *_SPARSECORE_OFFLOAD)),
-    "v6e": FlagSet(libtpu=("--xla_tpu_scoped_vmem_limit_kib=65536", *_SPARSECORE_OFFLOAD)),
+    # v5p and v6e do not offload collectives to SparseCore unless told to (one set for both).
+    "v5p": _V5P_V6E,
+    "v6e": _V5P_V6E,
     # H100 / H200.
     "gpu_hopper": FlagSet(xla=(
         "--xla_gpu_enable_latency_hiding_scheduler=true",

@@ -1,4 +1,4 @@
-"""AdamW, clipping and the learning-rate schedules of OLMo 3 (REFERENCE.md §3).
+"""AdamW, clipping and the learning-rate schedules of OLMo 3 (docs/recipe.md).
 
 The learning rate is a function of the run's own step, applied outside the optax state: Adam's
 count (its bias correction) travels with the moments, so stage 2 can load stage 1's moments and

@@ -91,7 +91,7 @@ def install() -> None:
   name = "clu.metric_writers.summary_writer"
   if name in sys.modules or importlib.util.find_spec("tensorflow") is not None:
     return
-  module = types.ModuleType(name, "tensorboardX-backed SummaryWriter (olmo3.train.metrics)")
+  module = types.ModuleType(name, "tensorboardX-backed SummaryWriter (olmo3.metrics)")
 
   def __getattr__(attr):  # resolved while CLU's package imports, after its interface module
     if attr == "SummaryWriter":

@@ -1,10 +1,11 @@
-"""Orbax model checkpoints: a directory with a `params` item (the parameter tree) and a `meta`
-item (JSON: the model config and provenance).
+"""Model checkpoints in and out: a directory with a `params` item (the parameter tree) and a
+`meta` item (JSON: the model config and provenance). Used by training, evaluation and
+conversion alike, so it sits below all three.
 
-Training checkpoints add items beside these (optimizer state, data position) in the same
-layout, so a converted checkpoint and a training step directory restore the same way. Orbax
-writes into a temporary directory and renames it when complete, so a crash never leaves a
-checkpoint that looks complete.
+Training checkpoints (olmo3.train.checkpoints) add items beside these (optimizer state, data
+position) in the same layout, so a converted checkpoint and a training step directory restore
+the same way. Orbax writes into a temporary directory and renames it when complete, so a crash
+never leaves a checkpoint that looks complete.
 """
 
 from __future__ import annotations
@@ -86,7 +87,12 @@ def host_target(params_shapes: Any) -> Any:
                       params_shapes)
 
 
-OPT_STATE = "opt_state"
+def run_steps(directory: str | os.PathLike) -> list[int]:
+  """The committed steps of a run's checkpoints directory, oldest first (Orbax names a step's
+  directory by its number only once it is complete)."""
+  directory = epath.Path(directory).absolute()
+  return sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit()) if (
+      directory.exists()) else []
 
 
 def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
@@ -96,54 +102,8 @@ def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
   if (path / PARAMS).exists():
     return path
   directory = path / "checkpoints" if (path / "checkpoints").exists() else path
-  steps = sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit()) if (
-      directory.exists()) else []
+  steps = run_steps(directory)
   if not steps:
     raise CheckpointError(f"{path}: no checkpoint (expected a step directory holding "
                           f"'{PARAMS}', or a directory of numbered steps)")
   return directory / str(steps[-1])
-
-
-class RunCheckpoints:
-  """A run's checkpoints: WORKDIR/checkpoints/<step>/{params, opt_state, meta}.
-
-  Orbax commits a step by renaming its temporary directory, so only complete steps are ever
-  listed; async saves overlap training and are awaited before the next save and at exit.
-  """
-
-  def __init__(self, directory: str | os.PathLike, keep: int, async_save: bool):
-    self.directory = epath.Path(directory).absolute()
-    self.manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                             enable_async_checkpointing=async_save))
-
-  def latest_step(self) -> int | None:
-    return self.manager.latest_step()
-
-  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
-    self.manager.save(step, args=ocp.args.Composite(**{
-        PARAMS: ocp.args.StandardSave(params),
-        OPT_STATE: ocp.args.StandardSave(opt_state),
-        META: ocp.args.JsonSave(meta),
-    }), force=True)
-
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
-
-  def close(self) -> None:
-    self.manager.close()
-
-
-def restore_train_state(step_dir: str | os.PathLike, params_target: Any, opt_target: Any
-                        ) -> tuple[Any, Any, dict[str, Any]]:
-  """(params, opt_state, meta) of a training checkpoint, onto the targets' shardings."""
-  step_dir = epath.Path(step_dir).absolute()
-  params = restore_params(step_dir, params_target)
-  if not (step_dir / OPT_STATE).exists():
-    raise CheckpointError(f"{step_dir}: no '{OPT_STATE}' item (a converted model checkpoint "
-                          "holds parameters only)")
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**{
-      OPT_STATE: ocp.args.StandardRestore(opt_target), META: ocp.args.JsonRestore()}))
-  return params, restored[OPT_STATE], restored[META]

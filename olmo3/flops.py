@@ -1,4 +1,4 @@
-"""FLOP conventions, peak FLOP/s and HBM per device, MFU (REFERENCE.md §6).
+"""FLOP conventions, peak FLOP/s and HBM per device, MFU (docs/flops.md).
 
 Our number is `ModelConfig.flops_per_token` (exact: causal halving and the sliding window).
 Other frameworks count differently; these functions reproduce their conventions so MFU figures

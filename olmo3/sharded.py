@@ -1,0 +1,70 @@
+"""The model laid out on a mesh: what training, evaluation and compilation share.
+
+`ShardedModel(cfg, mesh, rules)` holds the parameter tree's shardings and restore targets, the
+batch sharding, and `apply(params, tokens)`: the model as a function of a parameter tree (the
+layout checkpoints use). It allocates nothing; parameters come from a checkpoint or from
+`init_params`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from olmo3 import model as model_lib
+from olmo3 import sharding as sharding_lib
+from olmo3.config import Experiment, ModelConfig
+
+
+class ShardedModel:
+  def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh,
+               rules: sharding_lib.Rules = sharding_lib.FSDP_RULES):
+    self.cfg, self.mesh, self.rules = cfg, mesh, rules
+    with self.context():
+      self.graphdef, abstract_state = nnx.split(model_lib.abstract_model(cfg))
+      specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+      self.param_shapes = nnx.to_pure_dict(abstract_state)
+    self.param_shardings = jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(mesh, spec), specs,
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    # Where a restored checkpoint goes: Orbax reshards onto these, whatever mesh saved it.
+    self.param_target = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), self.param_shapes,
+        self.param_shardings)
+    self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # [batch, seq] inputs: rows over the data-parallel axes, positions over `sequence`.
+    self.batch_sharding = jax.sharding.NamedSharding(
+        mesh, sharding_lib.logical_to_spec(("batch", "seq"), rules))
+
+  @classmethod
+  def for_experiment(cls, exp: Experiment, devices: Sequence[jax.Device] | None = None
+                     ) -> ShardedModel:
+    """The experiment's mesh over `devices` (default: all) and its rules."""
+    mesh = sharding_lib.make_mesh(dict(exp.mesh.shape), devices=devices, dcn=dict(exp.mesh.dcn))
+    return cls(exp.model, mesh, exp.mesh.rules or sharding_lib.FSDP_RULES)
+
+  @contextlib.contextmanager
+  def context(self) -> Iterator[None]:
+    """Trace and run jitted functions of this model inside this context (mesh and rules)."""
+    with sharding_lib.use_mesh(self.mesh, self.rules):
+      yield
+
+  def apply(self, params: Any, tokens_BT: jax.Array) -> jax.Array:
+    """Logits [B, T, V] of a parameter tree (traced inside `context()`: the logical rules there
+    shard the activations)."""
+    return nnx.merge(self.graphdef, params)(tokens_BT)
+
+  def init_params(self, seed: int) -> Any:
+    """Freshly initialised parameters (OLMo's init), created sharded: no device holds them all."""
+    cfg = self.cfg
+
+    def fresh():
+      return nnx.to_pure_dict(nnx.state(model_lib.Transformer(cfg, rngs=nnx.Rngs(seed)),
+                                        nnx.Param))
+
+    with self.context():
+      return jax.jit(fresh, out_shardings=self.param_shardings)()

@@ -1,0 +1,98 @@
+"""The train step, a pure function: loss and gradients (accumulated over microbatches when
+asked), clipping and AdamW, the scheduled learning rate, and step skipping.
+
+`jit_train_step(exp, model, layout)` compiles it with the state's shardings, donating the
+state; the loop, ahead-of-time compilation and benchmarks all call this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from olmo3 import sharding as sharding_lib
+from olmo3.config import Experiment
+from olmo3.loss import lm_loss
+from olmo3.sharded import ShardedModel
+from olmo3.train import optim
+from olmo3.train.state import StateLayout, TrainState
+
+Batch = dict[str, jax.Array]  # input_ids, labels: [global batch, seq_len] int32
+
+
+def loss_and_grads(exp: Experiment, apply: Callable[[Any, jax.Array], jax.Array],
+                   param_shardings: Any, params: Any, batch: Batch):
+  """((loss, metrics), gradients) of the whole global batch; with train.microbatches = k,
+  accumulated over k sequential microbatches (each a 1/k slice of every device's rows, so no
+  data moves), normalised by the whole batch's token count: the same loss and update."""
+  z_loss_weight, k = exp.train.z_loss_weight, exp.train.microbatches
+
+  def loss_fn(params, tokens_BT, labels_BT, batch_tokens=None):
+    return lm_loss(apply(params, tokens_BT), labels_BT, z_loss_weight, batch_tokens)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if k == 1:
+    return grad_fn(params, batch["input_ids"], batch["labels"])
+  batch_tokens = (batch["labels"] >= 0).sum()
+
+  def split(x_BT):  # microbatch i holds rows i, i + k, ...: a slice of every device's rows
+    x_KMT = x_BT.reshape(x_BT.shape[0] // k, k, *x_BT.shape[1:]).swapaxes(0, 1)
+    return sharding_lib.constrain(x_KMT, (None, "batch", "seq"))
+
+  def accumulate(total, micro):
+    out = grad_fn(params, *micro, batch_tokens)
+    total = jax.tree.map(jnp.add, total, out)
+    return (total[0], jax.lax.with_sharding_constraint(total[1], param_shardings)), None
+
+  micro_KMT = (split(batch["input_ids"]), split(batch["labels"]))
+  shapes = jax.eval_shape(grad_fn, params, micro_KMT[0][0], micro_KMT[1][0], batch_tokens)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], param_shardings))
+  total, _ = jax.lax.scan(accumulate, zeros, micro_KMT)
+  return total
+
+
+def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransformation
+               ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+  """(state, batch) -> (next state, metrics); not jitted."""
+
+  def step(state: TrainState, batch: Batch):
+    (loss, aux), grads = loss_and_grads(exp, model.apply, model.param_shardings, state.params,
+                                        batch)
+    grad_norm = optax.global_norm(grads)
+    lr = optim.learning_rate(exp.optimizer, state.step)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, jax.tree.map(lambda u: lr * u, updates))
+    # A skipped step (NaN/Inf, or a loss / gradient-norm spike) leaves parameters and optimizer
+    # state exactly as they were; the data moves on, as in OLMo-core.
+    skip = optim.should_skip(exp.optimizer, state.skip, loss, grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+    params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+    stats = optim.record(exp.optimizer, state.skip, loss, grad_norm, skip)
+    metrics = {"loss": loss, "ce_loss": aux["ce_loss"], "z_loss": aux["z_loss"],
+               "grad_norm": grad_norm, "lr": lr, "tokens": aux["tokens"].astype(jnp.float32),
+               "skipped": skip.astype(jnp.float32),
+               "skipped_total": stats.skipped.astype(jnp.float32)}
+    return TrainState(state.step + 1, params, opt_state, stats), metrics
+
+  return step
+
+
+def jit_train_step(exp: Experiment, model: ShardedModel, layout: StateLayout):
+  """The train step jitted with the state's shardings; the input state is donated. Call (or
+  `.lower(*abstract_inputs(...))`) inside `model.context()`."""
+  return jax.jit(train_step(exp, model, layout.tx), in_shardings=(layout.shardings, None),
+                 out_shardings=(layout.shardings, None), donate_argnums=0)
+
+
+def abstract_inputs(exp: Experiment, model: ShardedModel, layout: StateLayout
+                    ) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct]]:
+  """The train step's inputs as sharded ShapeDtypeStructs (ahead-of-time compilation)."""
+  shape = (exp.data.global_batch_size, exp.data.seq_len)
+  batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=model.batch_sharding)
+           for k in ("input_ids", "labels")}
+  return layout.abstract, batch

@@ -1,0 +1,73 @@
+"""The experiments: the tiny recipe is the 7B's shrunk, so a 7B recipe change reaches it."""
+
+import fiddle as fdl
+import pytest
+
+from experiments import olmo3_7b, olmo3_tiny
+from launch import configs
+from olmo3 import config
+
+SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
+    "data.global_batch_size", "data.seq_len", "optimizer.peak_lr", "optimizer.final_lr",
+    "optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.stitch_first_steps",
+    "optimizer.stitch_at", "optimizer.stitch_second_steps", "train.steps", "train.log_every",
+    "train.eval_every", "checkpoint.every", "eval.batch_size"}
+DATA = {"data.mix", "data.root", "checkpoint.init_from", "eval.heldout", "eval.tokenizer",
+        "eval.max_documents", "eval.tasks", "eval.task_limit"}
+MACHINE = {"model.attention", "model.compute_dtype", "xla_flags", "libtpu_flags", "env",
+           "data.num_workers"}
+
+
+def _field(path: str) -> str:
+  return path.split("[")[0]
+
+
+@pytest.mark.parametrize("stage", ["stage1", "stage2"])
+def test_tiny_differs_from_the_7b_only_in_size_data_and_machine(stage):
+  changes = configs.diff(getattr(olmo3_7b, stage)(), getattr(olmo3_tiny, stage)())
+  changed = {_field(c.path) for c in changes}
+  assert changed - (SIZE | DATA | MACHINE) == set()
+  # What it must change: the corpus, the shape, the steps; the recipe's numbers stay.
+  assert {"data.mix", "model.d_model", "train.steps", "model.attention"} <= changed
+  tiny, big = fdl.build(getattr(olmo3_tiny, stage)()), fdl.build(getattr(olmo3_7b, stage)())
+  assert tiny.optimizer.peak_lr == pytest.approx(olmo3_tiny.LR_SCALE * big.optimizer.peak_lr)
+  assert tiny.data.global_batch_size * olmo3_tiny.BATCH_DIVISOR == big.data.global_batch_size
+
+
+def test_a_change_to_the_7b_recipe_reaches_the_tiny_run(monkeypatch):
+  base = olmo3_7b.stage2
+
+  def changed():
+    cfg = base()
+    cfg.optimizer.b2, cfg.train.z_loss_weight, cfg.data.seed = 0.99, 3e-5, 7
+    return cfg
+
+  monkeypatch.setattr(olmo3_7b, "stage2", changed)
+  tiny = fdl.build(olmo3_tiny.stage2())
+  assert (tiny.optimizer.b2, tiny.train.z_loss_weight, tiny.data.seed) == (0.99, 3e-5, 7)
+
+
+def test_tiny_stages_keep_the_schedule_shape():
+  one, two = fdl.build(olmo3_tiny.stage1()), fdl.build(olmo3_tiny.stage2())
+  assert (one.optimizer.schedule, one.optimizer.warmup_steps, one.optimizer.decay_steps) == (
+      config.Schedule.COSINE, olmo3_tiny.WARMUP_STEPS, 100)
+  assert (two.optimizer.schedule, two.optimizer.warmup_steps, two.optimizer.final_lr) == (
+      config.Schedule.LINEAR, 0, 0.0)
+  assert two.checkpoint.init_from == "runs/olmo3_tiny.stage1"
+
+
+def test_the_tiny_model_has_the_parameters_its_docs_say():
+  assert config.olmo3_tiny().param_count == 2_902_144
+
+
+def test_resumable_fields_are_the_marked_ones():
+  """The launcher lets exactly these change when a run resumes in its workdir."""
+  assert set(config.resumable_fields()) == {
+      "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+      "train.microbatches", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
+      "data.num_workers", "data.prefetch", "mesh.shape", "mesh.dcn"}
+  old, new = olmo3_tiny.stage1(), olmo3_tiny.stage1()
+  new.train.steps, new.mesh.shape = 200, (("data", 2), ("fsdp", -1))
+  assert configs.unresumable_changes(old, new) == []
+  new.optimizer.peak_lr = 1e-3
+  assert [c.path for c in configs.unresumable_changes(old, new)] == ["optimizer.peak_lr"]
