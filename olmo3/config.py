@@ -231,7 +231,7 @@ class DataConfig:
   repetition_filter: RepetitionFilter | None = None  # off in the OLMo 3 7B recipe
   max_instances: int | None = None  # only the first N instances (memorisation experiments)
   validate_tokens: bool = True  # scan every token file at startup for ids >= vocab
-  num_workers: int = resumable(0)  # Grain worker processes reading steps ahead (0: in the main process)
+  num_workers: int = resumable(0)  # Grain worker processes reading ahead (0: the main process)
   prefetch: int = resumable(2)  # steps buffered per worker
 
   def __post_init__(self) -> None:
@@ -263,7 +263,8 @@ class Schedule(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """AdamW with decoupled weight decay (p -= lr·wd·p) and global-norm clipping (docs/recipe.md#optimizer)."""
+  """AdamW with decoupled weight decay (p -= lr·wd·p) and global-norm clipping
+  (docs/recipe.md#optimizer)."""
 
   peak_lr: float = 3e-4
   b1: float = 0.9

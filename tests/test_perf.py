@@ -91,7 +91,7 @@ def _remat_grads(cfg, params, tokens):
   return lambda p: lm_loss(nnx.merge(graphdef, p)(tokens), tokens)[0]
 
 
-@pytest.mark.parametrize("remat", ["full", "minimal", "save_dot_except_mlp", "custom"])
+@pytest.mark.parametrize("remat", ["full", "custom"])  # the next test tells all policies apart
 def test_remat_policies_give_the_same_gradients(remat):
   cfg = config.olmo3_micro()
   params = random_params(cfg, 0)

@@ -1,5 +1,7 @@
 """Preemption and multi-process runs through the real launcher (real OS processes)."""
 
+import fcntl
+import json
 import os
 import signal
 import socket
@@ -51,11 +53,21 @@ def _losses(workdir):
           if "loss" in r}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("straight")
-  _run(workdir, steps=9)
-  return _losses(workdir)
+  """The uninterrupted run's losses, step by step: trained once per test session, whichever
+  xdist worker asks first (the others wait on the lock and read its result)."""
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    shared = shared.parent  # this session's directory, the same for every worker
+  with open(shared / "straight.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = shared / "straight.json"
+    if not done.exists():
+      workdir = shared / "straight"
+      _run(workdir, steps=9, extra=["--fdl_set=checkpoint.every=100"])
+      done.write_text(json.dumps(_losses(workdir)))
+    return {int(k): v for k, v in json.loads(done.read_text()).items()}
 
 
 def test_sigterm_saves_exits_zero_and_resumes(tmp_path, straight):

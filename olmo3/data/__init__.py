@@ -1,1 +1,2 @@
-"""Token files, global order, repetition filter, Grain pipeline, held-out sets, prepare and audit."""
+"""Data: sources (the entrance), token files, global order, repetition filter, the Grain
+pipeline (the exit), held-out sets, prepare and audit."""

@@ -1,4 +1,5 @@
-"""The repetition filter: instances that repeat a short pattern many times (docs/data.md#repetition-filter).
+"""The repetition filter: instances that repeat a short pattern many times
+(docs/data.md#repetition-filter).
 
 Same decisions as OLMo-core's `find_periodic_sequences` instance filter. For each period p,
 the instance is cut into rows of p tokens (the last row padded with a sentinel) and each row is

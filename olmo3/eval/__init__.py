@@ -1,1 +1,1 @@
-"""Held-out LM loss, downstream tasks, the generalization-gap alarm."""
+"""Evaluation: the evaluator, held-out LM loss, downstream tasks, the generalization-gap alarm."""

@@ -1,1 +1,1 @@
-"""FLOPs and MFU accounting, remat policies, XLA flag presets, AOT compilation."""
+"""Performance tooling above training: ahead-of-time compilation, compiler flag sets."""

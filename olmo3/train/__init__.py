@@ -1,1 +1,1 @@
-"""Training: optimizer, train step, loop, checkpoints, metrics."""
+"""Training: the train step, train-state layout and resume, a run's checkpoints, the loop."""
