@@ -17,7 +17,10 @@ from olmo3 import metrics as metrics_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "launch", "main.py")
 BASE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+# Half-length instances: these tests are about stopping and resuming, and cheap steps let the
+# SIGKILL test land its 20 kills sooner.
 TINY = ["--fdl_config=experiments.olmo3_tiny:stage1", "--fdl_set=data.global_batch_size=8",
+        "--fdl_set=data.seq_len=128",
         "--fdl_set=train.log_every=1", "--fdl_set=train.eval_every=0",
         "--fdl_set=eval.tasks=()", "--fdl_set=checkpoint.every=3"]
 
