@@ -39,7 +39,10 @@ class Evaluator:
     def row_logprob(params, batch):
       return loss.row_logprob(model.apply(params, batch["input_ids"]), batch["labels"])
 
-    self._summed_nll, self._row_logprob = jax.jit(summed_nll), jax.jit(row_logprob)
+    # Replicated outputs: every process can read them (a batch-sharded [B] result is not
+    # addressable from one process when the job spans several).
+    self._summed_nll = jax.jit(summed_nll, out_shardings=model.replicated)
+    self._row_logprob = jax.jit(row_logprob, out_shardings=model.replicated)
 
   @functools.cached_property
   def heldout(self) -> dict[str, HeldoutDocs]:
