@@ -61,7 +61,7 @@ def train(exp: Experiment, workdir: str, name: str = "",
     loader = pipeline.Loader(exp.data, model.batch_sharding, start_step=start,
                              num_steps=exp.train.steps - start, vocab_size=exp.model.vocab_size)
     writer = metrics_lib.create_writer(workdir, jax.process_index() == 0)
-    from clu import periodic_actions
+    from clu import periodic_actions  # after olmo3.metrics: CLU then imports without TF
 
     progress = periodic_actions.ReportProgress(num_train_steps=exp.train.steps, writer=writer,
                                                every_steps=max(exp.train.log_every, 10))
