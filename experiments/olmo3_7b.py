@@ -7,7 +7,7 @@ Numbers from AI2's OLMo 3 release and OLMo-core's OLMo 3 7B scripts
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --workdir=gs://bucket/olmo3-7b-s1
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage2 \\
       --fdl_set=checkpoint.init_from='"gs://bucket/olmo3-7b-s1"'
-  python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --fiddler=stitched_schedule
+  python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --fiddler=single_cosine
 
 Data: `data.root` must point at a copy of AI2's preprocessed token files (the mix lists paths
 relative to it); the mix lists ship with `ai2-olmo-core`.
@@ -26,7 +26,14 @@ from olmo3.perf.flags import FLAG_SETS
 from olmo3.remat import Mode, Name
 
 STAGE1_STEPS = 1_413_814  # one epoch of the Dolma 3 mix at 512 x 8192 tokens (≈ 5.93T tokens)
-STAGE2_STEPS = 47_684  # ≈ 100B tokens at 256 x 8192
+STAGE2_STEPS = 47_684  # ceil(100e9 / (256 x 8192)): the midtraining script's 100B-token duration
+# AI2's stage 1 ran as two scripts (OLMo-3-1025-7B-pretrain-1.py, -2.py), each with its own
+# schedule. Part 1: CosWithWarmup(warmup 2000) over max_duration = 5e12 tokens, so its cosine aims
+# at ceil(5e12 / 4,194,304) = 1,192,093 steps. Part 2 loaded part 1's step-596,047 checkpoint and
+# ran HalfCosWithWarmup(warmup = 1,192,092 // 2 + 2000 // 2 = 597,046) over 7e12 tokens:
+# ceil(7e12 / 4,194,304) = 1,668,931 steps. The epoch (hard_stop) ends first.
+STITCH = dict(stitch_first_steps=1_192_093, stitch_resumed_at=596_047, stitch_at=597_046,
+              stitch_second_steps=1_668_931)
 # The Ironwood run's remat: keep every named activation on the device but the MLP
 # up-projection, which is recomputed (docs/performance.md#remat).
 IRONWOOD_REMAT = tuple((name.value, (Mode.REMAT if name is Name.MLPWI_1 else Mode.DEVICE).value)
@@ -36,9 +43,9 @@ IRONWOOD_REMAT = tuple((name.value, (Mode.REMAT if name is Name.MLPWI_1 else Mod
 def stage1() -> fdl.Config[Experiment]:
   """Stage 1 pretraining: Dolma 3 mix (OLMo-mix-0625-official, 1016 token files), seed 34521,
   512 instances x 8192 tokens per step, AdamW (0.9, 0.95, eps 1e-8, wd 0.1, none on the input
-  embedding), clip 1.0, z-loss 1e-5, peak LR 3e-4 with 2000 warmup steps and one cosine to 3e-5
-  over the stage (the TPU reproduction's simplification of AI2's stitched schedule, which it
-  matched; `stitched_schedule` restores AI2's). bfloat16 compute, float32 parameters and
+  embedding), clip 1.0, z-loss 1e-5, peak LR 3e-4 with 2000 warmup steps and AI2's stitched
+  schedule (see STITCH; `single_cosine` is the TPU reproduction's variant), step skipping as
+  SkipStepAdamW and no abort on consecutive skips. bfloat16 compute, float32 parameters and
   optimizer state; pure FSDP."""
   return as_config(Experiment(
       # Splash attention (TPU) and the Ironwood run's remat. On GPUs: --fiddler=gpu.
@@ -49,10 +56,12 @@ def stage1() -> fdl.Config[Experiment]:
       mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("sequence", 1), ("tensor", 1))),
       optimizer=OptimizerConfig(peak_lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                                 no_decay=("embed_tokens",), clip_grad_norm=1.0,
-                                schedule=Schedule.COSINE, warmup_steps=2000, final_lr=3e-5,
-                                decay_steps=STAGE1_STEPS),
+                                schedule=Schedule.STITCHED_COSINE, warmup_steps=2000,
+                                final_lr=3e-5, decay_steps=STAGE1_STEPS, **STITCH,
+                                skip_spikes=True, spike_sigma=6.0, spike_window=128,
+                                spike_min_history=64),
       train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=10,
-                        eval_every=1000),
+                        eval_every=1000, max_consecutive_skips=None),
       checkpoint=CheckpointConfig(every=1000, keep=3, async_save=True, init_from=None),
       libtpu_flags=FLAG_SETS["tpu7x"].libtpu,
       # OLMo's in-loop suite; add held-out sets (e.g. c4_en validation token files) with
@@ -63,9 +72,11 @@ def stage1() -> fdl.Config[Experiment]:
 
 def stage2() -> fdl.Config[Experiment]:
   """Stage 2 midtraining anneal: stage 1 with the Dolmino mix (OLMo-midtraining-mix-0625-100B,
-  11,933 files), seed 1337, 256 instances per step, peak LR 2.0712352850360292e-4 (stage 1's LR
-  where AI2 branched) linear to 0 over 47,684 steps without warmup, initialised from stage 1's
-  final checkpoint: parameters and AdamW moments; step, schedule and data position reset."""
+  11,933 files), seed 1337, 256 instances per step, peak LR 2.0712352850360292e-4 (the value in
+  AI2's OLMo-3-1025-7B-midtrain.py; it equals part 1's cosine at update 476,838, not the LR where
+  stage 1 ended) linear to 0 over 47,684 steps without warmup (LinearWithWarmup(warmup=0,
+  alpha_f=0)), initialised from stage 1's final checkpoint: parameters and AdamW moments; step,
+  schedule and data position reset."""
   cfg = stage1()
   cfg.data.mix = "OLMo-midtraining-mix-0625-100B"
   cfg.data.seed = 1337
@@ -80,14 +91,12 @@ def stage2() -> fdl.Config[Experiment]:
   return cfg
 
 
-def stitched_schedule(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
-  """Fiddler: AI2's stage-1 schedule, two stitched cosines (docs/recipe.md): the first aimed at
-  1,192,093 steps until step 597,046 (LR 1.65e-4), then the second half of one aimed at
-  1,668,931 steps; the epoch ends first, at LR ≈ 3.93e-5."""
-  cfg.optimizer.schedule = Schedule.STITCHED_COSINE
-  cfg.optimizer.stitch_first_steps = 1_192_093
-  cfg.optimizer.stitch_at = 597_046
-  cfg.optimizer.stitch_second_steps = 1_668_931
+def single_cosine(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
+  """Fiddler: one cosine from 3e-4 to 3e-5 over the whole stage instead of AI2's stitched
+  schedule: the public TPU reproduction's variant (it matched AI2's results; its LR is x1.20
+  AI2's at step 597k, x0.74 at 1.2M, and ends at 3e-5 instead of ≈ 3.93e-5)."""
+  cfg.optimizer.schedule = Schedule.COSINE
+  cfg.optimizer.decay_steps = cfg.train.steps
   return cfg
 
 

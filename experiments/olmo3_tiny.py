@@ -54,11 +54,13 @@ def shrink(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | Non
   # Schedule lengths keep their proportion to the stage; the learning rate scales with size.
   ratio = steps / cfg.train.steps
   opt = cfg.optimizer
-  lengths = ("decay_steps",) + (("stitch_first_steps", "stitch_at", "stitch_second_steps")
+  lengths = ("decay_steps",) + (("stitch_first_steps", "stitch_resumed_at", "stitch_second_steps")
                                 if opt.schedule == Schedule.STITCHED_COSINE else ())
   for field in lengths:
     setattr(opt, field, max(1, round(getattr(opt, field) * ratio)))
   opt.warmup_steps = WARMUP_STEPS if opt.warmup_steps else 0
+  if opt.schedule == Schedule.STITCHED_COSINE:  # part 2 starts at part 1's midpoint, as AI2's
+    opt.stitch_at = (opt.stitch_first_steps - 1) // 2 + opt.warmup_steps // 2
   opt.peak_lr *= LR_SCALE
   opt.final_lr *= LR_SCALE
   cfg.train.steps = steps

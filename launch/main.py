@@ -3,7 +3,7 @@
   python launch/main.py --fdl_config=experiments.olmo3_tiny:stage1
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage2 --dry_run
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --fdl_set=train.steps=10 \
-      --fiddler=stitched_schedule --workdir=/tmp/run
+      --fiddler=single_cosine --workdir=/tmp/run
 
 The workdir (default runs/<module>.<function>) receives config.json (loads back with
 launch/diff.py or launch.configs.from_workdir), config.txt, command.txt, metrics.jsonl,
@@ -69,7 +69,10 @@ def dry_run(cfg: fdl.Config, exp) -> None:
   print(f"FLOPs per token     {m.flops_per_token(d.seq_len) / 1e9:.3f} G (training, exact causal "
         "+ sliding-window count)")
   print(f"tokens per step     {d.global_batch_size} x {d.seq_len} = {exp.tokens_per_step:,}")
-  print(f"steps               {exp.train.steps:,} (schedule over {o.decay_steps:,})")
+  over = (f"stitched: part 1 aimed at {o.stitch_first_steps:,}, part 2 from update "
+          f"{o.stitch_resumed_at + 1:,} aimed at {o.stitch_second_steps:,}"
+          if o.schedule.value == "stitched_cosine" else f"schedule over {o.decay_steps:,}")
+  print(f"steps               {exp.train.steps:,} ({over})")
   print(f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})")
   print(f"mesh                {dict(exp.mesh.shape)} ", end="")
   import jax

@@ -279,19 +279,25 @@ class OptimizerConfig:
   # The schedule's length in steps. Independent of TrainConfig.steps, so limiting a run to N
   # steps (--fdl_set=train.steps=N) runs the first N steps of the same schedule.
   decay_steps: int = 1_413_814
-  # STITCHED_COSINE only: the first cosine's length, the step where the second takes over, and
-  # the length the second cosine was aimed at (docs/recipe.md#learning-rate-schedules).
+  # STITCHED_COSINE only, AI2's stage 1 as its two official scripts ran it
+  # (docs/recipe.md#learning-rate-schedules): part 1 is a cosine (warmup_steps, peak to final_lr)
+  # aimed at stitch_first_steps; part 2 took over after the checkpoint of step stitch_resumed_at
+  # with the second half of a cosine aimed at stitch_second_steps, which starts at stitch_at
+  # and, before it, ramps linearly from 0 towards the midpoint LR (so it holds just below it).
   stitch_first_steps: int = 1_192_093
+  stitch_resumed_at: int = 596_047
   stitch_at: int = 597_046
   stitch_second_steps: int = 1_668_931
-  # Step skipping (docs/recipe.md#step-skipping): an update is skipped when the loss or the pre-clip gradient
-  # norm is more than spike_sigma standard deviations above the mean of the last spike_window
-  # accepted steps (once spike_min_history exist). Non-finite losses or gradients are always
-  # skipped: they never reach the parameters.
+  # Step skipping, as OLMo-core's SkipStepAdamW (docs/recipe.md#step-skipping): an update is
+  # skipped when the CE loss or the pre-clip gradient norm exceeds the mean of the previous
+  # spike_window steps' values (skipped steps included) by more than spike_sigma unbiased
+  # standard deviations, once spike_min_history values (the current one included) exist.
+  # Non-finite losses or gradients are always skipped and kept out of the window: they never
+  # reach the parameters (OLMo-core would let one into its window).
   skip_spikes: bool = True
   spike_sigma: float = 6.0
   spike_window: int = 128
-  spike_min_history: int = 64
+  spike_min_history: int = 64  # OLMo-core: max(2, spike_window // 2)
 
   def __post_init__(self) -> None:
     _coerce_enum(self, "schedule", Schedule)
@@ -306,8 +312,16 @@ class OptimizerConfig:
     _require(self.weight_decay >= 0, c, "weight_decay", self.weight_decay, "must be >= 0")
     _require(self.clip_grad_norm > 0, c, "clip_grad_norm", self.clip_grad_norm, "must be > 0")
     _require(self.warmup_steps >= 0, c, "warmup_steps", self.warmup_steps, "must be >= 0")
-    _require(1 <= self.spike_min_history <= self.spike_window, c, "spike_min_history",
-             self.spike_min_history, f"must be in [1, spike_window={self.spike_window}]")
+    _require(2 <= self.spike_min_history <= self.spike_window + 1, c, "spike_min_history",
+             self.spike_min_history, f"must be in [2, spike_window + 1={self.spike_window + 1}]")
+    if self.schedule == Schedule.STITCHED_COSINE:
+      _require(self.warmup_steps < self.stitch_resumed_at < self.stitch_first_steps, c,
+               "stitch_resumed_at", self.stitch_resumed_at,
+               f"must lie between warmup_steps ({self.warmup_steps}) and stitch_first_steps "
+               f"({self.stitch_first_steps})")
+      _require(self.stitch_resumed_at <= self.stitch_at < self.stitch_second_steps, c,
+               "stitch_at", self.stitch_at, f"must be in [stitch_resumed_at, "
+               f"stitch_second_steps={self.stitch_second_steps})")
     _require(self.decay_steps > self.warmup_steps, c, "decay_steps",
              self.decay_steps, f"must be > warmup_steps ({self.warmup_steps})")
 
@@ -345,7 +359,8 @@ class TrainConfig:
   log_every: int = resumable(1)
   eval_every: int = resumable(1000)  # held-out evaluation every K steps (0: never); also at the end
   eval_batches: int | None = resumable(None)  # cap on held-out batches per evaluation (None: all)
-  max_consecutive_skips: int = 10  # stop the run after this many skipped steps in a row
+  # Stop the run after this many skipped steps in a row (None: never, as AI2's runs).
+  max_consecutive_skips: int | None = None
   # Gradient accumulation: each step's global batch runs as this many sequential microbatches
   # (same data, same update, 1/k of the activation memory). How a run resumed on a smaller
   # slice keeps its global batch and per-device memory.
@@ -358,6 +373,8 @@ class TrainConfig:
     _require(self.eval_every >= 0, c, "eval_every", self.eval_every, "must be >= 0")
     _require(self.z_loss_weight >= 0, c, "z_loss_weight", self.z_loss_weight, "must be >= 0")
     _require(self.microbatches >= 1, c, "microbatches", self.microbatches, "must be >= 1")
+    _require(self.max_consecutive_skips is None or self.max_consecutive_skips >= 1, c,
+             "max_consecutive_skips", self.max_consecutive_skips, "must be None or >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ from olmo3 import config
 SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
     "data.global_batch_size", "data.seq_len", "optimizer.peak_lr", "optimizer.final_lr",
     "optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.stitch_first_steps",
-    "optimizer.stitch_at", "optimizer.stitch_second_steps", "train.steps", "train.log_every",
+    "optimizer.stitch_resumed_at", "optimizer.stitch_at", "optimizer.stitch_second_steps", "train.steps", "train.log_every",
     "train.eval_every", "checkpoint.every", "eval.batch_size"}
 DATA = {"data.mix", "data.root", "checkpoint.init_from", "eval.heldout", "eval.tokenizer",
         "eval.max_documents", "eval.tasks", "eval.task_limit"}
@@ -49,8 +49,9 @@ def test_a_change_to_the_7b_recipe_reaches_the_tiny_run(monkeypatch):
 
 def test_tiny_stages_keep_the_schedule_shape():
   one, two = fdl.build(olmo3_tiny.stage1()), fdl.build(olmo3_tiny.stage2())
-  assert (one.optimizer.schedule, one.optimizer.warmup_steps, one.optimizer.decay_steps) == (
-      config.Schedule.COSINE, olmo3_tiny.WARMUP_STEPS, 100)
+  assert (one.optimizer.schedule, one.optimizer.warmup_steps, one.optimizer.stitch_first_steps,
+          one.optimizer.stitch_at, one.optimizer.stitch_second_steps) == (
+      config.Schedule.STITCHED_COSINE, olmo3_tiny.WARMUP_STEPS, 84, 46, 118)
   assert (two.optimizer.schedule, two.optimizer.warmup_steps, two.optimizer.final_lr) == (
       config.Schedule.LINEAR, 0, 0.0)
   assert two.checkpoint.init_from == "runs/olmo3_tiny.stage1"

@@ -40,11 +40,15 @@ def test_7b_stage2_dry_run():
 
 
 def test_7b_stage1_dry_run_dotted_form_and_overrides():
-  out = _main("--fdl_config=experiments.olmo3_7b.stage1", "--dry_run", "--fdl_set=train.steps=10",
-              "--fiddler=stitched_schedule").stdout
+  out = _main("--fdl_config=experiments.olmo3_7b.stage1", "--dry_run").stdout
   assert "tokens per step     512 x 8192 = 4,194,304" in out
-  assert "steps               10 (schedule over 1,413,814)" in out
+  assert ("steps               1,413,814 (stitched: part 1 aimed at 1,192,093, part 2 from "
+          "update 596,048 aimed at 1,668,931)") in out
   assert "peak LR             0.0003 (stitched_cosine, warmup 2000)" in out
+  out = _main("--fdl_config=experiments.olmo3_7b.stage1", "--dry_run", "--fdl_set=train.steps=10",
+              "--fiddler=single_cosine").stdout
+  assert "steps               10 (schedule over 1,413,814)" in out  # the first 10 steps of it
+  assert "peak LR             0.0003 (cosine, warmup 2000)" in out
   assert "FLOPs per token     46.557 G" in out
 
 
@@ -77,7 +81,7 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
       "optimizer.decay_steps": (1413814, 47684),
       "optimizer.final_lr": (3e-05, 0.0),
       "optimizer.peak_lr": (0.0003, 0.00020712352850360292),
-      "optimizer.schedule": ("cosine", "linear"),
+      "optimizer.schedule": ("stitched_cosine", "linear"),
       "optimizer.warmup_steps": (2000, 0),
       "train.steps": (1413814, 47684)}
   # The table (flags after the positional arguments, as absl parses them).
@@ -89,7 +93,7 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
   assert len(table) == 11
   assert table[2].split() == ["data.global_batch_size", "512", "->", "256"]
   assert "optimizer.schedule" in table[8] and table[8].endswith(
-      "<Schedule.COSINE: 'cosine'>  ->  <Schedule.LINEAR: 'linear'>")
+      "<Schedule.STITCHED_COSINE: 'stitched_cosine'>  ->  <Schedule.LINEAR: 'linear'>")
 
 
 @pytest.mark.parametrize("args, message", [

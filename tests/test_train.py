@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from olmo3.config import OptimizerConfig, Schedule
 from olmo3 import metrics as metrics_lib
@@ -14,31 +15,6 @@ from olmo3.train.checkpoints import RunCheckpoints
 from olmo3.train.loop import train
 
 from train_helpers import micro_experiment, write_corpus
-
-
-def test_cosine_schedule_warmup_and_end():
-  cfg = OptimizerConfig()  # the 7B stage 1
-  assert float(optim.learning_rate(cfg, 0)) == 0.0
-  assert float(optim.learning_rate(cfg, 1000)) == pytest.approx(1.5e-4)
-  assert float(optim.learning_rate(cfg, 2000)) == pytest.approx(3e-4)
-  assert float(optim.learning_rate(cfg, 1_413_814)) == pytest.approx(3e-5)
-  mid = (2000 + 1_413_814) / 2
-  assert float(optim.learning_rate(cfg, mid)) == pytest.approx(1.65e-4, rel=1e-5)
-
-
-def test_stitched_schedule_matches_ai2():
-  cfg = OptimizerConfig(schedule=Schedule.STITCHED_COSINE)
-  assert float(optim.learning_rate(cfg, 597_045)) == pytest.approx(1.65e-4, rel=1e-4)
-  assert float(optim.learning_rate(cfg, 597_046)) == pytest.approx(1.65e-4, rel=1e-4)  # continuous
-  assert float(optim.learning_rate(cfg, 1_413_814)) == pytest.approx(3.93e-5, rel=2e-3)
-
-
-def test_linear_stage2_schedule():
-  cfg = OptimizerConfig(peak_lr=2.0712352850360292e-4, schedule=Schedule.LINEAR, warmup_steps=0,
-                        final_lr=0.0, decay_steps=47_684)
-  assert float(optim.learning_rate(cfg, 0)) == pytest.approx(2.0712352850360292e-4)
-  assert float(optim.learning_rate(cfg, 23_842)) == pytest.approx(2.0712352850360292e-4 / 2)
-  assert float(optim.learning_rate(cfg, 47_684)) == 0.0
 
 
 def test_weight_decay_spares_only_the_input_embedding():
@@ -159,21 +135,35 @@ def _skip_experiment(path, steps, **optimizer):
 
 
 def test_nan_and_spike_steps_are_skipped(tmp_path):
-  path = _marked_corpus(tmp_path, {0: NAN_MARK, 1: SPIKE_MARK})
-  exp = _skip_experiment(path, steps=30)
+  """In the real loop: the NaN step and the injected loss spike are skipped, and every other
+  decision is SkipStepAdamW's on the logged CE losses and gradient norms (OLMo-core's class
+  replayed on them; the NaN step stays out of the window, our one deliberate difference)."""
   from olmo3.data.order import GlobalOrder
+  from olmo_core.optim import SkipStepAdamW
 
-  order = GlobalOrder(40_000 // 32, 8, exp.data.seed)  # write_corpus: 40,000 tokens
-  step_of = {i: next(s for s in range(200) if i in order.batch(s)) + 1 for i in (0, 1)}
+  order = GlobalOrder(40_000 // 32, 8, seed=1)  # write_corpus: 40,000 tokens; micro's seed
+  nan_step, spike_step = 12, 20
+  path = _marked_corpus(tmp_path, {int(order.batch(nan_step - 1)[0]): NAN_MARK,
+                                   int(order.batch(spike_step - 1)[0]): SPIKE_MARK})
+  exp = _skip_experiment(path, steps=30)
+  assert exp.data.seed == 1
   train(exp, str(tmp_path / "run"), model=_Injecting.for_experiment(exp))
   rows = {r["step"]: r for r in metrics_lib.read_jsonl(tmp_path / "run" / "metrics.jsonl")}
-  skipped = sorted(s for s, r in rows.items() if r.get("skipped"))
-  expected = sorted(s for s in step_of.values() if s <= 30 and (s > 8 or s == step_of[0]))
-  assert skipped == expected and expected  # the NaN step always; the spike once history exists
-  assert np.isnan(rows[step_of[0]]["loss"])
+  skipped = [s for s in sorted(rows) if rows[s].get("skipped")]
+  assert nan_step in skipped and spike_step in skipped and np.isnan(rows[nan_step]["loss"])
+  reference = SkipStepAdamW([torch.nn.Parameter(torch.zeros(1))], rolling_interval_length=16)
+  expected = [nan_step]
+  for s in sorted(rows):
+    if s == nan_step:
+      continue
+    reference.latest_loss = torch.tensor(rows[s]["ce_loss"])
+    reference.latest_grad_norm = torch.tensor(rows[s]["grad_norm"])
+    if reference.get_step_factor().item() == 0.0:
+      expected.append(s)
+  assert skipped == sorted(expected)
   state = _restored(exp, tmp_path / "run")  # the final checkpoint
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
-  assert rows[30]["skipped_total"] == len(expected)
+  assert rows[30]["skipped_total"] == len(skipped)
 
 
 def test_consecutive_nan_steps_stop_the_run(tmp_path):
@@ -231,6 +221,9 @@ def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
 
   path = write_corpus(tmp_path)
   whole = micro_experiment(path, steps=4, every=10)
+  # A moderate LR: at 1e-2 the micro model's loss jumps around and amplifies the float32
+  # summation-order differences beyond what the comparison is about.
+  whole = dataclasses.replace(whole, optimizer=dataclasses.replace(whole.optimizer, peak_lr=1e-3))
   accumulated = dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=2))
   devices = jax.devices()[:2]
   for name, exp in (("whole", whole), ("accumulated", accumulated)):

@@ -76,8 +76,8 @@ def train(exp: Experiment, workdir: str, name: str = "",
       for step, batch in enumerate(loader, start=start + 1):
         state, step_metrics = step_fn(state, batch)
         progress(step)
-        consecutive = int(state.skip.consecutive)
-        if consecutive >= exp.train.max_consecutive_skips:
+        limit = exp.train.max_consecutive_skips  # reading the count waits for the step
+        if limit is not None and (consecutive := int(state.skip.consecutive)) >= limit:
           writer.write_scalars(step, jax.device_get(step_metrics))
           raise TrainingStopped(
               f"step {step}: {consecutive} consecutive steps skipped (NaN/Inf or loss / "

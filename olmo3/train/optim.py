@@ -19,27 +19,36 @@ from olmo3.config import OptimizerConfig, Schedule
 
 
 def _cosine(progress, peak: float, final: float):
-  return final + (peak - final) * 0.5 * (1 + jnp.cos(math.pi * jnp.clip(progress, 0.0, 1.0)))
+  # (1 + cos(pi p)) / 2 written as cos(pi p / 2)^2: no cancellation near the end in float32.
+  return final + (peak - final) * jnp.square(jnp.cos(0.5 * math.pi * jnp.clip(progress, 0.0, 1.0)))
 
 
-def learning_rate(cfg: OptimizerConfig, step: jax.Array | int) -> jax.Array:
-  """The learning rate at `step` (from 0)."""
-  t = jnp.asarray(step, jnp.float32)
+def learning_rate(cfg: OptimizerConfig, update: jax.Array | int) -> jax.Array:
+  """The learning rate of the `update`-th update (1 for the first), as OLMo-core's scheduler
+  gives it: OLMo-core advances its step counter before each update, so the first update of a
+  warmup already uses peak/warmup_steps and a linear decay's last update uses final_lr.
+  Float32 (OLMo-core computes in float64; they agree to float32 rounding)."""
+  t = jnp.asarray(update, jnp.float32)
   peak, final, warmup = cfg.peak_lr, cfg.final_lr, cfg.warmup_steps
   warm = peak * t / max(warmup, 1)
   match cfg.schedule:
     case Schedule.COSINE:
       after = _cosine((t - warmup) / (cfg.decay_steps - warmup), peak, final)
     case Schedule.LINEAR:
-      progress = jnp.clip((t - warmup) / (cfg.decay_steps - warmup), 0.0, 1.0)
-      after = peak + (final - peak) * progress
+      # The fraction still to go, from integers: exact where the LR nears final_lr.
+      remaining = jnp.clip((cfg.decay_steps - t) / (cfg.decay_steps - warmup), 0.0, 1.0)
+      after = final + (peak - final) * remaining
     case Schedule.STITCHED_COSINE:
-      # The first cosine (aimed at stitch_first_steps) until stitch_at, where it stands at its
-      # midpoint; then the second half of a cosine aimed at stitch_second_steps.
+      # Part 1 (AI2's first script): the cosine aimed at stitch_first_steps. Part 2 (the second
+      # script, from the update after stitch_resumed_at): a linear ramp towards the midpoint
+      # LR until stitch_at, then the second half of a cosine aimed at stitch_second_steps.
       first = _cosine((t - warmup) / (cfg.stitch_first_steps - warmup), peak, final)
-      second = _cosine(0.5 + 0.5 * (t - cfg.stitch_at) / (cfg.stitch_second_steps - cfg.stitch_at),
-                       peak, final)
-      after = jnp.where(t < cfg.stitch_at, first, second)
+      midpoint = final + (peak - final) / 2
+      ramp = midpoint * t / cfg.stitch_at
+      span = cfg.stitch_second_steps - cfg.stitch_at
+      second = _cosine((t - cfg.stitch_at + span) / (2 * span), peak, final)
+      after = jnp.where(t <= cfg.stitch_resumed_at, first,
+                        jnp.where(t < cfg.stitch_at, ramp, second))
     case _:
       raise ValueError(f"unknown schedule {cfg.schedule!r}")
   return jnp.where(t < warmup, warm, after)
@@ -61,10 +70,10 @@ def adamw(cfg: OptimizerConfig, params: Any) -> optax.GradientTransformation:
 
 
 class SkipStats(NamedTuple):
-  """Recent accepted steps' loss and gradient norm, and the skip counters."""
+  """The last spike_window steps' CE loss and gradient norm, and the skip counters."""
 
-  history: jax.Array  # [2, window] float32 (loss, grad norm), a ring buffer
-  recorded: jax.Array  # int32: accepted steps recorded so far
+  history: jax.Array  # [2, window] float32 (CE loss, grad norm), a ring buffer
+  recorded: jax.Array  # int32: values recorded so far (every finite step, skipped or not)
   consecutive: jax.Array  # int32: skipped steps in a row
   skipped: jax.Array  # int32: skipped steps in this stage
 
@@ -75,25 +84,30 @@ def init_skip_stats(cfg: OptimizerConfig) -> SkipStats:
                    np.zeros((), np.int32), np.zeros((), np.int32))
 
 
-def should_skip(cfg: OptimizerConfig, stats: SkipStats, loss, grad_norm) -> jax.Array:
-  """True for a non-finite loss or gradient, or (skip_spikes) a > spike_sigma·σ spike."""
-  values = jnp.stack([loss, grad_norm]).astype(jnp.float32)
+def should_skip(cfg: OptimizerConfig, stats: SkipStats, ce_loss, grad_norm) -> jax.Array:
+  """True for a non-finite loss or gradient norm, or (skip_spikes) when either exceeds the
+  mean of the previous values in the window by more than spike_sigma unbiased standard
+  deviations, once spike_min_history values exist counting this one (OLMo-core's rule)."""
+  values = jnp.stack([ce_loss, grad_norm]).astype(jnp.float32)
   skip = ~jnp.isfinite(values).all()
   if cfg.skip_spikes:
     n = jnp.minimum(stats.recorded, cfg.spike_window)
     valid = jnp.arange(cfg.spike_window) < n
-    count = jnp.maximum(n, 1).astype(jnp.float32)
-    mean = jnp.where(valid, stats.history, 0.0).sum(-1) / count
-    var = jnp.where(valid, jnp.square(stats.history - mean[:, None]), 0.0).sum(-1) / count
-    spike = (values > mean + cfg.spike_sigma * jnp.sqrt(var)).any()
-    skip |= spike & (n >= cfg.spike_min_history)
+    mean = jnp.where(valid, stats.history, 0.0).sum(-1) / jnp.maximum(n, 1)
+    var = jnp.where(valid, jnp.square(stats.history - mean[:, None]), 0.0).sum(-1) / jnp.maximum(
+        n - 1, 1)
+    spike = ((values - mean) > cfg.spike_sigma * jnp.sqrt(var)).any()
+    skip |= spike & (n + 1 >= cfg.spike_min_history)
   return skip
 
 
-def record(cfg: OptimizerConfig, stats: SkipStats, loss, grad_norm, skip) -> SkipStats:
-  values = jnp.stack([loss, grad_norm]).astype(jnp.float32)
+def record(cfg: OptimizerConfig, stats: SkipStats, ce_loss, grad_norm, skip) -> SkipStats:
+  """Adds this step's values to the window (skipped steps too, as OLMo-core; non-finite values
+  never) and counts the skip."""
+  values = jnp.stack([ce_loss, grad_norm]).astype(jnp.float32)
+  finite = jnp.isfinite(values).all()
   slot = stats.recorded % cfg.spike_window
-  history = jnp.where(skip, stats.history, stats.history.at[:, slot].set(values))
-  return SkipStats(history, stats.recorded + jnp.where(skip, 0, 1).astype(jnp.int32),
+  history = jnp.where(finite, stats.history.at[:, slot].set(values), stats.history)
+  return SkipStats(history, stats.recorded + finite.astype(jnp.int32),
                    jnp.where(skip, stats.consecutive + 1, 0).astype(jnp.int32),
                    stats.skipped + skip.astype(jnp.int32))

@@ -64,15 +64,15 @@ def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransform
     (loss, aux), grads = loss_and_grads(exp, model.apply, model.param_shardings, state.params,
                                         batch)
     grad_norm = optax.global_norm(grads)
-    lr = optim.learning_rate(exp.optimizer, state.step)
+    lr = optim.learning_rate(exp.optimizer, state.step + 1)  # this is update state.step + 1
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, jax.tree.map(lambda u: lr * u, updates))
-    # A skipped step (NaN/Inf, or a loss / gradient-norm spike) leaves parameters and optimizer
-    # state exactly as they were; the data moves on, as in OLMo-core.
-    skip = optim.should_skip(exp.optimizer, state.skip, loss, grad_norm)
+    # A skipped step (NaN/Inf, or a CE-loss / gradient-norm spike) leaves parameters and
+    # optimizer state exactly as they were; the data moves on, as in OLMo-core.
+    skip = optim.should_skip(exp.optimizer, state.skip, aux["ce_loss"], grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
     params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-    stats = optim.record(exp.optimizer, state.skip, loss, grad_norm, skip)
+    stats = optim.record(exp.optimizer, state.skip, aux["ce_loss"], grad_norm, skip)
     metrics = {"loss": loss, "ce_loss": aux["ce_loss"], "z_loss": aux["z_loss"],
                "grad_norm": grad_norm, "lr": lr, "tokens": aux["tokens"].astype(jnp.float32),
                "skipped": skip.astype(jnp.float32),
