@@ -147,7 +147,8 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
         "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4", "--fdl_set=train.log_every=1",
         f"--compilation_cache={tmp_path / 'xla'}")
-  assert any(p.name.startswith("jit_step-") for p in (tmp_path / "xla").iterdir())  # restarts skip it
+  # The train step's executable is cached: restarts skip its compile.
+  assert any(p.name.startswith("jit_step-") for p in (tmp_path / "xla").iterdir())
   rows = metrics_lib.read_jsonl(s1 / "metrics.jsonl")
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 12 and losses[-1] < losses[0] - 1.0  # clearly falling

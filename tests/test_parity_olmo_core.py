@@ -1,60 +1,17 @@
 """Parity with AI2's own training code (ai2-olmo-core's OLMo 3 transformer), a second reference
 independent of the Hugging Face port: the model must agree with what actually trained OLMo 3."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
-from olmo_core.nn.attention import AttentionBackendName
 from olmo_core.nn.transformer import TransformerConfig
 
 from olmo3 import config
-from olmo3.convert import parity
+from olmo3.convert import olmo_core, parity
 
 from conftest import random_params
 
 MICRO = config.olmo3_micro()
-# OLMo-core name -> our path inside the stacked layers.
-_LINEAR = {"attention.w_q": ("self_attn", "q_proj"), "attention.w_k": ("self_attn", "k_proj"),
-           "attention.w_v": ("self_attn", "v_proj"), "attention.w_out": ("self_attn", "o_proj"),
-           "feed_forward.w1": ("mlp", "gate_proj"), "feed_forward.w3": ("mlp", "up_proj"),
-           "feed_forward.w2": ("mlp", "down_proj")}
-_NORM = {"attention.q_norm": ("self_attn", "q_norm"), "attention.k_norm": ("self_attn", "k_norm"),
-         "attention_norm": ("post_attention_layernorm",),
-         "feed_forward_norm": ("post_feedforward_layernorm",)}
-
-
-def _olmo_core_7b_shrunk(cfg: config.ModelConfig) -> TransformerConfig:
-  """OLMo-core's own `olmo3_7B` preset with only the sizes changed (and torch SDPA, which runs
-  on CPU, instead of flash-attn): every other setting is what AI2 trained with."""
-  big = TransformerConfig.olmo3_7B(vocab_size=100_352)
-  attn = big.block.sequence_mixer
-  window = dataclasses.replace(attn.sliding_window, pattern=[cfg.sliding_window] * 3 + [-1])
-  attn = dataclasses.replace(attn, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                             sliding_window=window, backend=AttentionBackendName.torch)
-  block = dataclasses.replace(big.block, sequence_mixer=attn, feed_forward=dataclasses.replace(
-      big.block.feed_forward, hidden_size=cfg.mlp_hidden))
-  return dataclasses.replace(big, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                             vocab_size=cfg.padded_vocab_size, block=block)
-
-
-def _olmo_core_state(cfg: config.ModelConfig, params: dict) -> dict[str, torch.Tensor]:
-  layers = params["layers"]
-
-  def get(path):
-    x = layers
-    for key in path:
-      x = x[key]
-    return x
-
-  state = {"embeddings.weight": params["embed_tokens"]["embedding"],
-           "lm_head.norm.weight": params["norm"]["weight"],
-           "lm_head.w_out.weight": params["lm_head"]["kernel"].T}
-  for i in range(cfg.n_layers):
-    state.update({f"blocks.{i}.{k}.weight": get(p + ("kernel",))[i].T for k, p in _LINEAR.items()})
-    state.update({f"blocks.{i}.{k}.weight": get(p + ("weight",))[i] for k, p in _NORM.items()})
-  return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
 
 
 def test_7b_preset_matches_olmo_core():
@@ -70,8 +27,8 @@ def test_7b_preset_matches_olmo_core():
                          ids=["gqa_6_layers", "mha_8_layers"])
 def test_float32_parity_with_olmo_core(cfg):
   params = random_params(cfg, seed=3)
-  reference = _olmo_core_7b_shrunk(cfg).build(init_device="cpu")
-  reference.load_state_dict(_olmo_core_state(cfg, params))
+  reference = olmo_core.transformer_config(cfg).build(init_device="cpu")
+  reference.load_state_dict(olmo_core.state_dict(cfg, params))
   reference.eval()
   tokens = parity.random_tokens(cfg, 2, parity.default_seq_len(cfg))
   with torch.no_grad():
@@ -82,3 +39,23 @@ def test_float32_parity_with_olmo_core(cfg):
   metrics = parity.compare_logits(ref_logits, ours)
   assert metrics["ref_logit_std"] > 2.0
   assert metrics["max_kl"] <= 1e-6 and metrics["top1_agreement"] == 1.0, metrics
+
+
+def test_training_steps_match_olmo_cores():
+  """The benchmark's run, shortened to 28 steps (the odd batch at step 26 included):
+  the same weights and batches through our train step and through OLMo-core's model, loss,
+  clipping, SkipStepAdamW and schedulers."""
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "benchmarks", "train_parity_olmo_core.py")
+  spec = importlib.util.spec_from_file_location("train_parity_olmo_core", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  result = bench.main(["--steps", "28"])
+  assert result["steps"] == 28 and result["skip_decisions_equal"]
+  assert 26 in result["skipped_steps"]  # the odd batch trips the rule on both sides
+  assert result["max_abs_loss_diff"] < 1e-5
+  assert result["max_rel_grad_norm_diff"] < 1e-4
+  assert result["max_abs_lr_diff"] < 1e-9  # float32 rounding of LRs near 1e-3
