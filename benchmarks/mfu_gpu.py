@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
   rng = jax.random.key(0)
   tokens = jax.random.randint(rng, (batch, seq_len), 0, model.vocab_size)
   batch_arrays = {"input_ids": jax.device_put(tokens, sharded.batch_sharding),
-                  "labels": jax.device_put(tokens, sharded.batch_sharding)}
+                  "labels": jax.device_put(tokens, sharded.batch_sharding),
+                  "filtered": jax.numpy.zeros((batch,), bool)}
   with sharded.context():
     state, metrics = train_step(state, batch_arrays)  # compile + warm up
     jax.block_until_ready(metrics)

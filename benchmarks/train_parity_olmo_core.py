@@ -89,7 +89,8 @@ def ours(exp, tokens: np.ndarray):
     for ids in tokens:
       labels = np.concatenate([ids[:, 1:], np.full((len(ids), 1), IGNORE)], axis=1)
       batch = {"input_ids": jax.device_put(ids.astype(np.int32), model.batch_sharding),
-               "labels": jax.device_put(labels.astype(np.int32), model.batch_sharding)}
+               "labels": jax.device_put(labels.astype(np.int32), model.batch_sharding),
+               "filtered": np.zeros(len(ids), bool)}  # no repetition filter here
       state, metrics = step(state, batch)
       m = jax.device_get(metrics)
       rows.append({"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),

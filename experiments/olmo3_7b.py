@@ -60,8 +60,10 @@ def stage1() -> fdl.Config[Experiment]:
                                 final_lr=3e-5, decay_steps=STAGE1_STEPS, **STITCH,
                                 skip_spikes=True, spike_sigma=6.0, spike_window=128,
                                 spike_min_history=64),
+      # AI2's stage 1 stops at the end of the first epoch (hard_stop); STAGE1_STEPS is that
+      # epoch for the official files, and a run on other files says so at startup.
       train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=10,
-                        eval_every=1000, max_consecutive_skips=None),
+                        eval_every=1000, stop_at_epoch=1, max_consecutive_skips=None),
       checkpoint=CheckpointConfig(every=1000, keep=3, async_save=True, init_from=None),
       libtpu_flags=FLAG_SETS["tpu7x"].libtpu,
       # OLMo's in-loop suite; add held-out sets (e.g. c4_en validation token files) with
@@ -87,6 +89,7 @@ def stage2() -> fdl.Config[Experiment]:
   cfg.optimizer.final_lr = 0.0
   cfg.optimizer.decay_steps = STAGE2_STEPS
   cfg.train.steps = STAGE2_STEPS
+  cfg.train.stop_at_epoch = None  # the midtraining script stops at its 100B tokens only
   cfg.checkpoint.init_from = "runs/olmo3_7b.stage1"
   return cfg
 

@@ -61,8 +61,9 @@ def shrink(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | Non
   opt.warmup_steps = WARMUP_STEPS if opt.warmup_steps else 0
   if opt.schedule == Schedule.STITCHED_COSINE:  # part 2 starts at part 1's midpoint, as AI2's
     opt.stitch_at = (opt.stitch_first_steps - 1) // 2 + opt.warmup_steps // 2
-  opt.peak_lr *= LR_SCALE
-  opt.final_lr *= LR_SCALE
+  # x LR_SCALE, printed without binary noise (3e-4 x 10 is 0.0029999999999999996 otherwise).
+  opt.peak_lr = float(f"{opt.peak_lr * LR_SCALE:.15g}")
+  opt.final_lr = float(f"{opt.final_lr * LR_SCALE:.15g}")
   cfg.train.steps = steps
   cfg.train.log_every, cfg.train.eval_every, cfg.checkpoint.every = 5, 25, 50
   if workdir_of_stage1 is not None:

@@ -15,6 +15,7 @@ JAX_PROCESS_ID, or SLURM / TPU pod environments) joins with jax.distributed.init
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -74,6 +75,16 @@ def dry_run(cfg: fdl.Config, exp) -> None:
           if o.schedule.value == "stitched_cosine" else f"schedule over {o.decay_steps:,}")
   print(f"steps               {exp.train.steps:,} ({over})")
   print(f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})")
+  from olmo3.data import pipeline, sources
+
+  try:  # the epoch, when the configured files are reachable from here
+    source = sources.token_files(dataclasses.replace(d, validate_tokens=False), None)
+    per_epoch = pipeline.steps_per_epoch(d, source)
+    stop = exp.train.stop_at_epoch
+    end = f"; the stage ends at step {min(exp.train.steps, stop * per_epoch):,}" if stop else ""
+    print(f"epoch               {len(source):,} instances = {per_epoch:,} steps{end}")
+  except ValueError as e:  # DataError: files missing here (e.g. AI2's data on a laptop)
+    print(f"epoch               unknown: the data files are not reachable here ({e})")
   print(f"mesh                {dict(exp.mesh.shape)} ", end="")
   import jax
 

@@ -359,6 +359,9 @@ class TrainConfig:
   log_every: int = resumable(1)
   eval_every: int = resumable(1000)  # held-out evaluation every K steps (0: never); also at the end
   eval_batches: int | None = resumable(None)  # cap on held-out batches per evaluation (None: all)
+  # End the stage when this epoch of its data ends, if that comes before `steps` (AI2's stage 1:
+  # hard_stop = one epoch). None: `steps` alone decides.
+  stop_at_epoch: int | None = None
   # Stop the run after this many skipped steps in a row (None: never, as AI2's runs).
   max_consecutive_skips: int | None = None
   # Gradient accumulation: each step's global batch runs as this many sequential microbatches
@@ -373,6 +376,8 @@ class TrainConfig:
     _require(self.eval_every >= 0, c, "eval_every", self.eval_every, "must be >= 0")
     _require(self.z_loss_weight >= 0, c, "z_loss_weight", self.z_loss_weight, "must be >= 0")
     _require(self.microbatches >= 1, c, "microbatches", self.microbatches, "must be >= 1")
+    _require(self.stop_at_epoch is None or self.stop_at_epoch >= 1, c, "stop_at_epoch",
+             self.stop_at_epoch, "must be None or >= 1")
     _require(self.max_consecutive_skips is None or self.max_consecutive_skips >= 1, c,
              "max_consecutive_skips", self.max_consecutive_skips, "must be None or >= 1")
 

@@ -27,12 +27,11 @@ def token_nll(logits_BTV: jax.Array, labels_BT: jax.Array
 
 def lm_loss(logits_BTV: jax.Array, labels_BT: jax.Array, z_loss_weight: float = 0.0,
             batch_tokens: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """(loss, metrics): token-mean CE + z_loss_weight · token-mean lse².
-
-  The divisor is max(1, unmasked tokens): an all-masked batch (every instance flagged by the
-  repetition filter, say) gives loss 0, never NaN. For one microbatch of a larger batch, pass
-  the whole batch's unmasked token count as `batch_tokens`: the microbatches' losses (and
-  gradients) then sum to the whole batch's.
+  """(loss, metrics): CE + z_loss_weight · lse², summed over unmasked labels and divided by
+  `batch_tokens` (default: the unmasked label count; the train step passes OLMo-core's count,
+  which also counts the positions of instances the repetition filter masked, and for one
+  microbatch the whole batch's count, so the microbatches' losses and gradients sum to the
+  whole batch's). The divisor is at least 1: an all-masked batch gives 0, never NaN.
   """
   nll_BT, lse_BT, mask_BT = token_nll(logits_BTV, labels_BT)
   n_tokens = mask_BT.sum()

@@ -64,6 +64,9 @@ def test_labels_shift_left_and_repetitive_instances_are_masked(tmp_path):
   tokens.write_token_file(path, np.concatenate(instances))
   cfg = _cfg([path], seq_len=64, global_batch_size=4, repetition_filter=RepetitionFilter())
   batch = _global_batches(cfg, batch_sharding(1), 0, 1)[0]
+  # The exit marks the masked instance: the loss divisor still counts its tokens.
+  assert batch["filtered"].tolist() == [bool((ids == 7).all()) for ids in batch["input_ids"]]
+  assert batch["filtered"].sum() == 1
   for ids, labels in zip(batch["input_ids"], batch["labels"]):
     if (ids == 7).all():
       assert (labels == IGNORE).all()  # masked, but keeps its slot in the batch

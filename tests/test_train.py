@@ -236,3 +236,47 @@ def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
   with pytest.raises(DataError, match=r"global_batch_size=8 .*TrainConfig.microbatches=8"):
     bad = dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=8))
     train(bad, str(tmp_path / "bad"), model=ShardedModel.for_experiment(bad, devices))
+
+
+def test_a_stage_can_end_with_its_epoch(tmp_path, caplog):
+  """train.stop_at_epoch: the stage ends where the epoch ends (4 steps of 8 instances here),
+  before train.steps, and says so at startup; the last step is checkpointed."""
+  import logging
+
+  exp = micro_experiment(write_corpus(tmp_path), steps=10, every=100)
+  exp = dataclasses.replace(exp, data=dataclasses.replace(exp.data, max_instances=32),
+                            train=dataclasses.replace(exp.train, stop_at_epoch=1))
+  with caplog.at_level(logging.WARNING):
+    train(exp, str(tmp_path / "run"))
+  assert "train.steps=10 but epoch 1 of the data ends at step 4" in caplog.text
+  assert sorted(_losses(tmp_path / "run")) == [1, 2, 3, 4]
+  assert RunCheckpoints(tmp_path / "run" / "checkpoints", 10, False).steps() == [4]
+
+
+def test_loss_divisor_counts_filtered_instances_as_olmo_core_does():
+  """A batch where the repetition filter masked one instance: OLMo-core's train module divides
+  the summed CE and z-loss by the unmasked labels plus T for each masked instance."""
+  from olmo_core.nn.functional import cross_entropy_loss
+
+  from olmo3.loss import IGNORE
+  from olmo3.train.step import loss_and_grads
+
+  rng = np.random.default_rng(0)
+  b, t, v = 4, 16, 32
+  logits = rng.standard_normal((b, t, v)).astype(np.float32) * 3
+  labels = rng.integers(0, v, (b, t)).astype(np.int32)
+  labels[:, -1] = IGNORE
+  labels[1] = IGNORE  # the filtered instance
+  filtered = np.array([False, True, False, False])
+  exp = micro_experiment("unused")
+  (loss, aux), _ = loss_and_grads(
+      exp, lambda p, tokens: p["logits"], None, {"logits": jnp.asarray(logits)},
+      {"input_ids": jnp.zeros((b, t), jnp.int32), "labels": jnp.asarray(labels),
+       "filtered": jnp.asarray(filtered)})
+  torch_labels = torch.from_numpy(np.where(labels == IGNORE, -100, labels).astype(np.int64))
+  ce_sum, z_sum = cross_entropy_loss(torch.from_numpy(logits).view(-1, v), torch_labels.view(-1),
+                                     reduction="sum", compute_z_loss=True,
+                                     z_loss_multiplier=exp.train.z_loss_weight)
+  divisor = (torch_labels != -100).sum() + (~torch.from_numpy(~filtered)).sum() * t
+  assert float(aux["ce_loss"]) == pytest.approx(float(ce_sum / divisor), rel=1e-6)
+  assert float(loss) == pytest.approx(float((ce_sum + z_sum) / divisor), rel=1e-6)

@@ -11,6 +11,8 @@ The one exit: iterating a `Loader` yields what the train step consumes, global j
   labels    [B, T] int32   input_ids shifted left; IGNORE (-1) where there is no target (the
                            last position, and every position of an instance the repetition
                            filter masks)
+  filtered  [B]    bool    the repetition filter masked this instance (the loss divisor still
+                           counts its T tokens, as OLMo-core's does)
 Audits read `Loader.host_batches()` instead: this process's rows as numpy arrays, with the
 global step and each row's global instance index (`instance` [R] int64), which stay on the host.
 """
@@ -29,6 +31,9 @@ from olmo3.data import filters, grain_compat, sources
 from olmo3.data.order import GlobalOrder
 from olmo3.data.tokens import DataError, TokenFiles
 from olmo3.loss import IGNORE
+
+
+STEP_KEYS = ("input_ids", "labels", "filtered")  # what the train step consumes
 
 
 def labels_for(tokens_RT: np.ndarray) -> np.ndarray:
@@ -85,12 +90,20 @@ class ReadStep(grain.transforms.Map):
     instance = self.order.batch(int(step))[self.rows].astype(np.int64)
     tokens = np.stack([self.source[i] for i in instance])
     labels = labels_for(tokens)
+    filtered = np.zeros(len(tokens), bool)
     if self.repetition is not None:
       for r, row in enumerate(tokens):
         if filters.is_repetitive(row, self.repetition):
           labels[r] = IGNORE  # keeps its slot: the order is unchanged
+          filtered[r] = True
     return {"step": np.int64(step), "input_ids": tokens, "labels": labels,
-            "instance": instance}
+            "filtered": filtered, "instance": instance}
+
+
+def steps_per_epoch(cfg: DataConfig, source: TokenFiles) -> int:
+  """Global steps in one epoch of `source` (the tail that does not fill a batch is dropped)."""
+  n = len(source) if cfg.max_instances is None else min(len(source), cfg.max_instances)
+  return n // cfg.global_batch_size
 
 
 class Loader:
@@ -117,13 +130,13 @@ class Loader:
     self.dataset = dataset
 
   def host_batches(self) -> Iterator[dict[str, np.ndarray]]:
-    """This process's rows of each step: step, input_ids, labels, instance (for audits)."""
+    """This process's rows of each step: step, the STEP_KEYS arrays, instance (for audits)."""
     return iter(self.dataset)
 
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
-    """Each step's global batch, as the train step consumes it (input_ids, labels)."""
+    """Each step's global batch, as the train step consumes it (STEP_KEYS)."""
     for batch in self.dataset:
-      yield self.host_rows.to_global({k: batch[k] for k in ("input_ids", "labels")})
+      yield self.host_rows.to_global({k: batch[k] for k in STEP_KEYS})
 
 
 def batch_only(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:

@@ -1,7 +1,8 @@
 """The training loop: `train(exp, workdir)` trains an Experiment on the current devices until
-`exp.train.steps`, resuming from the workdir's latest checkpoint (olmo3.train.state), logging
-metrics, evaluating (olmo3.eval.evaluator) and checkpointing on the configured cadences, and
-stopping cleanly at a step boundary on SIGTERM / SIGINT.
+`exp.train.steps` (or the end of epoch `train.stop_at_epoch`), resuming from the workdir's
+latest checkpoint (olmo3.train.state), logging metrics, evaluating (olmo3.eval.evaluator) and
+checkpointing on the configured cadences, and stopping cleanly at a step boundary on SIGTERM /
+SIGINT.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 from absl import logging
 
 from olmo3.config import Experiment
-from olmo3.data import pipeline
+from olmo3.data import pipeline, sources
 from olmo3.eval.alarm import GapAlarm
 from olmo3.eval.evaluator import Evaluator
 from olmo3.flops import peak_flops_per_device
@@ -37,6 +38,22 @@ def _write_experiment(exp: Experiment, workdir: str) -> None:
       json.dump(exp.to_dict(), f, indent=1)
 
 
+def stage_end(exp: Experiment, source) -> int:
+  """The step this stage ends at: train.steps, or the end of epoch train.stop_at_epoch of its
+  data when that comes first. Says so when the two disagree."""
+  end = exp.train.steps
+  if exp.train.stop_at_epoch is not None:
+    per_epoch = pipeline.steps_per_epoch(exp.data, source)
+    epoch_end = exp.train.stop_at_epoch * per_epoch
+    if epoch_end != end:
+      logging.warning("train.steps=%d but epoch %d of the data ends at step %d (%d instances, "
+                      "%d steps per epoch): the stage ends at step %d", end,
+                      exp.train.stop_at_epoch, epoch_end, len(source), per_epoch,
+                      min(end, epoch_end))
+    end = min(end, epoch_end)
+  return end
+
+
 def train(exp: Experiment, workdir: str, name: str = "",
           model: ShardedModel | None = None) -> dict[str, float]:
   """Trains to exp.train.steps; returns the last logged metrics. `model` (default: the
@@ -53,17 +70,19 @@ def train(exp: Experiment, workdir: str, name: str = "",
   os.makedirs(workdir, exist_ok=True)
   _write_experiment(exp, workdir)
   with model.context():
+    source = sources.token_files(exp.data, exp.model.vocab_size)
+    end = stage_end(exp, source)
     state = state_lib.restore_or_init(layout, checkpoints)
     start = int(state.step)
-    if start >= exp.train.steps:
-      logging.info("already at step %d of %d: nothing to do", start, exp.train.steps)
+    if start >= end:
+      logging.info("already at step %d of %d: nothing to do", start, end)
       return {}
     loader = pipeline.Loader(exp.data, model.batch_sharding, start_step=start,
-                             num_steps=exp.train.steps - start, vocab_size=exp.model.vocab_size)
+                             num_steps=end - start, source=source)
     writer = metrics_lib.create_writer(workdir, jax.process_index() == 0)
     from clu import periodic_actions  # after olmo3.metrics: CLU then imports without TF
 
-    progress = periodic_actions.ReportProgress(num_train_steps=exp.train.steps, writer=writer,
+    progress = periodic_actions.ReportProgress(num_train_steps=end, writer=writer,
                                                every_steps=max(exp.train.log_every, 10))
     flops_per_step = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
@@ -85,7 +104,7 @@ def train(exp: Experiment, workdir: str, name: str = "",
               f"stopping. Parameters are those of step {step - consecutive}; the latest "
               "checkpoint is intact. Lower the LR, check the data, or raise "
               "train.max_consecutive_skips.")
-        last_step = step == exp.train.steps
+        last_step = step == end
         if step % exp.train.log_every == 0 or last_step:
           values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
           elapsed = (time.perf_counter() - tick) / exp.train.log_every

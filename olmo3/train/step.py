@@ -16,28 +16,36 @@ import optax
 
 from olmo3 import sharding as sharding_lib
 from olmo3.config import Experiment
+from olmo3.data.pipeline import batch_only
 from olmo3.loss import lm_loss
 from olmo3.sharded import ShardedModel
 from olmo3.train import optim
 from olmo3.train.state import StateLayout, TrainState
 
-Batch = dict[str, jax.Array]  # input_ids, labels: [global batch, seq_len] int32
+# input_ids, labels: [global batch, seq_len] int32; filtered: [global batch] bool (the
+# repetition filter masked the instance; olmo3.data.pipeline).
+Batch = dict[str, jax.Array]
 
 
 def loss_and_grads(exp: Experiment, apply: Callable[[Any, jax.Array], jax.Array],
                    param_shardings: Any, params: Any, batch: Batch):
   """((loss, metrics), gradients) of the whole global batch; with train.microbatches = k,
   accumulated over k sequential microbatches (each a 1/k slice of every device's rows, so no
-  data moves), normalised by the whole batch's token count: the same loss and update."""
+  data moves), normalised by the whole batch's token count: the same loss and update.
+
+  The token count is OLMo-core's: the unmasked labels, plus all T positions of every instance
+  the repetition filter masked (they count as tokens with zero loss).
+  """
   z_loss_weight, k = exp.train.z_loss_weight, exp.train.microbatches
 
-  def loss_fn(params, tokens_BT, labels_BT, batch_tokens=None):
+  def loss_fn(params, tokens_BT, labels_BT, batch_tokens):
     return lm_loss(apply(params, tokens_BT), labels_BT, z_loss_weight, batch_tokens)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  seq_len = batch["labels"].shape[1]
+  batch_tokens = (batch["labels"] >= 0).sum() + batch["filtered"].sum() * seq_len
   if k == 1:
-    return grad_fn(params, batch["input_ids"], batch["labels"])
-  batch_tokens = (batch["labels"] >= 0).sum()
+    return grad_fn(params, batch["input_ids"], batch["labels"], batch_tokens)
 
   def split(x_BT):  # microbatch i holds rows i, i + k, ...: a slice of every device's rows
     x_KMT = x_BT.reshape(x_BT.shape[0] // k, k, *x_BT.shape[1:]).swapaxes(0, 1)
@@ -95,4 +103,6 @@ def abstract_inputs(exp: Experiment, model: ShardedModel, layout: StateLayout
   shape = (exp.data.global_batch_size, exp.data.seq_len)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=model.batch_sharding)
            for k in ("input_ids", "labels")}
+  batch["filtered"] = jax.ShapeDtypeStruct(shape[:1], jnp.bool_,
+                                           sharding=batch_only(model.batch_sharding))
   return layout.abstract, batch
