@@ -92,6 +92,7 @@ def memorize() -> fdl.Config[Experiment]:
   generalization-gap alarm must fire. Evaluates every 10 steps, held-out loss only."""
   cfg = stage1()
   cfg.data.max_instances = 32
+  cfg.train.stop_at_epoch = None  # 50 epochs on purpose
   cfg.train.eval_every = 10
   cfg.eval.tasks = ()
   return cfg

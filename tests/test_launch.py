@@ -69,7 +69,7 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
   assert {c.path for c in changes} == {
       "data.global_batch_size", "data.mix", "data.seed", "optimizer.peak_lr",
       "optimizer.schedule", "optimizer.warmup_steps", "optimizer.final_lr",
-      "optimizer.decay_steps", "train.steps", "checkpoint.init_from"}
+      "optimizer.decay_steps", "train.steps", "train.stop_at_epoch", "checkpoint.init_from"}
   out = subprocess.run([sys.executable, "launch/diff.py", "experiments.olmo3_7b:stage1",
                         "experiments.olmo3_7b:stage2", "--json"], capture_output=True, text=True,
                        cwd=ROOT, env=ENV, check=True).stdout
@@ -83,14 +83,15 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
       "optimizer.peak_lr": (0.0003, 0.00020712352850360292),
       "optimizer.schedule": ("stitched_cosine", "linear"),
       "optimizer.warmup_steps": (2000, 0),
-      "train.steps": (1413814, 47684)}
+      "train.steps": (1413814, 47684),
+      "train.stop_at_epoch": (1, None)}
   # The table (flags after the positional arguments, as absl parses them).
   table = subprocess.run([sys.executable, "launch/diff.py", "experiments.olmo3_7b:stage1",
                           "experiments.olmo3_7b:stage2"], capture_output=True, text=True,
                          cwd=ROOT, env=ENV, check=True).stdout.splitlines()
   assert table[0].split() == ["field", "experiments.olmo3_7b:stage1", "->",
                               "experiments.olmo3_7b:stage2"]
-  assert len(table) == 11
+  assert len(table) == 12
   assert table[2].split() == ["data.global_batch_size", "512", "->", "256"]
   assert "optimizer.schedule" in table[8] and table[8].endswith(
       "<Schedule.STITCHED_COSINE: 'stitched_cosine'>  ->  <Schedule.LINEAR: 'linear'>")
