@@ -24,6 +24,7 @@ from absl import app, flags, logging
 from fiddle import printing
 
 from launch import configs
+from olmo3.config import Schedule
 from olmo3.perf import flags as flags_lib
 
 FLAGS = flags.DEFINE_string(
@@ -72,7 +73,7 @@ def dry_run(cfg: fdl.Config, exp) -> None:
   print(f"tokens per step     {d.global_batch_size} x {d.seq_len} = {exp.tokens_per_step:,}")
   over = (f"stitched: part 1 aimed at {o.stitch_first_steps:,}, part 2 from update "
           f"{o.stitch_resumed_at + 1:,} aimed at {o.stitch_second_steps:,}"
-          if o.schedule.value == "stitched_cosine" else f"schedule over {o.decay_steps:,}")
+          if o.schedule is Schedule.STITCHED_COSINE else f"schedule over {o.decay_steps:,}")
   print(f"steps               {exp.train.steps:,} ({over})")
   print(f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})")
   from olmo3.data import pipeline, sources

@@ -100,10 +100,14 @@ class ReadStep(grain.transforms.Map):
             "filtered": filtered, "instance": instance}
 
 
+def instances(cfg: DataConfig, source: TokenFiles) -> int:
+  """The instances one epoch draws from: all of `source`, or its first `max_instances`."""
+  return len(source) if cfg.max_instances is None else min(len(source), cfg.max_instances)
+
+
 def steps_per_epoch(cfg: DataConfig, source: TokenFiles) -> int:
   """Global steps in one epoch of `source` (the tail that does not fill a batch is dropped)."""
-  n = len(source) if cfg.max_instances is None else min(len(source), cfg.max_instances)
-  return n // cfg.global_batch_size
+  return instances(cfg, source) // cfg.global_batch_size
 
 
 class Loader:
@@ -114,10 +118,7 @@ class Loader:
     check_divisible(cfg.global_batch_size, sharding, "DataConfig.global_batch_size")
     self.cfg = cfg
     self.source = source or sources.token_files(cfg, vocab_size)
-    n_instances = len(self.source)
-    if cfg.max_instances is not None:
-      n_instances = min(n_instances, cfg.max_instances)
-    self.order = GlobalOrder(n_instances, cfg.global_batch_size, cfg.seed)
+    self.order = GlobalOrder(instances(cfg, self.source), cfg.global_batch_size, cfg.seed)
     self.host_rows = HostRows.of(sharding, cfg.global_batch_size, cfg.seq_len)
     dataset = grain.MapDataset.range(start_step, start_step + num_steps).map(
         ReadStep(self.source, self.order, self.host_rows.rows, cfg.repetition_filter))
