@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
   tokens = jax.random.randint(rng, (batch, seq_len), 0, model.vocab_size)
   batch_arrays = {"input_ids": jax.device_put(tokens, sharded.batch_sharding),
                   "labels": jax.device_put(tokens, sharded.batch_sharding),
-                  "filtered": jax.numpy.zeros((batch,), bool)}
+                  "filtered": jax.numpy.zeros((batch,), bool),
+                  "source": jax.numpy.zeros((batch,), jax.numpy.int32)}
   with sharded.context():
     state, metrics = train_step(state, batch_arrays)  # compile + warm up
     jax.block_until_ready(metrics)

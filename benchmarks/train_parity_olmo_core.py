@@ -90,7 +90,8 @@ def ours(exp, tokens: np.ndarray):
       labels = np.concatenate([ids[:, 1:], np.full((len(ids), 1), IGNORE)], axis=1)
       batch = {"input_ids": jax.device_put(ids.astype(np.int32), model.batch_sharding),
                "labels": jax.device_put(labels.astype(np.int32), model.batch_sharding),
-               "filtered": np.zeros(len(ids), bool)}  # no repetition filter here
+               "filtered": np.zeros(len(ids), bool),  # no repetition filter here
+               "source": np.zeros(len(ids), np.int32)}
       state, metrics = step(state, batch)
       m = jax.device_get(metrics)
       rows.append({"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),

@@ -21,7 +21,6 @@ from experiments.common import as_config
 from olmo3.config import (AttentionKernel, CheckpointConfig, DataConfig, DType, EvalConfig,
                           Experiment, MeshConfig, OptimizerConfig, Remat, Schedule, TrainConfig,
                           olmo3_7b)
-from olmo3.eval.tasks import DEFAULT_SUITE
 from olmo3.perf.flags import FLAG_SETS
 from olmo3.remat import Mode, Name
 
@@ -34,6 +33,25 @@ STAGE2_STEPS = 47_684  # ceil(100e9 / (256 x 8192)): the midtraining script's 10
 # ceil(7e12 / 4,194,304) = 1,668,931 steps. The epoch (hard_stop) ends first.
 STITCH = dict(stitch_first_steps=1_192_093, stitch_resumed_at=596_047, stitch_at=597_046,
               stitch_second_steps=1_668_931)
+# OLMo-3-1025-7B-pretrain-1.py's downstream evaluator: its "fast" task set (ai2-olmo-eval labels).
+FAST_TASKS = tuple(sorted((
+    # a subset of OLMES
+    "arc_challenge_test_bpb_5shot", "arc_challenge_test_mc_5shot_fast", "arc_easy_test_bpb_5shot",
+    "arc_easy_test_mc_5shot_fast", "hellaswag_bpb_5shot", "mmlu_humanities_test_bpb_5shot",
+    "mmlu_humanities_test_mc_5shot_fast", "mmlu_other_test_bpb_5shot",
+    "mmlu_other_test_mc_5shot_fast", "mmlu_social_sciences_test_bpb_5shot",
+    "mmlu_social_sciences_test_mc_5shot_fast", "mmlu_stem_test_bpb_5shot",
+    "mmlu_stem_test_mc_5shot_fast",
+    # basic skills
+    "basic_skills_arithmetic_rc_5shot", "basic_skills_coding_rc_5shot",
+    "basic_skills_common_knowledge_rc_5shot", "basic_skills_logical_reasoning_rc_5shot",
+    "basic_skills_pattern_rc_5shot", "basic_skills_string_operations_rc_5shot",
+    # generation tasks scored by the gold answer's bits per byte
+    "codex_humaneval_gold_bpb_3shot", "codex_mbpp_gold_bpb_3shot", "minerva_math_500_gold_bpb_0shot",
+    "mt_mbpp_cpp_gold_bpb_3shot", "mt_mbpp_java_gold_bpb_3shot", "mt_mbpp_rust_gold_bpb_3shot",
+    # a sanity check of multiple-choice ability
+    "copycolors_10way_fast",
+)))
 # The Ironwood run's remat: keep every named activation on the device but the MLP
 # up-projection, which is recomputed (docs/performance.md#remat).
 IRONWOOD_REMAT = tuple((name.value, (Mode.REMAT if name is Name.MLPWI_1 else Mode.DEVICE).value)
@@ -46,7 +64,8 @@ def stage1() -> fdl.Config[Experiment]:
   embedding), clip 1.0, z-loss 1e-5, peak LR 3e-4 with 2000 warmup steps and AI2's stitched
   schedule (see STITCH; `single_cosine` is the TPU reproduction's variant), step skipping as
   SkipStepAdamW and no abort on consecutive skips. bfloat16 compute, float32 parameters and
-  optimizer state; pure FSDP."""
+  optimizer state; pure FSDP. Evaluates as AI2's pretraining script: held-out perplexity on
+  v3-small-ppl-validation and the "fast" downstream set (FAST_TASKS) every 10,000 steps."""
   return as_config(Experiment(
       # Splash attention (TPU) and the Ironwood run's remat. On GPUs: --fiddler=gpu.
       model=olmo3_7b().replace(compute_dtype=DType.BFLOAT16, attention=AttentionKernel.SPLASH,
@@ -63,12 +82,15 @@ def stage1() -> fdl.Config[Experiment]:
       # AI2's stage 1 stops at the end of the first epoch (hard_stop); STAGE1_STEPS is that
       # epoch for the official files, and a run on other files says so at startup.
       train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=10,
-                        eval_every=1000, stop_at_epoch=1, max_consecutive_skips=None),
+                        eval_every=10_000, stop_at_epoch=1, max_consecutive_skips=None),
       checkpoint=CheckpointConfig(every=1000, keep=3, async_save=True, init_from=None),
       libtpu_flags=FLAG_SETS["tpu7x"].libtpu,
-      # OLMo's in-loop suite; add held-out sets (e.g. c4_en validation token files) with
-      # --fdl_set=eval.heldout='(("c4_en", "path/to/mix.txt"),)'.
-      eval=EvalConfig(batch_size=64, tasks=DEFAULT_SUITE, tokenizer="allenai/dolma2-tokenizer"),
+      # AI2's in-loop evaluation, every 10,000 steps: the v3-small perplexity sets (11 held-out
+      # sets, C4 en among them; data.root must hold eval-data/perplexity/ as AI2's bucket does)
+      # and the "fast" downstream task set, at batches as large as training's.
+      eval=EvalConfig(heldout=("v3-small-ppl-validation",),
+                      heldout_tokenizer_id="dolma2-tokenizer", batch_size=512, tasks=FAST_TASKS,
+                      tokenizer="allenai/dolma2-tokenizer"),
   ))
 
 
@@ -78,7 +100,8 @@ def stage2() -> fdl.Config[Experiment]:
   AI2's OLMo-3-1025-7B-midtrain.py; it equals part 1's cosine at update 476,838, not the LR where
   stage 1 ended) linear to 0 over 47,684 steps without warmup (LinearWithWarmup(warmup=0,
   alpha_f=0)), initialised from stage 1's final checkpoint: parameters and AdamW moments; step,
-  schedule and data position reset."""
+  schedule and data position reset. AI2's midtraining script evaluates nothing in the loop; this
+  keeps stage 1's evaluation, so the anneal is watched too (eval.tasks=() turns it off)."""
   cfg = stage1()
   cfg.data.mix = "OLMo-midtraining-mix-0625-100B"
   cfg.data.seed = 1337

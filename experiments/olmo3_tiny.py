@@ -27,8 +27,9 @@ BATCH_DIVISOR = 32  # 512 -> 16 instances per step in stage 1, 256 -> 8 in stage
 SEQ_LEN = 256  # the window (128) is half of it, as the 7B's 4096 of 8192
 LR_SCALE = 10.0  # a 2.9M-parameter model takes a 10x larger learning rate
 WARMUP_STEPS = 10  # for stages that warm up (the 7B's 2000 would be most of the run)
-# OLMo's default in-loop suite, zero-shot (short contexts for a 256-token model), 20 documents.
-TASKS = tuple(f"{t}:rc_0shot" for t in ("arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag",
+# OLMo's reading-comprehension suite, zero-shot (short contexts for a 256-token model), 20
+# documents each.
+TASKS = tuple(f"{t}_rc_0shot" for t in ("arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag",
                                         "openbookqa", "piqa", "winogrande"))
 
 
@@ -44,7 +45,25 @@ def cpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
 
 def shrink(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | None = None
            ) -> fdl.Config[Experiment]:
-  """Fiddler: a 7B stage at laptop size, `steps` long, on the embedded corpus."""
+  """Fiddler: a 7B stage at laptop size, `steps` long, on the embedded corpus, evaluating the
+  embedded held-out split and 20 documents of each TASKS task."""
+  shrink_model(cfg, steps)
+  if workdir_of_stage1 is not None:
+    cfg.checkpoint.init_from = workdir_of_stage1
+  cfg.eval.heldout = ("embedded-heldout",)
+  cfg.eval.tokenizer = "embedded"
+  cfg.eval.batch_size, cfg.eval.max_documents = 16, 32
+  cfg.eval.tasks, cfg.eval.task_limit = TASKS, 20
+  return cfg
+
+
+def shrink_model(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Experiment]:
+  """Fiddler: a 7B stage's model, batch and schedule at laptop size, `steps` long, on the
+  embedded corpus, keeping the stage's evaluation (held-out mixes, task list, cadence scaled
+  with the run). The held-out mixes resolve against eval.heldout_root or data.root as usual and
+  must hold tokens of the tiny tokenizer; tasks are prepared with eval.tokenizer. E.g.
+  --fiddler='experiments.olmo3_tiny:shrink_model' --fdl_set=eval.tokenizer='"embedded"'
+  --fdl_set=eval.heldout_root='"DIR"' --fdl_set=eval.task_limit=4."""
   tiny = olmo3_tiny()
   for field in SIZE_FIELDS:
     setattr(cfg.model, field, getattr(tiny, field))
@@ -66,12 +85,7 @@ def shrink(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | Non
   opt.final_lr = float(f"{opt.final_lr * LR_SCALE:.15g}")
   cfg.train.steps = steps
   cfg.train.log_every, cfg.train.eval_every, cfg.checkpoint.every = 5, 25, 50
-  if workdir_of_stage1 is not None:
-    cfg.checkpoint.init_from = workdir_of_stage1
-  cfg.eval.heldout = (("embedded", "embedded-heldout"),)
-  cfg.eval.tokenizer = "embedded"
-  cfg.eval.batch_size, cfg.eval.max_documents = 16, 32
-  cfg.eval.tasks, cfg.eval.task_limit = TASKS, 20
+  cfg.eval.batch_size = 16
   return cpu(cfg)
 
 

@@ -86,6 +86,22 @@ def dry_run(cfg: fdl.Config, exp) -> None:
     print(f"epoch               {len(source):,} instances = {per_epoch:,} steps{end}")
   except ValueError as e:  # DataError: files missing here (e.g. AI2's data on a laptop)
     print(f"epoch               unknown: the data files are not reachable here ({e})")
+  ev = exp.eval
+  cadence = (f"every {exp.train.eval_every:,} steps" if exp.train.eval_every
+             else "never (train.eval_every=0)")
+  root = d.root if ev.heldout_root is None else ev.heldout_root
+  for mix in ev.heldout:
+    try:
+      files = sources.read_mix(mix, root, ev.heldout_tokenizer_id)
+      labels = list(dict.fromkeys(f.label for f in files))
+      print(f"held-out            {mix}: {len(labels)} sets, {cadence}: {', '.join(labels)}")
+    except ValueError as e:
+      print(f"held-out            {mix}: unreadable here ({e})")
+  if not ev.heldout:
+    print("held-out            none (eval.heldout=()): the generalization-gap alarm is off")
+  print(f"downstream tasks    {len(ev.tasks)}, {cadence}"
+        + (f" ({ev.task_limit} documents each)" if ev.task_limit else "")
+        + (": " + ", ".join(ev.tasks) if ev.tasks else ""))
   print(f"mesh                {dict(exp.mesh.shape)} ", end="")
   import jax
 
@@ -146,7 +162,14 @@ def main(argv: list[str]) -> None:
     configs.write_run_record(workdir, cfg, sys.argv)
   logging.info("training %s in %s on %d %s devices", FLAGS.value, workdir, jax.device_count(),
                jax.default_backend())
-  last = train(exp, workdir, name=FLAGS.value)
+  from olmo3.data.tokens import DataError
+  from olmo3.eval.tasks import TaskError
+
+  try:
+    last = train(exp, workdir, name=FLAGS.value)
+  except (DataError, TaskError) as e:  # bad input, found before the first step: one line
+    logging.error("%s", e)
+    sys.exit(f"error: {e}")
   if jax.process_index() == 0 and last:
     shown = {k: v for k, v in last.items() if not k.startswith("downstream/")}
     tasks = sorted({k.split("/")[1] for k in last if k.startswith("downstream/")})

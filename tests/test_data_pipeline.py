@@ -105,6 +105,29 @@ def test_mix_files_resolve_against_a_root(tmp_path):
   assert [str(p) for p in source.paths] == paths
 
 
+def test_mix_labels_reach_the_batch_as_sources(tmp_path):
+  """Each instance's source is its file's mix label, as an index into the sorted labels; files
+  given as `paths` form one source."""
+  paths = write_files(tmp_path, [160, 320, 96])
+  mix = tmp_path / "mix.txt"
+  mix.write_text("web,000.npy\ncode,001.npy\nweb,002.npy\n")
+  cfg = DataConfig(mix=str(mix), seq_len=16, global_batch_size=8, seed=3)
+  loader = pipeline.Loader(cfg, batch_sharding(4), start_step=0, num_steps=4, vocab_size=100)
+  assert loader.source.source_names == ("code", "web")
+  label_of = ["web"] * 10 + ["code"] * 20 + ["web"] * 6  # instances 0-9, 10-29, 30-35
+  sources_seen = set()
+  for host, batch in zip(loader.host_batches(), loader):
+    expected = [loader.source.source_names.index(label_of[i]) for i in host["instance"]]
+    assert host["source"].tolist() == expected  # one process: its rows are the whole batch
+    np.testing.assert_array_equal(np.asarray(batch["source"]), host["source"])
+    assert batch["source"].dtype == np.int32
+    sources_seen.update(expected)
+  assert sources_seen == {0, 1}
+  plain = tokens.TokenFiles(paths, seq_len=16)
+  assert plain.source_names == (tokens.UNLABELLED,)
+  assert plain.source_of(np.arange(len(plain))).tolist() == [0] * len(plain)
+
+
 @pytest.mark.parametrize("setup, message", [
     (lambda d: (d / "f.npy").write_bytes(b"\x01\x00\x00\x00\x02\x00"), r"f\.npy has 6 bytes"),
     (lambda d: (d / "f.npy").write_bytes(b""), r"f\.npy is empty"),

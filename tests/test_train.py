@@ -230,12 +230,23 @@ def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
     train(exp, str(tmp_path / name), model=ShardedModel.for_experiment(exp, devices))
   rows = {name: [r for r in metrics_lib.read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
           for name in ("whole", "accumulated")}
-  for key in ("loss", "grad_norm", "tokens"):
+  for key in ("loss", "grad_norm", "tokens", "train/all/ce_loss"):
     np.testing.assert_allclose([r[key] for r in rows["accumulated"]],
                                [r[key] for r in rows["whole"]], rtol=1e-5)
+  # `paths` files are one source: its loss is the batch's (nothing filtered, a log every step).
+  np.testing.assert_allclose([r["train/all/ce_loss"] for r in rows["whole"]],
+                             [r["ce_loss"] for r in rows["whole"]], rtol=1e-5)
   with pytest.raises(DataError, match=r"global_batch_size=8 .*TrainConfig.microbatches=8"):
     bad = dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=8))
     train(bad, str(tmp_path / "bad"), model=ShardedModel.for_experiment(bad, devices))
+
+
+def test_source_losses_are_token_means_over_the_interval():
+  from olmo3.train.loop import source_losses
+
+  sums = [(np.array([6.0, 0.0, 1.0], np.float32), np.array([2, 0, 1], np.int32)),
+          (np.array([3.0, 0.0, 0.0], np.float32), np.array([4, 0, 0], np.int32))]
+  assert source_losses(("a", "b", "c"), sums) == {"train/a/ce_loss": 1.5, "train/c/ce_loss": 1.0}
 
 
 def test_a_stage_can_end_with_its_epoch(tmp_path, caplog):
@@ -272,7 +283,7 @@ def test_loss_divisor_counts_filtered_instances_as_olmo_core_does():
   (loss, aux), _ = loss_and_grads(
       exp, lambda p, tokens: p["logits"], None, {"logits": jnp.asarray(logits)},
       {"input_ids": jnp.zeros((b, t), jnp.int32), "labels": jnp.asarray(labels),
-       "filtered": jnp.asarray(filtered)})
+       "filtered": jnp.asarray(filtered), "source": jnp.zeros(b, jnp.int32)})
   torch_labels = torch.from_numpy(np.where(labels == IGNORE, -100, labels).astype(np.int64))
   ce_sum, z_sum = cross_entropy_loss(torch.from_numpy(logits).view(-1, v), torch_labels.view(-1),
                                      reduction="sum", compute_z_loss=True,
@@ -280,3 +291,42 @@ def test_loss_divisor_counts_filtered_instances_as_olmo_core_does():
   divisor = (torch_labels != -100).sum() + (~torch.from_numpy(~filtered)).sum() * t
   assert float(aux["ce_loss"]) == pytest.approx(float(ce_sum / divisor), rel=1e-6)
   assert float(loss) == pytest.approx(float((ce_sum + z_sum) / divisor), rel=1e-6)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_per_source_sums_match_a_direct_computation(microbatches):
+  """Each source's summed CE and unmasked token count, from a bigram model's logits, as numpy
+  computes them; whole or in microbatches, and whatever the sources, the loss is the same."""
+  from olmo3.loss import IGNORE
+  from olmo3.train.step import loss_and_grads
+
+  rng = np.random.default_rng(0)
+  b, t, v, n_sources = 8, 16, 32, 3
+  table = rng.standard_normal((v, v)).astype(np.float32) * 3
+  ids = rng.integers(0, v, (b, t)).astype(np.int32)
+  labels = np.concatenate([ids[:, 1:], np.full((b, 1), IGNORE)], axis=1).astype(np.int32)
+  labels[2, 5:] = IGNORE
+  source = np.array([2, 0, 2, 2, 0, 1, 2, 0], np.int32)
+  exp = micro_experiment("unused")
+  exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, microbatches=microbatches))
+  apply = lambda p, tokens: p["table"][tokens]
+
+  def run(source, num_sources):
+    replicated = {"table": jax.sharding.SingleDeviceSharding(jax.devices()[0])}
+    return loss_and_grads(exp, apply, replicated, {"table": jnp.asarray(table)},
+                          {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels),
+                           "filtered": jnp.zeros(b, bool), "source": jnp.asarray(source)},
+                          num_sources)
+
+  (loss, aux), grads = run(source, n_sources)
+  logits = table[ids].astype(np.float64)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  mask = labels >= 0
+  nll = np.where(mask, -np.take_along_axis(logp, np.maximum(labels, 0)[..., None], -1)[..., 0], 0)
+  for s in range(n_sources):
+    assert float(aux["source_ce_sum"][s]) == pytest.approx(nll[source == s].sum(), rel=1e-5)
+    assert int(aux["source_tokens"][s]) == mask[source == s].sum()
+  (loss_one, _), grads_one = run(np.zeros(b, np.int32), 1)
+  assert float(loss) == float(loss_one)
+  for a, g in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_one)):
+    np.testing.assert_array_equal(a, g)

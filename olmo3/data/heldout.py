@@ -1,5 +1,8 @@
-"""Held-out LM sets, as OLMo's perplexity sets: one document per instance, truncated to seq_len,
-right-padded with PAD, padding masked. Documents end with EOS in the token files."""
+"""Held-out LM sets, as OLMo's perplexity sets (OLMo-core's NumpyPaddedFSLDataset): one
+document per instance, truncated to seq_len, right-padded with PAD, padding masked. Documents
+end with EOS in the token files. The files (validation sets: small) are read whole when the set
+is opened, from local disk or any etils.epath URL, and checked there, so a missing file or a
+token the model cannot embed stops a run before its first step."""
 
 from __future__ import annotations
 
@@ -9,19 +12,25 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from olmo3.loss import IGNORE
-from olmo3.data.tokens import TOKEN_DTYPE, DataError
+from etils import epath
+
+from olmo3.data.tokens import TOKEN_DTYPE, DataError, is_local
 
 
 class HeldoutDocs:
   """Random access to held-out documents as fixed-length, padded instances."""
 
   def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int, eos_id: int, pad_id: int,
-               max_documents: int | None = None):
+               max_documents: int | None = None, vocab_size: int | None = None):
     self.seq_len, self.pad_id = seq_len, pad_id
     self._tokens = []
     self._docs: list[tuple[int, int, int]] = []  # (file, start, end)
-    for f, path in enumerate(paths):
-      tokens = np.memmap(os.fspath(path), dtype=TOKEN_DTYPE, mode="r")
+    for f, path in enumerate(map(epath.Path, paths)):
+      tokens = _read_tokens(path)
+      if vocab_size is not None and tokens.max(initial=0) >= vocab_size:
+        at = int(np.argmax(tokens >= vocab_size))
+        raise DataError(f"held-out token file {path}: token {int(tokens[at])} at position {at} "
+                        f"is >= the model's vocab_size {vocab_size}")
       ends = np.flatnonzero(tokens == eos_id) + 1
       starts = np.concatenate([[0], ends[:-1]])
       self._docs.extend((f, int(s), int(e)) for s, e in zip(starts, ends))
@@ -53,3 +62,14 @@ class HeldoutDocs:
       for row, index in enumerate(range(first, min(first + batch_size, len(self)))):
         ids[row], labels[row] = self[index]
       yield {"input_ids": ids, "labels": labels}
+
+
+def _read_tokens(path: epath.Path) -> np.ndarray:
+  if not path.exists():
+    raise DataError(f"held-out token file {path} does not exist")
+  size = path.stat().length
+  if size == 0 or size % TOKEN_DTYPE.itemsize:
+    raise DataError(f"held-out token file {path} has {size} bytes: not a raw uint32 token file")
+  if is_local(path):
+    return np.memmap(os.fspath(path), dtype=TOKEN_DTYPE, mode="r")
+  return np.frombuffer(path.read_bytes(), TOKEN_DTYPE)

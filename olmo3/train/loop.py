@@ -2,7 +2,8 @@
 `exp.train.steps` (or the end of epoch `train.stop_at_epoch`), resuming from the workdir's
 latest checkpoint (olmo3.train.state), logging metrics, evaluating (olmo3.eval.evaluator) and
 checkpointing on the configured cadences, and stopping cleanly at a step boundary on SIGTERM /
-SIGINT.
+SIGINT. Besides the step's scalars it logs each data source's loss over the log interval
+(`train/<source>/ce_loss`, the mix's labels).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import time
 
 import jax
+import numpy as np
 from absl import logging
 
 from olmo3.config import Experiment
@@ -54,6 +56,13 @@ def stage_end(exp: Experiment, source) -> int:
   return end
 
 
+def source_losses(names: tuple[str, ...], sums: list) -> dict[str, float]:
+  """train/<source>/ce_loss: each source's token-mean CE over the steps whose (ce_sum [S],
+  tokens [S]) are in `sums`; a source without tokens in them is left out."""
+  ce_S, tokens_S = np.asarray(sums, np.float64).sum(axis=0)
+  return {f"train/{name}/ce_loss": ce / n for name, ce, n in zip(names, ce_S, tokens_S) if n}
+
+
 def train(exp: Experiment, workdir: str, name: str = "",
           model: ShardedModel | None = None) -> dict[str, float]:
   """Trains to exp.train.steps; returns the last logged metrics. `model` (default: the
@@ -62,7 +71,6 @@ def train(exp: Experiment, workdir: str, name: str = "",
   pipeline.check_divisible(exp.data.global_batch_size, model.batch_sharding,
                            "DataConfig.global_batch_size", exp.train.microbatches)
   layout = state_lib.StateLayout(exp, model)
-  step_fn = jit_train_step(exp, model, layout)
   evaluator = Evaluator(exp, model) if (
       exp.train.eval_every and (exp.eval.heldout or exp.eval.tasks)) else None
   checkpoints = RunCheckpoints(f"{workdir}/checkpoints", exp.checkpoint.keep,
@@ -71,6 +79,7 @@ def train(exp: Experiment, workdir: str, name: str = "",
   _write_experiment(exp, workdir)
   with model.context():
     source = sources.token_files(exp.data, exp.model.vocab_size)
+    step_fn = jit_train_step(exp, model, layout, len(source.source_names))
     end = stage_end(exp, source)
     state = state_lib.restore_or_init(layout, checkpoints)
     start = int(state.step)
@@ -89,11 +98,13 @@ def train(exp: Experiment, workdir: str, name: str = "",
     preemption = Preemption()
     alarm = GapAlarm(exp.eval.alarm_window, exp.eval.alarm_margin)
     last: dict[str, float] = {}
-    train_losses: list[float] = []  # logged since the last evaluation
+    per_source = []  # each step's per-source sums since the last log (on device: no sync)
+    train_logs: list[dict[str, float]] = []  # logged since the last evaluation
     tick = time.perf_counter()
     try:
       for step, batch in enumerate(loader, start=start + 1):
         state, step_metrics = step_fn(state, batch)
+        per_source.append((step_metrics.pop("source_ce_sum"), step_metrics.pop("source_tokens")))
         progress(step)
         limit = exp.train.max_consecutive_skips  # reading the count waits for the step
         if limit is not None and (consecutive := int(state.skip.consecutive)) >= limit:
@@ -106,7 +117,10 @@ def train(exp: Experiment, workdir: str, name: str = "",
               "train.max_consecutive_skips.")
         last_step = step == end
         if step % exp.train.log_every == 0 or last_step:
-          values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+          fetched, sums = jax.device_get((step_metrics, per_source))
+          values = {k: float(v) for k, v in fetched.items()}
+          values.update(source_losses(source.source_names, sums))
+          per_source = []
           elapsed = (time.perf_counter() - tick) / exp.train.log_every
           per_device = flops_per_step / elapsed / jax.device_count()
           values.update({"step_time_s": elapsed, "tokens_per_s": exp.tokens_per_step / elapsed,
@@ -115,13 +129,13 @@ def train(exp: Experiment, workdir: str, name: str = "",
             values["mfu"] = per_device / peak
           writer.write_scalars(step, values)
           last = values
-          train_losses.append(values["ce_loss"])
+          train_logs.append(values)
           tick = time.perf_counter()
         stop = False
         if evaluator and (step % exp.train.eval_every == 0 or last_step):
           evals = evaluator.evaluate(state.params)
-          warning = alarm.observe(step, train_losses, evals)
-          train_losses = []
+          warning = alarm.observe(step, train_logs, evals)
+          train_logs = []
           writer.write_scalars(step, evals)
           last = {**last, **evals}
           if warning:

@@ -2,7 +2,9 @@
 asked), clipping and AdamW, the scheduled learning rate, and step skipping.
 
 `jit_train_step(exp, model, layout)` compiles it with the state's shardings, donating the
-state; the loop, ahead-of-time compilation and benchmarks all call this one.
+state; the loop, ahead-of-time compilation and benchmarks all call this one. Besides scalars,
+the metrics hold each source's summed CE and unmasked token count (`source_ce_sum`,
+`source_tokens`: [num_sources]), which the loop turns into per-source losses.
 """
 
 from __future__ import annotations
@@ -23,54 +25,59 @@ from olmo3.train import optim
 from olmo3.train.state import StateLayout, TrainState
 
 # input_ids, labels: [global batch, seq_len] int32; filtered: [global batch] bool (the
-# repetition filter masked the instance; olmo3.data.pipeline).
+# repetition filter masked the instance); source: [global batch] int32 (olmo3.data.pipeline).
 Batch = dict[str, jax.Array]
 
 
 def loss_and_grads(exp: Experiment, apply: Callable[[Any, jax.Array], jax.Array],
-                   param_shardings: Any, params: Any, batch: Batch):
+                   param_shardings: Any, params: Any, batch: Batch, num_sources: int = 1):
   """((loss, metrics), gradients) of the whole global batch; with train.microbatches = k,
   accumulated over k sequential microbatches (each a 1/k slice of every device's rows, so no
   data moves), normalised by the whole batch's token count: the same loss and update.
 
   The token count is OLMo-core's: the unmasked labels, plus all T positions of every instance
-  the repetition filter masked (they count as tokens with zero loss).
+  the repetition filter masked (they count as tokens with zero loss). The metrics include the
+  per-source sums of `lm_loss` over `num_sources` sources (batch["source"]).
   """
   z_loss_weight, k = exp.train.z_loss_weight, exp.train.microbatches
 
-  def loss_fn(params, tokens_BT, labels_BT, batch_tokens):
-    return lm_loss(apply(params, tokens_BT), labels_BT, z_loss_weight, batch_tokens)
+  def loss_fn(params, tokens_BT, labels_BT, source_B, batch_tokens):
+    return lm_loss(apply(params, tokens_BT), labels_BT, z_loss_weight, batch_tokens, source_B,
+                   num_sources)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   seq_len = batch["labels"].shape[1]
   batch_tokens = (batch["labels"] >= 0).sum() + batch["filtered"].sum() * seq_len
+  rows = (batch["input_ids"], batch["labels"], batch["source"])
   if k == 1:
-    return grad_fn(params, batch["input_ids"], batch["labels"], batch_tokens)
+    return grad_fn(params, *rows, batch_tokens)
 
-  def split(x_BT):  # microbatch i holds rows i, i + k, ...: a slice of every device's rows
-    x_KMT = x_BT.reshape(x_BT.shape[0] // k, k, *x_BT.shape[1:]).swapaxes(0, 1)
-    return sharding_lib.constrain(x_KMT, (None, "batch", "seq"))
+  def split(x_B):  # [B, ...] -> [k, B / k, ...]
+    # Microbatch i holds rows i, i + k, ...: a slice of every device's rows.
+    x_KM = x_B.reshape(x_B.shape[0] // k, k, *x_B.shape[1:]).swapaxes(0, 1)
+    return sharding_lib.constrain(x_KM, (None, "batch", "seq")[:x_KM.ndim])
 
   def accumulate(total, micro):
     out = grad_fn(params, *micro, batch_tokens)
     total = jax.tree.map(jnp.add, total, out)
     return (total[0], jax.lax.with_sharding_constraint(total[1], param_shardings)), None
 
-  micro_KMT = (split(batch["input_ids"]), split(batch["labels"]))
-  shapes = jax.eval_shape(grad_fn, params, micro_KMT[0][0], micro_KMT[1][0], batch_tokens)
+  micro_K = tuple(split(x) for x in rows)
+  shapes = jax.eval_shape(grad_fn, params, *(x[0] for x in micro_K), batch_tokens)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], param_shardings))
-  total, _ = jax.lax.scan(accumulate, zeros, micro_KMT)
+  total, _ = jax.lax.scan(accumulate, zeros, micro_K)
   return total
 
 
-def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransformation
+def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransformation,
+               num_sources: int = 1
                ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
-  """(state, batch) -> (next state, metrics); not jitted."""
+  """(state, batch) -> (next state, metrics); not jitted. batch["source"] < num_sources."""
 
   def step(state: TrainState, batch: Batch):
     (loss, aux), grads = loss_and_grads(exp, model.apply, model.param_shardings, state.params,
-                                        batch)
+                                        batch, num_sources)
     grad_norm = optax.global_norm(grads)
     lr = optim.learning_rate(exp.optimizer, state.step + 1)  # this is update state.step + 1
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -84,17 +91,21 @@ def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransform
     metrics = {"loss": loss, "ce_loss": aux["ce_loss"], "z_loss": aux["z_loss"],
                "grad_norm": grad_norm, "lr": lr, "tokens": aux["tokens"].astype(jnp.float32),
                "skipped": skip.astype(jnp.float32),
-               "skipped_total": stats.skipped.astype(jnp.float32)}
+               "skipped_total": stats.skipped.astype(jnp.float32),
+               "source_ce_sum": aux["source_ce_sum"], "source_tokens": aux["source_tokens"]}
     return TrainState(state.step + 1, params, opt_state, stats), metrics
 
   return step
 
 
-def jit_train_step(exp: Experiment, model: ShardedModel, layout: StateLayout):
-  """The train step jitted with the state's shardings; the input state is donated. Call (or
+def jit_train_step(exp: Experiment, model: ShardedModel, layout: StateLayout,
+                   num_sources: int = 1):
+  """The train step jitted with the state's shardings; the input state is donated and the
+  metrics come back replicated (every process reads them). Call (or
   `.lower(*abstract_inputs(...))`) inside `model.context()`."""
-  return jax.jit(train_step(exp, model, layout.tx), in_shardings=(layout.shardings, None),
-                 out_shardings=(layout.shardings, None), donate_argnums=0)
+  return jax.jit(train_step(exp, model, layout.tx, num_sources),
+                 in_shardings=(layout.shardings, None),
+                 out_shardings=(layout.shardings, model.replicated), donate_argnums=0)
 
 
 def abstract_inputs(exp: Experiment, model: ShardedModel, layout: StateLayout
@@ -103,6 +114,7 @@ def abstract_inputs(exp: Experiment, model: ShardedModel, layout: StateLayout
   shape = (exp.data.global_batch_size, exp.data.seq_len)
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=model.batch_sharding)
            for k in ("input_ids", "labels")}
-  batch["filtered"] = jax.ShapeDtypeStruct(shape[:1], jnp.bool_,
-                                           sharding=batch_only(model.batch_sharding))
+  rows = batch_only(model.batch_sharding)
+  batch["filtered"] = jax.ShapeDtypeStruct(shape[:1], jnp.bool_, sharding=rows)
+  batch["source"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows)
   return layout.abstract, batch
