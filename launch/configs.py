@@ -9,6 +9,10 @@ A sweep is a function returning a list of override dicts ({"model.remat": "full"
 Nothing here touches sys.path: `olmo3`, `experiments` and `launch` import because
 `pip install -e .` installs them, and each launch script's entry point calls
 `make_cwd_importable()` once so a user's own module in the working directory imports too.
+
+A run's config.json never runs code: every symbol it names is checked against an allow-list
+(`check_symbols`) before Fiddle deserializes anything, and Fiddle then imports with a policy
+that rechecks each one (`_Policy`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,24 @@ from typing import Any
 
 import fiddle as fdl
 from fiddle import daglish, diffing, printing
+from fiddle._src import config as config_lib
 from fiddle.experimental import serialization
 
+# `experiments` is imported here, before any launch script calls make_cwd_importable, so the
+# installed package (not an `experiments` directory in the working directory) is the one a
+# config.json's references resolve in; `olmo3` is imported just below for the same reason.
+import experiments  # noqa: F401
 from olmo3.config import resumable_fields
 
-# Symbols a config.json may name: loading one never imports anything else (and never unpickles).
-ALLOWED_MODULES = ("olmo3", "experiments", "fiddle", "optax", "jax", "numpy", "builtins", "enum")
+# What a config.json may name: the config classes and enums of these modules (an experiment is
+# a tree of them; a function, which building would call, is never needed)...
+ALLOWED_MODULES = ("olmo3.config", "olmo3.remat")
+# ... and exactly these, which Fiddle's format itself needs (fdl.Config, its traverser
+# metadata, the containers it rebuilds).
+ALLOWED_SYMBOLS = {("builtins", "tuple"): tuple, ("builtins", "list"): list,
+                   ("builtins", "dict"): dict, ("fiddle._src.config", "Config"): fdl.Config,
+                   ("fiddle._src.config", "BuildableTraverserMetadata"):
+                       config_lib.BuildableTraverserMetadata}
 
 
 class ConfigRefError(ValueError):
@@ -48,17 +64,18 @@ def split_ref(ref: str) -> tuple[str, str]:
 
 
 def make_cwd_importable() -> None:
-  """Puts the working directory first on sys.path, as `python -m` would.
+  """Appends the working directory to sys.path.
 
   The one place the launch scripts change sys.path; each script's entry point calls it (library
   functions never do). `python launch/X.py` puts launch/ on sys.path, not the directory it is run
   from, so without this a user's own experiment, fiddler or sweep module there
-  (`--fdl_config=my_exp:stage1`) would not import. `olmo3`, `experiments` and `launch` need no
-  path at all: `pip install -e .` installs them.
+  (`--fdl_config=my_exp:stage1`) would not import. Appended, not put first: a file in the
+  working directory never shadows the standard library or an installed package. `olmo3`,
+  `experiments` and `launch` need no path at all: `pip install -e .` installs them.
   """
   cwd = os.getcwd()
   if cwd not in sys.path:
-    sys.path.insert(0, cwd)
+    sys.path.append(cwd)
 
 
 def import_module(module: str, what: str):
@@ -148,6 +165,12 @@ def resolve(ref: str, sets: list[str] = (), fiddlers: list[str] = ()) -> fdl.Con
   return cfg
 
 
+def message(error: BaseException) -> str:
+  """An error's own message. Fiddle appends to an error raised while building a config the
+  call's arguments (every field of the class), which buries the one line naming the field."""
+  return str(getattr(error, "proxy_base_exception", error))
+
+
 def load_sweep(ref: str) -> list[dict[str, Any]]:
   """The variants a sweep reference (module:function) returns: a list of override dicts."""
   module, name = split_ref(ref)
@@ -174,16 +197,69 @@ def dump(cfg: fdl.Config) -> str:
   return serialization.dump_json(cfg, indent=2)
 
 
+def _allowed(module: Any, name: Any) -> bool:
+  """Whether a config.json may name `name` in `module` (before anything is imported)."""
+  if not (isinstance(module, str) and isinstance(name, str)):
+    return False
+  if (module, name) in ALLOWED_SYMBOLS:
+    return True
+  # Public names only: a private or dunder attribute (`__class__`, `_x`) could lead anywhere.
+  return module in ALLOWED_MODULES and all(p.isidentifier() and not p.startswith("_")
+                                           for p in name.split("."))
+
+
+def check_symbols(tree: Any, where: str) -> None:
+  """Every module and name a parsed config.json references is allowed, or ConfigRefError
+  names it. Fiddle reads a reference from any object holding "module"/"name" keys (a "pyref");
+  checking every object with either key, anywhere in the tree, misses none."""
+  stack = [tree]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, dict):
+      if "module" in node or "name" in node or node.get("type") == "pyref":
+        module, name = node.get("module"), node.get("name")
+        if not _allowed(module, name):
+          raise ConfigRefError(
+              f"{where}: refers to module {module!r}, name {name!r}, which a config may not "
+              f"name (only the classes and enums of {' and '.join(ALLOWED_MODULES)}, and the "
+              "containers Fiddle's format needs); "
+              "nothing was imported")
+      stack.extend(node.values())
+    elif isinstance(node, list):
+      stack.extend(node)
+
+
+class _Policy(serialization.PyrefPolicy):
+  """Fiddle's check at import time, after check_symbols: the same allow-list, and the imported
+  value must be one of the exact symbols or a class or enum member defined in an allowed module
+  (an allowed module's attribute could be something it imported from elsewhere)."""
+
+  def allows_import(self, module: str, symbol: str) -> bool:
+    return _allowed(module, symbol)
+
+  def allows_value(self, value: Any) -> bool:
+    if any(value is v for v in ALLOWED_SYMBOLS.values()):
+      return True
+    home = getattr(type(value) if isinstance(value, enum.Enum) else value, "__module__", None)
+    return isinstance(value, (type, enum.Enum)) and home in ALLOWED_MODULES
+
+
 def loads(text: str, where: str = "config.json") -> fdl.Config:
-  """Loads a serialized config, resolving symbols only from ALLOWED_MODULES."""
-  for module in set(re.findall(r'"module":\s*"([^"]+)"', text)):
-    if module.split(".")[0] not in ALLOWED_MODULES:
-      raise ConfigRefError(f"{where}: refers to module {module!r}, outside the allowed "
-                           f"packages {ALLOWED_MODULES}")
+  """Loads a serialized config. Every symbol it names is checked before anything is imported;
+  Fiddle deserializes the very tree that was checked (re-encoded), so no parser difference
+  (spacing, escapes, a key given twice) can slip a name past the check."""
   try:
-    return serialization.load_json(text)
-  except Exception as e:
-    raise ConfigRefError(f"{where}: not a loadable config ({e})") from None
+    tree = json.loads(text)
+  except (ValueError, RecursionError) as e:
+    raise ConfigRefError(f"{where}: not JSON ({e})") from None
+  check_symbols(tree, where)
+  try:
+    return serialization.load_json(json.dumps(tree), pyref_policy=_Policy())
+  except serialization.PyrefPolicyError as e:
+    raise ConfigRefError(f"{where}: refers to {e.module}.{e.symbol}, which is not a class or "
+                         f"enum member of {' or '.join(ALLOWED_MODULES)}") from None
+  except Exception as e:  # a malformed tree: Fiddle raises KeyError, TypeError, ...
+    raise ConfigRefError(f"{where}: not a loadable config ({type(e).__name__}: {e})") from None
 
 
 def write_run_record(workdir: str, cfg: fdl.Config, argv: list[str]) -> None:

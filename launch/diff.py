@@ -9,6 +9,8 @@ Programmatic use: `launch.configs.diff(configs.load_any(a), configs.load_any(b))
 
 from __future__ import annotations
 
+import sys
+
 from absl import app, flags
 
 from launch import configs
@@ -31,8 +33,8 @@ def main(argv: list[str]) -> None:
   configs.make_cwd_importable()
   try:
     changes = configs.diff(configs.load_any(a), configs.load_any(b))
-  except configs.ConfigRefError as e:
-    raise app.UsageError(str(e)) from None
+  except configs.ConfigRefError as e:  # one line, not the usage text
+    sys.exit(f"error: {e}")
   print(configs.diff_json(changes) if JSON.value else format_table(changes, a, b))
 
 

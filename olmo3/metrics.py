@@ -111,9 +111,14 @@ from clu.metric_writers import interface  # noqa: E402
 
 class JsonlWriter(interface.MetricWriter):
   """WORKDIR/metrics.jsonl: one JSON object per logged step, `step` and all its scalars (writes
-  for the same step, such as training and evaluation metrics, are merged into one line)."""
+  for the same step, such as training and evaluation metrics, are merged into one line).
 
-  def __init__(self, path: str | os.PathLike):
+  A run resuming from step N first drops the lines of steps after N (logged after its last
+  checkpoint, before a crash: they are logged again) and a torn last line, so the file never
+  repeats a step."""
+
+  def __init__(self, path: str | os.PathLike, resumed_at: int = 0):
+    _drop_after(path, resumed_at)
     self._file = open(path, "a", buffering=1)
     self._pending: dict[str, Any] = {}
 
@@ -155,13 +160,34 @@ class JsonlWriter(interface.MetricWriter):
     self._file.close()
 
 
-def create_writer(workdir: str | os.PathLike, is_main_process: bool) -> interface.MetricWriter:
-  """Logs everywhere; TensorBoard events and metrics.jsonl from the main process only."""
+def _drop_after(path: str | os.PathLike, step: int) -> None:
+  """Rewrites `path` (atomically) without its lines of steps after `step` and without a last
+  line a crash cut short."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.read().split("\n")
+  kept = []
+  for line in lines[:-1]:  # the part after the last newline is empty or torn
+    if line.strip() and json.loads(line)["step"] <= step:
+      kept.append(line + "\n")
+  if len(kept) != len(lines) - 1 or lines[-1]:
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def create_writer(workdir: str | os.PathLike, is_main_process: bool, resumed_at: int = 0
+                  ) -> interface.MetricWriter:
+  """Logs everywhere; TensorBoard events and metrics.jsonl from the main process only (resumed
+  at step `resumed_at`: see JsonlWriter)."""
   if not is_main_process:
     return metric_writers.create_default_writer(just_logging=True, asynchronous=False)
   default = metric_writers.create_default_writer(os.path.join(os.fspath(workdir), "tensorboard"),
                                                  asynchronous=False)
-  return metric_writers.MultiWriter([default, JsonlWriter(os.path.join(workdir, "metrics.jsonl"))])
+  return metric_writers.MultiWriter([
+      default, JsonlWriter(os.path.join(workdir, "metrics.jsonl"), resumed_at)])
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:

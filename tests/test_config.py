@@ -1,5 +1,13 @@
 import dataclasses
+import enum
+import inspect
+import json
+import math
+import re
+import types
+import typing
 
+import numpy as np
 import pytest
 
 from olmo3 import config
@@ -71,3 +79,157 @@ def test_enums_accept_strings_and_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.d_model = 8  # type: ignore[misc]
   assert ModelConfig(**dataclasses.asdict(cfg)) == cfg  # JSON-friendly round trip
+
+
+# --- every field of every config is checked ------------------------------------------------------
+
+CLASSES = [c for _, c in inspect.getmembers(config, inspect.isclass)
+           if dataclasses.is_dataclass(c) and c.__module__ == config.__name__]
+BASE = {config.DataConfig: {"paths": ("a.npy",)}}  # the one class with no valid defaults
+# Strings that may be empty: "" means "as given, relative to the working directory".
+EMPTY_OK = {("DataConfig", "root"), ("EvalConfig", "heldout_root")}
+FIELDS = [(cls, f) for cls in CLASSES for f in dataclasses.fields(cls)]
+IDS = [f"{cls.__name__}.{f.name}" for cls, f in FIELDS]
+
+
+def _annotation(cls, name):
+  return typing.get_type_hints(cls)[name]
+
+
+def _arms(tp):
+  """The non-None types of an annotation."""
+  args = typing.get_args(tp)
+  return [a for a in args if a is not type(None)] if typing.get_origin(tp) in (
+      typing.Union, types.UnionType) else [tp]
+
+
+def _wrong(tp):
+  """Values no field annotated `tp` may hold."""
+  if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    arms = _arms(tp)
+    if len(arms) > 1:  # MeshConfig.rules' mesh axes: a name, names, or None
+      return [1, 1.5, [1]]
+    return [w for w in _wrong(arms[0]) if w is not None]
+  if typing.get_origin(tp) is tuple:
+    args = typing.get_args(tp)
+    if args[1:] == (Ellipsis,):
+      return ["ab", 1, None] + [(w,) for w in _wrong(args[0])[:2]]
+    return [(), tuple(_wrong(a)[0] for a in args)]
+  if tp is bool:
+    return [1, 0, "True", None]
+  if tp is int:
+    return [1.0, True, "1", None]
+  if tp is float:
+    return [math.nan, math.inf, -math.inf, 10**400, True, "1.0", None]
+  if tp is str:
+    return [1, b"x", None]
+  if isinstance(tp, type) and issubclass(tp, enum.Enum):
+    return ["nosuch", 1, None]
+  if dataclasses.is_dataclass(tp):
+    return [1, "x", {"nosuch": 1}, None]
+  raise AssertionError(f"no wrong values for {tp!r}")
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_config_validates_through_the_base(cls):
+  """Each checks its fields in _Validated.__post_init__ (a class's own would skip them)."""
+  assert issubclass(cls, config._Validated) and cls.__post_init__ is config._Validated.__post_init__
+  assert cls.__dataclass_params__.frozen
+  cls(**BASE.get(cls, {}))  # the defaults are valid
+
+
+@pytest.mark.parametrize("cls, f", FIELDS, ids=IDS)
+def test_every_field_refuses_wrong_types_and_non_finite_numbers(cls, f):
+  for value in _wrong(_annotation(cls, f.name)):
+    with pytest.raises(ConfigError, match=rf"^{cls.__name__}\.{f.name}="):
+      cls(**{**BASE.get(cls, {}), f.name: value})
+      pytest.fail(f"{cls.__name__}.{f.name}={value!r} accepted")
+
+
+@pytest.mark.parametrize("cls, f", [(c, f) for c, f in FIELDS if set(
+    _arms(_annotation(c, f.name))) & {int, float}], ids=lambda x: getattr(x, "name", None))
+def test_every_number_declares_bounds_and_refuses_values_outside(cls, f):
+  bounds = {k: f.metadata[k] for k in config.BOUNDS if k in f.metadata}
+  assert bounds, f"{cls.__name__}.{f.name}: declare its bounds (config.bounded / resumable)"
+  is_int = int in _arms(_annotation(cls, f.name))
+  outside = []
+  for key, bound in bounds.items():
+    step = 1 if is_int else abs(bound) * 1e-9 or 1e-300
+    outside.append({"ge": bound - step, "gt": bound, "le": bound + step, "lt": bound}[key])
+  for value in outside:
+    with pytest.raises(ConfigError,
+                       match=rf"^{cls.__name__}\.{f.name}={re.escape(repr(value))}: must be"):
+      cls(**{**BASE.get(cls, {}), f.name: value})
+
+
+def _with_empty_string(tp):
+  """A value of annotation `tp` holding "" where a string goes, or None if none does."""
+  for arm in _arms(tp):
+    if arm is str:
+      return ""
+    if typing.get_origin(arm) is tuple:
+      args = typing.get_args(arm)
+      inner = _with_empty_string(args[0])
+      if inner is not None:
+        return (inner,) if args[1:] == (Ellipsis,) else (inner, *(
+            "x" if str in _arms(a) else 1 for a in args[1:]))
+  return None
+
+
+@pytest.mark.parametrize("cls, f", [
+    (c, f) for c, f in FIELDS if _with_empty_string(_annotation(c, f.name)) is not None
+    and (c.__name__, f.name) not in EMPTY_OK], ids=lambda x: getattr(x, "name", None))
+def test_strings_may_not_be_empty(cls, f):
+  value = _with_empty_string(_annotation(cls, f.name))
+  base = {**BASE.get(cls, {}), **({"paths": ()} if f.name == "mix" else {})}
+  with pytest.raises(ConfigError, match=rf"^{cls.__name__}\.{f.name}="):
+    cls(**{**base, f.name: value})
+
+
+@pytest.mark.parametrize("cls, change, message", [
+    (config.OptimizerConfig, {"peak_lr": 1e-4, "final_lr": 2e-4}, "final_lr=0.0002: must be in"),
+    (config.OptimizerConfig, {"warmup_steps": 10, "decay_steps": 10}, "decay_steps=10: must be >"),
+    (config.OptimizerConfig, {"spike_window": 8, "spike_min_history": 10},
+     "spike_min_history=10: must be in [2, spike_window + 1=9]"),
+    (config.OptimizerConfig, {"schedule": "stitched_cosine", "stitch_resumed_at": 1},
+     "stitch_resumed_at=1: must lie between"),
+    (config.OptimizerConfig, {"schedule": "stitched_cosine", "stitch_at": 1}, "stitch_at=1:"),
+    (config.DataConfig, {"paths": ("a",), "mix": "m"}, "paths=('a',): give token files in"),
+    (config.DataConfig, {"paths": ("a",), "global_batch_size": 8, "max_instances": 4},
+     "max_instances=4: must hold at least one global batch (8)"),
+    (config.RepetitionFilter, {"min_period": 5, "max_period": 4}, "max_period=4: must be >="),
+    (config.MeshConfig, {"shape": (("data", 2), ("data", 4))}, "shape="),
+    (config.MeshConfig, {"shape": (("data", -1), ("fsdp", -1))}, "at most one axis may be -1"),
+    (config.MeshConfig, {"shape": (("data", 0),)}, "sizes must be >= 1, or -1"),
+    (config.MeshConfig, {"dcn": (("data", 0),)}, "dcn=(('data', 0),): sizes must be >= 1"),
+    (config.MeshConfig, {"rules": (("batch", "data"), ("batch", None))}, "rules="),
+    (config.EvalConfig, {"tasks": ("arc:rc",)}, "tasks=('arc:rc',): each task is"),
+    (config.Experiment, {"xla_flags": ("xla_foo=1",)}, "xla_flags=('xla_foo=1',): each entry"),
+    (config.Experiment, {"libtpu_flags": ("--a=1 --b=2",)}, "libtpu_flags="),
+    (config.Experiment, {"env": (("A=B", "1"),)}, "env=(('A=B', '1'),): names must be"),
+    (config.Experiment, {"data": config.DataConfig(paths=("a",), seq_len=9000)},
+     "data.seq_len=9000: exceeds model.max_seq_len (8192)"),
+])
+def test_constraints_between_fields_name_the_field(cls, change, message):
+  with pytest.raises(ConfigError, match=rf"^{cls.__name__}\.") as e:
+    cls(**change)
+  assert message in str(e.value)
+
+
+def test_command_line_and_json_forms_are_stored_canonically():
+  opt = config.OptimizerConfig(peak_lr=1, final_lr=0, warmup_steps=np.int64(5), no_decay=["a"])
+  assert (type(opt.peak_lr), type(opt.final_lr), type(opt.warmup_steps), opt.no_decay) == (
+      float, float, int, ("a",))
+  mesh = config.MeshConfig(shape={"data": 2, "fsdp": -1}, rules=[["batch", ["data", "fsdp"]]])
+  assert mesh.shape == (("data", 2), ("fsdp", -1))
+  assert mesh.rules == (("batch", ("data", "fsdp")),)
+  exp = config.Experiment(data=config.DataConfig(paths=("a",), seq_len=128, repetition_filter={}),
+                          env=[["A", ""]], model=config.olmo3_micro())
+  assert config.Experiment.from_dict(json.loads(json.dumps(exp.to_dict()))) == exp
+
+
+def test_the_new_opt_in_fields_default_off_and_may_change_on_resume():
+  assert config.CheckpointConfig().allow_restart_from_scratch is False
+  assert config.DataConfig(paths=("a",)).allow_changed_data is False
+  assert {"checkpoint.allow_restart_from_scratch", "data.allow_changed_data"} <= set(
+      config.resumable_fields())

@@ -99,6 +99,25 @@ def test_interrupted_prepare_leaves_no_manifest_to_partial_files(tmp_path, token
       assert os.path.getsize(f) > 0
 
 
+def test_a_token_file_shorter_than_its_manifest_says_is_refused(tmp_path, tokenizer_file,
+                                                                  monkeypatch):
+  _, inputs = _inputs(tmp_path)
+  out = tmp_path / "out"
+  monkeypatch.setattr(prepare, "TOKENS_PER_FILE", 200)  # several part files
+  manifest = prepare.prepare(inputs, tokenizer_file, str(out), 0.0, progress=False)
+  victim = manifest.files(out, "train")[1]
+  data = np.fromfile(victim, dtype="<u4")
+  tokens.write_token_file(victim, data[:-10])
+  with pytest.raises(DataError, match=rf"token file {victim} holds {len(data) - 10} tokens; "
+                                      rf".*manifest.json says {len(data)}"):
+    prepare.Manifest.load(out)
+  record = json.loads((out / "manifest.json").read_text())
+  del record["splits"]["train"]["file_tokens"]  # as manifests written before it was recorded
+  (out / "manifest.json").write_text(json.dumps(record))
+  with pytest.raises(DataError, match=r"the train files of .* hold \d+ tokens; it says"):
+    prepare.Manifest.load(out)
+
+
 def test_prepare_cli_and_bad_input(tmp_path, tokenizer_file):
   _, inputs = _inputs(tmp_path)
   cmd = [sys.executable, "-m", "olmo3.data.prepare", "--tokenizer", tokenizer_file,

@@ -60,8 +60,9 @@ def test_task_scores_match_a_direct_computation(tmp_path, tokenizer):
   got = evaluator.task_metrics(params)
   for task in evaluator.tasks:
     by_hand = []
-    for r in task.requests:
-      logp = _log_softmax64(model(jnp.asarray([r.query]))[0])
+    queries = np.stack([np.pad(r.query, (0, 64 - len(r.query))) for r in task.requests])
+    logp_all = _log_softmax64(model(jnp.asarray(queries)))  # causal: padding comes after
+    for r, logp in zip(task.requests, logp_all):
       if r.choices:
         by_hand.append(logp[r.first, list(r.choices)])
       else:
@@ -83,10 +84,11 @@ def test_heldout_loss_matches_a_direct_computation(tmp_path, tokenizer):
   stream = np.concatenate([np.append(d, MICRO.eos_token_id) for d in docs])
   evaluator, params = _evaluator(tmp_path, tokenizer, heldout_tokens=stream, tasks=())
   model = model_lib.from_params(MICRO, random_params(MICRO, seed=5))
+  rows = [np.append(d, MICRO.eos_token_id)[:64] for d in docs]
+  padded = np.stack([np.pad(r, (0, 64 - len(r))) for r in rows])  # causal: padding is after
+  logp_all = _log_softmax64(model(jnp.asarray(padded)))  # one forward pass for all documents
   total = count = 0
-  for d in docs:
-    doc = np.append(d, MICRO.eos_token_id)[:64]
-    logp = _log_softmax64(model(jnp.asarray([doc]))[0])
+  for doc, logp in zip(rows, logp_all):
     total -= sum(logp[i, t] for i, t in enumerate(doc[1:]))
     count += len(doc) - 1
   got = evaluator.heldout_metrics(params)["docs"]

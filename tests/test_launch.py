@@ -212,24 +212,8 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   changes = {c.path for c in configs.diff(configs.from_workdir(str(s1)),
                                            configs.from_workdir(str(s2)))}
   assert {"data.seed", "checkpoint.init_from", "optimizer.schedule"} <= changes
-  # Standalone evaluation of the run's checkpoint reproduces the in-loop numbers.
-  done = subprocess.run([sys.executable, "-m", "olmo3.eval", "--workdir", str(s1), "--all_steps",
-                         "--out", str(tmp_path / "report.json")], capture_output=True, text=True,
-                        cwd=ROOT, env=ENV, timeout=600)
-  assert done.returncode == 0, done.stderr[-3000:]
-  report = json.loads((tmp_path / "report.json").read_text())["steps"]["12"]
-  assert report["heldout"]["embedded"]["ce_loss"] == pytest.approx(evals[-1], rel=1e-6)
-  assert len(report["tasks"]) == 8
-  piqa = report["tasks"]["piqa_rc_0shot"]
-  assert piqa["docs"] == 2 and {"len_norm_v1", "len_norm_v2", "bpb_v1", "soft_log_v2"} < set(piqa)
-  in_loop = [r for r in rows if r["step"] == 12 and "downstream/piqa_rc_0shot/bpb_v2" in r][0]
-  assert piqa["bpb_v2"] == pytest.approx(in_loop["downstream/piqa_rc_0shot/bpb_v2"], rel=1e-6)
-  # Comparing the two runs: a table of held-out differences and one PNG of both runs' curves.
-  done = subprocess.run([sys.executable, "-m", "olmo3.eval.compare", str(s1), str(s2),
-                         "--plot", str(tmp_path / "curves.png")], capture_output=True, text=True,
-                        cwd=ROOT, env=ENV, timeout=300)
-  assert (tmp_path / "curves.png").stat().st_size > 10_000
-  assert "comparisons differ by more than 0.005" in done.stdout
+  # (Standalone evaluation of a checkpoint equals the in-loop numbers:
+  # tests/test_reliability.py::test_two_processes_train_save_and_resume_on_another_mesh.)
 
 
 def test_workdir_of_another_experiment_is_refused(tmp_path):
@@ -250,3 +234,109 @@ def test_memorize_fires_the_generalization_gap_alarm(tmp_path):
   flags = {r["step"]: r["alarm/generalization_gap"] for r in rows
            if "alarm/generalization_gap" in r}
   assert flags[5] == flags[10] == 0 and flags[40] == 1
+
+
+def test_a_non_finite_hyperparameter_stops_the_launch_in_one_line(tmp_path):
+  """1e999 reads as inf: refused when the config is built, before anything is written."""
+  done = _main("--fdl_config=experiments.olmo3_tiny:stage1", "--fdl_set=optimizer.peak_lr=1e999",
+               f"--workdir={tmp_path / 'run'}", check=False)
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1] == (
+      "error: OptimizerConfig.peak_lr=inf: must be a finite number")
+  assert "Fiddle context" not in done.stderr and "Traceback" not in done.stderr
+  assert not (tmp_path / "run").exists()
+
+
+EVILMOD = "open({side!r}, 'w').close()\n\ndef run(cmd):\n  open({side!r}, 'w').close()\n"
+# Ways past a check that reads config.json as text (the old regex) or parses it differently
+# from Fiddle; building any of them would run `touch SIDE` (or import evilmod, which does).
+BYPASSES = {
+    "plain": lambda t: t,
+    "space before the colon": lambda t: t.replace('"module": "subprocess"',
+                                                  '"module" : "subprocess"'),
+    "escaped key": lambda t: t.replace('"module": "subprocess"', '"\\u006dodule": "subprocess"'),
+    "escaped value": lambda t: t.replace('"module": "subprocess"', '"module": "\\u0073ubprocess"'),
+    "key given twice": lambda t: t.replace('"module": "subprocess"',
+                                           '"module": "olmo3.config", "module": "subprocess"'),
+    "evilmod in the cwd": lambda t: t.replace('"module": "subprocess"', '"module" : "evilmod"')
+                                     .replace('"name": "getoutput"', '"name": "run"'),
+    "private name": lambda t: t.replace('"module": "subprocess"', '"module": "olmo3.config"')
+                               .replace('"name": "getoutput"', '"name": "_conform.__globals__"'),
+}
+
+
+def _evil_workdir(tmp_path, bypass):
+  """A run record whose train.steps is fdl.Config(subprocess.getoutput, 'touch SIDE'), passed
+  through `bypass`; evilmod.py (which touches SIDE when imported) beside it. Returns SIDE."""
+  side = tmp_path / "side_effect"
+  (tmp_path / "evilmod.py").write_text(EVILMOD.format(side=str(side)))
+  cfg = configs.load("experiments.olmo3_tiny:stage1")
+  cfg.train.steps = fdl.Config(subprocess.getoutput, f"touch {side}")
+  dumped = configs.dump(cfg)
+  text = BYPASSES[bypass](dumped)
+  assert dumped.count('"module": "subprocess"') == 1 and (text != dumped or bypass == "plain")
+  (tmp_path / "wd").mkdir()
+  (tmp_path / "wd" / "config.json").write_text(text)
+  return side
+
+
+@pytest.mark.parametrize("bypass", sorted(BYPASSES))
+def test_a_config_json_naming_other_code_is_refused_before_any_import(tmp_path, monkeypatch,
+                                                                     bypass):
+  side = _evil_workdir(tmp_path, bypass)
+  monkeypatch.syspath_prepend(str(tmp_path))  # evilmod.py would import: the worst case
+  wanted = {"evilmod in the cwd": "'evilmod'", "private name": "'_conform.__globals__'"}
+  with pytest.raises(configs.ConfigRefError, match=r"wd/config\.json: refers to module") as e:
+    configs.from_workdir(str(tmp_path / "wd"))
+  assert wanted.get(bypass, "'subprocess'") in str(e.value)
+  assert "nothing was imported" in str(e.value)
+  assert not side.exists() and "evilmod" not in sys.modules
+
+
+@pytest.mark.parametrize("module, name", [("olmo3.metrics", "os.popen"),
+                                          ("olmo3.config", "os.popen"),
+                                          ("olmo3.config", "dataclasses.replace")])
+def test_a_config_json_reaching_other_code_through_an_allowed_module_is_refused(
+    tmp_path, module, name):
+  """Only olmo3.config and olmo3.remat may be named, and what Fiddle imports from them must be
+  a class or enum member defined there: olmo3.config imports os, so `os.popen` is reachable
+  through it, and a function (which building would call) is never a config's."""
+  side = _evil_workdir(tmp_path, "plain")
+  path = tmp_path / "wd" / "config.json"
+  path.write_text(path.read_text().replace('"module": "subprocess"', f'"module": "{module}"')
+                  .replace('"name": "getoutput"', f'"name": "{name}"'))
+  with pytest.raises(configs.ConfigRefError, match=(
+      r"refers to module 'olmo3\.metrics'.*which a config may not name" if module == "olmo3.metrics"
+      else rf"refers to olmo3\.config\.{name}, which is not a class or enum member of "
+      r"olmo3\.config or olmo3\.remat")):
+    configs.from_workdir(str(tmp_path / "wd"))
+  assert not side.exists()
+
+
+def test_a_run_record_loads_back_and_builds_the_same_experiment(tmp_path):
+  cfg = configs.load("experiments.olmo3_7b:stage1")
+  configs.write_run_record(str(tmp_path), cfg, ["x"])
+  assert fdl.build(configs.from_workdir(str(tmp_path))) == fdl.build(cfg)
+  (tmp_path / "config.json").write_text("{not json")
+  with pytest.raises(configs.ConfigRefError, match=r"config\.json: not JSON"):
+    configs.from_workdir(str(tmp_path))
+
+
+def test_resuming_in_a_workdir_with_a_hostile_config_json_stops_in_one_line(tmp_path):
+  """Through the launcher, run from the directory holding evilmod.py."""
+  side = _evil_workdir(tmp_path, "evilmod in the cwd")
+  done = subprocess.run([sys.executable, MAIN, "--fdl_config=experiments.olmo3_tiny:stage1",
+                         "--workdir=wd"], capture_output=True, text=True, timeout=300,
+                        cwd=tmp_path, env=ENV)
+  assert done.returncode == 1
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: wd/config.json: refers to module 'evilmod', name 'run'")
+  assert not side.exists() and sorted(p.name for p in (tmp_path / "wd").iterdir()) == [
+      "config.json"]
+
+
+def test_the_working_directory_goes_last_on_the_import_path(tmp_path, monkeypatch):
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  monkeypatch.chdir(tmp_path)
+  configs.make_cwd_importable()
+  assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1

@@ -53,10 +53,13 @@ def test_adam_moments_are_sharded_like_their_parameters(tmp_path):
 
 def _restored(exp, workdir):
   """The state a run in `workdir` resumes from (its latest checkpoint, or init_from)."""
+  from olmo3.data import sources
+
   model = ShardedModel.for_experiment(exp)
   with model.context():
     return state_lib.restore_or_init(state_lib.StateLayout(exp, model),
-                                     RunCheckpoints(f"{workdir}/checkpoints", 10, False))
+                                     RunCheckpoints(f"{workdir}/checkpoints", 10, False),
+                                     sources.token_files(exp.data, exp.model.vocab_size))[0]
 
 
 def _losses(workdir):

@@ -141,6 +141,7 @@ class _SplitWriter:
     self.dir = os.path.join(root, split)
     os.makedirs(self.dir, exist_ok=True)
     self.files: list[str] = []
+    self.file_tokens: list[int] = []
     self.pending: list[np.ndarray] = []
     self.pending_tokens = self.documents = self.tokens = 0
     self.split = split
@@ -159,12 +160,15 @@ class _SplitWriter:
     name = f"{self.split}/part-{len(self.files):05d}.npy"
     write_token_file(os.path.join(os.path.dirname(self.dir), name), np.concatenate(self.pending))
     self.files.append(name)
+    self.file_tokens.append(self.pending_tokens)
     self.pending, self.pending_tokens = [], 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-  """DIR/manifest.json: per split the token files (relative to DIR) and counts."""
+  """DIR/manifest.json: per split the token files (relative to DIR), each file's token count
+  (`file_tokens`; manifests written before it have the split's total only) and counts. Loading
+  checks the files against it: a missing, shortened or grown file is a DataError naming it."""
 
   splits: dict
   vocab_size: int
@@ -178,7 +182,25 @@ class Manifest:
     if not os.path.exists(path):
       raise DataError(f"{directory}: no manifest.json (run python -m olmo3.data.prepare)")
     with open(path) as f:
-      return cls(**json.load(f))
+      manifest = cls(**json.load(f))
+    manifest._check_files(directory, path)
+    return manifest
+
+  def _check_files(self, directory: str | os.PathLike, path: str) -> None:
+    for split, info in self.splits.items():
+      files = self.files(directory, split)
+      for file in files:
+        if not os.path.exists(file):
+          raise DataError(f"token file {file} is missing (listed in {path})")
+      have = [os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in files]
+      for file, tokens, want in zip(files, have, info.get("file_tokens", ())):
+        if tokens != want:
+          raise DataError(f"token file {file} holds {tokens} tokens; {path} says {want}: the "
+                          "file was changed or cut short since it was prepared (prepare again)")
+      if sum(have) != info["tokens"]:
+        raise DataError(f"the {split} files of {path} hold {sum(have)} tokens; it says "
+                        f"{info['tokens']}: a file was changed or cut short since it was prepared "
+                        f"({files})")
 
   def files(self, directory: str | os.PathLike, split: str) -> list[str]:
     return [os.path.join(os.fspath(directory), f) for f in self.splits[split]["files"]]
@@ -218,7 +240,8 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
     for w in writers.values():
       w.flush()
     manifest = Manifest(
-        splits={s: {"files": w.files, "documents": w.documents, "tokens": w.tokens}
+        splits={s: {"files": w.files, "file_tokens": w.file_tokens, "documents": w.documents,
+                    "tokens": w.tokens}
                 for s, w in writers.items()},
         vocab_size=tok.get_vocab_size(), eos_id=eos_token,
         tokenizer=tokenizer if isinstance(tokenizer, str) else "<in memory>",

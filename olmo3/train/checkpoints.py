@@ -1,32 +1,60 @@
 """A training run's checkpoints: WORKDIR/checkpoints/<step>/{params, opt_state, meta}.
 
 Each step directory is a model checkpoint (olmo3.checkpoint) with the optimizer state beside
-the parameters. Orbax commits a step by renaming its temporary directory, so only complete
-steps are ever listed; async saves overlap training and are awaited before the next save and
-at exit.
+the parameters, verified the same way (checksums, digest, no NaN/Inf). Orbax commits a step by
+renaming its temporary directory, so only complete steps are ever listed. Async saves overlap
+training: a failed one is raised at the next step (`check`), with its cause, and is never
+listed; its temporary directory is removed when the run restarts.
+
+A damaged step is quarantined: renamed to `<step>.damaged-<n>` (a new n each time), kept for
+inspection, never deleted. Rotation (checkpoint.keep) keeps the newest steps and also the step
+this run resumed from, the newest one read back and verified, until the run ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
-from olmo3.checkpoint import META, PARAMS, CheckpointError, restore_params
+from olmo3.checkpoint import (ARRAYS, META, PARAMS, CheckpointError, array_records,
+                              restore_items, sealed)
 
 OPT_STATE = "opt_state"
+_QUARANTINED = re.compile(r"(\d+)\.damaged(?:-(\d+))?")  # `<step>.damaged` from older versions
+
+
+class _KeepVerified:
+  """Orbax preservation policy: keeps the step this run resumed from (None: none)."""
+
+  def __init__(self):
+    self.step: int | None = None
+
+  def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+    del context
+    return [c.step == self.step for c in checkpoints]
 
 
 class RunCheckpoints:
   def __init__(self, directory: str | os.PathLike, keep: int, async_save: bool):
     self.directory = epath.Path(directory).absolute()
+    self._verified = _KeepVerified()
+    self._saving: int | None = None  # the step of an async save not yet known to have landed
+    policies = ocp.checkpoint_managers
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep,
-                                             enable_async_checkpointing=async_save))
+        options=ocp.CheckpointManagerOptions(
+            preservation_policy=policies.AnyPreservationPolicy(
+                [policies.LatestN(n=keep), self._verified]),
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=True))
 
   def steps(self) -> list[int]:
     """The committed steps, oldest first."""
@@ -35,34 +63,72 @@ class RunCheckpoints:
   def step_dir(self, step: int) -> epath.Path:
     return self.directory / str(step)
 
-  def set_aside(self, step: int) -> epath.Path:
-    """Moves a damaged step out of the list (to <step>.damaged, kept for inspection)."""
-    aside = self.directory / f"{step}.damaged"
+  def quarantined(self) -> list[epath.Path]:
+    """The damaged steps set aside, by step then by when."""
+    found = [(int(m[1]), int(m[2] or 0), p) for p in self.directory.glob("*")
+             if (m := _QUARANTINED.fullmatch(p.name))] if self.directory.exists() else []
+    return [p for *_, p in sorted(found)]
+
+  def quarantine(self, step: int) -> epath.Path:
+    """Moves a damaged step out of the list, to `<step>.damaged-<n>` with an n no earlier
+    quarantine of this step used. Every process calls it; the first renames."""
+    n = 1 + max((int(m[2] or 0) for p in self.quarantined()
+                 if (m := _QUARANTINED.fullmatch(p.name)) and int(m[1]) == step), default=0)
+    if jax.process_count() > 1:
+      n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+    aside = self.directory / f"{step}.damaged-{n}"
     if jax.process_index() == 0:
       self.step_dir(step).rename(aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"olmo3 quarantine {step}")
     self._manager.reload()
     return aside
 
+  def keep_verified(self, step: int) -> None:
+    """Rotation keeps `step` (read back and verified) while this run lasts: whatever may be
+    wrong with the steps it writes, the last known good one survives."""
+    self._verified.step = step
+
   def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
+    """Saves a step with its arrays' records (refused, CheckpointError, if any holds NaN/Inf;
+    nothing is written then). Async: `check` or `wait` raise a failure."""
+    if self._saving is not None:  # Orbax would wait for it too, and raise its error unnamed
+      self.wait()
+    path = self.step_dir(step)
+    meta = sealed({**meta, ARRAYS: array_records(path, {PARAMS: params,
+                                                        OPT_STATE: opt_state})})
     self._manager.save(step, args=ocp.args.Composite(**{
         PARAMS: ocp.args.StandardSave(params),
         OPT_STATE: ocp.args.StandardSave(opt_state),
         META: ocp.args.JsonSave(meta),
     }), force=True)
+    self._saving = step
+
+  def check(self) -> None:
+    """Raises a finished async save's failure now (Orbax would raise it only at the next save,
+    up to checkpoint.every steps later). Cheap: no wait while a save is still running."""
+    if self._saving is not None and not self._manager.is_saving_in_progress():
+      self.wait()
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Waits for an async save to land; CheckpointError with its cause if it failed."""
+    step, self._saving = self._saving, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # whatever the storage raised: say which step, keep the cause
+      error = CheckpointError(
+          f"saving checkpoint step {step} to {self.directory} failed: {type(e).__name__}: {e}. "
+          f"It is not listed; the checkpoints are steps {self.steps()}")
+      # The save's other writers may still be running (Orbax's finalize stops at the first
+      # error): let them end, so nothing writes into the directory after the run stops.
+      with contextlib.suppress(Exception):
+        self._manager.close()
+      raise error from e
 
 
 def restore_train_state(step_dir: str | os.PathLike, params_target: Any, opt_target: Any
                         ) -> tuple[Any, Any, dict[str, Any]]:
-  """(params, opt_state, meta) of a training checkpoint, onto the targets' shardings."""
-  step_dir = epath.Path(step_dir).absolute()
-  params = restore_params(step_dir, params_target)
-  if not (step_dir / OPT_STATE).exists():
-    raise CheckpointError(f"{step_dir}: no '{OPT_STATE}' item (a converted model checkpoint "
-                          "holds parameters only)")
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  restored = checkpointer.restore(step_dir, args=ocp.args.Composite(**{
-      OPT_STATE: ocp.args.StandardRestore(opt_target), META: ocp.args.JsonRestore()}))
-  return params, restored[OPT_STATE], restored[META]
+  """(params, opt_state, meta) of a training checkpoint, onto the targets' shardings, checked
+  and verified (olmo3.checkpoint.restore_items)."""
+  items, meta = restore_items(step_dir, {PARAMS: params_target, OPT_STATE: opt_target})
+  return items[PARAMS], items[OPT_STATE], meta

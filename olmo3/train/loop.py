@@ -25,6 +25,7 @@ from olmo3.sharded import ShardedModel
 from olmo3 import metrics as metrics_lib
 from olmo3.train import state as state_lib
 from olmo3.train.checkpoints import RunCheckpoints
+from olmo3.train.lease import Lease, LeaseHeld
 from olmo3.train.preemption import Preemption
 from olmo3.train.step import jit_train_step
 
@@ -64,9 +65,45 @@ def source_losses(names: tuple[str, ...], sums: list) -> dict[str, float]:
 
 
 def train(exp: Experiment, workdir: str, name: str = "",
-          model: ShardedModel | None = None) -> dict[str, float]:
+          model: ShardedModel | None = None,
+          preemption: Preemption | None = None) -> dict[str, float]:
   """Trains to exp.train.steps; returns the last logged metrics. `model` (default: the
-  experiment's mesh over all devices) chooses the devices and the forward function."""
+  experiment's mesh over all devices) chooses the devices and the forward function;
+  `preemption` (default: installed here) lets a launcher catch SIGTERM / SIGINT from its own
+  start. Holds the workdir's lease (olmo3.train.lease) while it runs."""
+  preemption = preemption or Preemption()
+  os.makedirs(workdir, exist_ok=True)
+  lease = Lease(workdir)
+  _hold(lease)
+  try:
+    return _train(exp, workdir, name, model, preemption)
+  finally:
+    preemption.restore()
+    if jax.process_index() == 0:
+      lease.release()
+
+
+def _hold(lease: Lease) -> None:
+  """The job's first process takes the lease; every process learns whether it did, so a refused
+  job stops on all of them."""
+  error = None
+  if jax.process_index() == 0:
+    try:
+      lease.acquire()
+    except LeaseHeld as e:
+      error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if refused and error is None:
+      raise LeaseHeld(f"{lease.path.parent} is in use by another run (see process 0's error)")
+  if error is not None:
+    raise error
+
+
+def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
+           preemption: Preemption) -> dict[str, float]:
   model = model or ShardedModel.for_experiment(exp)
   pipeline.check_divisible(exp.data.global_batch_size, model.batch_sharding,
                            "DataConfig.global_batch_size", exp.train.microbatches)
@@ -75,27 +112,30 @@ def train(exp: Experiment, workdir: str, name: str = "",
       exp.train.eval_every and (exp.eval.heldout or exp.eval.tasks)) else None
   checkpoints = RunCheckpoints(f"{workdir}/checkpoints", exp.checkpoint.keep,
                                exp.checkpoint.async_save)
-  os.makedirs(workdir, exist_ok=True)
   _write_experiment(exp, workdir)
   with model.context():
     source = sources.token_files(exp.data, exp.model.vocab_size)
     step_fn = jit_train_step(exp, model, layout, len(source.source_names))
     end = stage_end(exp, source)
-    state = state_lib.restore_or_init(layout, checkpoints)
+    state, data_position = state_lib.restore_or_init(layout, checkpoints, source)
     start = int(state.step)
     if start >= end:
       logging.info("already at step %d of %d: nothing to do", start, end)
       return {}
-    loader = pipeline.Loader(exp.data, model.batch_sharding, start_step=start,
+    if preemption.agreed():  # signalled during startup: nothing new to save
+      logging.warning("preempted (signal %s) before step %d: stopping; rerun the same command "
+                      "to resume", preemption.signal, start + 1)
+      return {}
+    loader = pipeline.Loader(exp.data, model.batch_sharding,
+                             start_step=data_position.data_step(start),
                              num_steps=end - start, source=source)
-    writer = metrics_lib.create_writer(workdir, jax.process_index() == 0)
+    writer = metrics_lib.create_writer(workdir, jax.process_index() == 0, resumed_at=start)
     from clu import periodic_actions  # after olmo3.metrics: CLU then imports without TF
 
     progress = periodic_actions.ReportProgress(num_train_steps=end, writer=writer,
                                                every_steps=max(exp.train.log_every, 10))
     flops_per_step = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
     peak = peak_flops_per_device(jax.devices()[0].device_kind)
-    preemption = Preemption()
     alarm = GapAlarm(exp.eval.alarm_window, exp.eval.alarm_margin)
     last: dict[str, float] = {}
     per_source = []  # each step's per-source sums since the last log (on device: no sync)
@@ -103,6 +143,7 @@ def train(exp: Experiment, workdir: str, name: str = "",
     tick = time.perf_counter()
     try:
       for step, batch in enumerate(loader, start=start + 1):
+        checkpoints.check()  # a failed async save stops the run here, not a save later
         state, step_metrics = step_fn(state, batch)
         per_source.append((step_metrics.pop("source_ce_sum"), step_metrics.pop("source_tokens")))
         progress(step)
@@ -144,19 +185,19 @@ def train(exp: Experiment, workdir: str, name: str = "",
             if stop:
               logging.warning("stopping at step %d (eval.stop_on_alarm)", step)
           tick = time.perf_counter()
-        if stop or step % exp.checkpoint.every == 0 or last_step:
+        # A signal seen at any point of this step (training, evaluation, or the save below) is
+        # honoured here, whatever the checkpoint cadence: every process agrees on this step.
+        preempted = not last_step and preemption.agreed()
+        if stop or preempted or step % exp.checkpoint.every == 0 or last_step:
           writer.flush()  # metrics up to a checkpoint are on disk before it can exist
-          state_lib.save(checkpoints, state, exp, name)
-          if stop:
-            break
-        elif preemption.agreed():
-          writer.flush()
-          state_lib.save(checkpoints, state, exp, name)
+          state_lib.save(checkpoints, state, exp, name, data_position)
+        if preempted:
           logging.warning("preempted (signal %s): saved step %d; rerun the same command to "
                           "resume", preemption.signal, step)
           break
+        if stop:
+          break
     finally:
-      preemption.restore()
       checkpoints.wait()
       writer.flush()
   return last

@@ -101,6 +101,12 @@ def should_skip(cfg: OptimizerConfig, stats: SkipStats, ce_loss, grad_norm) -> j
   return skip
 
 
+def all_finite(tree: Any) -> jax.Array:
+  """True when no floating-point array of `tree` holds NaN/Inf."""
+  return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+                    if jnp.issubdtype(x.dtype, jnp.inexact)]).all()
+
+
 def record(cfg: OptimizerConfig, stats: SkipStats, ce_loss, grad_norm, skip) -> SkipStats:
   """Adds this step's values to the window (skipped steps too, as OLMo-core; non-finite values
   never) and counts the skip."""

@@ -1,11 +1,14 @@
-"""SIGTERM / SIGINT ask a run to stop at a step boundary; every process agrees on the step."""
+"""SIGTERM / SIGINT ask a run to stop at a step boundary; every process agrees on the step.
+
+Light to import (JAX is imported on first use), so a launcher can install the handlers before
+its own heavy imports: a signal during startup is then a clean stop, not a kill.
+"""
 
 from __future__ import annotations
 
 import signal
 import threading
 
-import jax
 import numpy as np
 
 
@@ -26,6 +29,8 @@ class Preemption:
     self.signal = signum
 
   def agreed(self) -> bool:
+    import jax  # pylint: disable=import-outside-toplevel
+
     local = np.int32(self.signal is not None)
     if jax.process_count() == 1:
       return bool(local)

@@ -1,15 +1,24 @@
 """The train state: its layout on the mesh, and where it comes from (resume, fall back,
 initialise from another run, or fresh) and goes to (a checkpoint).
 
-Resume order: this run's newest checkpoint; a damaged one (missing or truncated files) is
-named and, with checkpoint.fallback, moved aside for the one before it; then
+Resume order: this run's newest checkpoint that reads back verified (olmo3.checkpoint); a
+damaged one is named and, with checkpoint.fallback, quarantined for the one before it; then
 checkpoint.init_from (parameters and optimizer moments; step, schedule and data position start
-at 0); then fresh parameters.
+at 0); then fresh parameters. A checkpoint that does not fit the model (shapes, dtypes,
+structure) is a config error: it stops the run and nothing on disk changes. A run that has
+written checkpoints, all now quarantined, refuses to start over.
+
+Each checkpoint records the data it was trained on (`DataPosition.identity`: token files and
+their sizes, seq_len, global batch, seed, filter, instances). A resume that finds it changed
+refuses, naming the change, unless allowed; then it continues at the same instance position
+of the epoch, as OLMo-core does for a changed global batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -18,11 +27,16 @@ import numpy as np
 import optax
 from absl import logging
 
-from olmo3.checkpoint import CheckpointError, resolve_step_dir
-from olmo3.config import Experiment
+from olmo3.checkpoint import CheckpointDamaged, CheckpointError, resolve_step_dir
+from olmo3.config import DataConfig, Experiment
+from olmo3.data import pipeline
+from olmo3.data.tokens import DataError, TokenFiles
 from olmo3.sharded import ShardedModel
 from olmo3.train import optim
 from olmo3.train.checkpoints import RunCheckpoints, restore_train_state
+
+# Data fields whose change changes the instance sequence (the files are compared one by one).
+_DATA_FIELDS = ("seq_len", "global_batch_size", "seed", "max_instances", "repetition_filter")
 
 
 class TrainState(NamedTuple):
@@ -80,40 +94,140 @@ class StateLayout:
     return restore_train_state(step_dir, self.model.param_target, self.opt_target)
 
 
-def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints) -> TrainState:
-  """Resume from this run's newest readable checkpoint, else init_from, else fresh."""
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+  """What the run trains on (`identity`, recorded in each checkpoint) and where its data
+  stands: the loader's global data step is the train step plus `offset` (0 unless the run
+  continued deliberately after a change of global batch or data)."""
+
+  identity: dict[str, Any]
+  offset: int = 0
+
+  def data_step(self, step: int) -> int:
+    return step + self.offset
+
+
+def data_identity(cfg: DataConfig, source: TokenFiles) -> dict[str, Any]:
+  """The data a run trains on, as a checkpoint records it (plain JSON)."""
+  return json.loads(json.dumps({
+      "files": [[os.fspath(p), int(n)] for p, n in zip(source.paths, source.file_tokens)],
+      "mix": cfg.mix, "instances": pipeline.instances(cfg, source), "seq_len": cfg.seq_len,
+      "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
+      "max_instances": cfg.max_instances,
+      "repetition_filter": (dataclasses.asdict(cfg.repetition_filter)
+                            if cfg.repetition_filter else None)}))
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+  """What differs between a checkpoint's data identity and the current one, in words."""
+  changes = [f"data.{f} was {saved[f]!r}, now {now[f]!r}" for f in _DATA_FIELDS
+             if saved[f] != now[f]]
+  then, current = dict(map(tuple, saved["files"])), dict(map(tuple, now["files"]))
+  for path, tokens in then.items():
+    if path not in current:
+      changes.append(f"token file {path} is no longer in the data")
+    elif current[path] != tokens:
+      changes.append(f"token file {path} held {tokens} tokens, now {current[path]}")
+  changes += [f"token file {path} is new" for path in current if path not in then]
+  if not changes and saved["files"] != now["files"]:
+    changes.append("the token files are in another order")
+  return changes
+
+
+def _listed(changes: list[str]) -> str:
+  return "; ".join(changes[:5]) + (f"; and {len(changes) - 5} more" if len(changes) > 5 else "")
+
+
+def _same_instance(saved: dict[str, Any], now: dict[str, Any], data_step: int) -> int:
+  """The data step, in the current data's terms, at the instance position of the epoch that
+  `data_step` reached in the saved data's (OLMo-core: tokens processed in the epoch // the new
+  batch)."""
+  epoch, batch = divmod(data_step, saved["instances"] // saved["global_batch_size"])
+  consumed = batch * saved["global_batch_size"]
+  return (epoch * (now["instances"] // now["global_batch_size"]) +
+          consumed // now["global_batch_size"])
+
+
+def _resumed_position(path, meta: dict[str, Any], identity: dict[str, Any],
+                      allow_changed_data: bool) -> DataPosition:
+  step, data_step = meta["step"], meta["data_step"]
+  saved = meta.get("data")
+  if saved is None:
+    logging.warning("%s records no data identity (written by an older version): the data is "
+                    "not compared", path)
+    return DataPosition(identity, data_step - step)
+  changes = data_changes(saved, identity)
+  if not changes:
+    return DataPosition(identity, data_step - step)
+  if not allow_changed_data:
+    raise DataError(
+        f"the training data changed since checkpoint {path} (step {step}, "
+        f"{meta['instances_consumed']} instances consumed): {_listed(changes)}. Resuming "
+        "would train on another sequence than the run so far. Restore the data and config, or "
+        "continue deliberately with data.allow_changed_data=True (at the same instance "
+        "position of the epoch).")
+  moved = _same_instance(saved, identity, data_step)
+  logging.warning("the training data changed since checkpoint %s: %s. Continuing as allowed "
+                  "(data.allow_changed_data) at the same instance position: data step %d is "
+                  "now %d", path, _listed(changes), data_step, moved)
+  return DataPosition(identity, moved - step)
+
+
+def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, source: TokenFiles
+                    ) -> tuple[TrainState, DataPosition]:
+  """Resume from this run's newest verified checkpoint, else init_from, else fresh (see the
+  module docstring). `source` is the run's token files; data.allow_changed_data continues when
+  they or the data config differ from the checkpoint's; checkpoint.allow_restart_from_scratch
+  starts over when every checkpoint the run wrote is damaged."""
   exp = layout.exp
-  steps = checkpoints.steps()
-  for step in reversed(steps):
+  allow_changed_data = exp.data.allow_changed_data
+  identity = data_identity(exp.data, source)
+  set_aside = []
+  for step in reversed(checkpoints.steps()):
     path = checkpoints.step_dir(step)
     try:
       params, opt_state, meta = layout.restore(path)
-    except Exception as e:  # Orbax/TensorStore raise many types for damaged files
-      message = f"checkpoint {path} is damaged or unreadable: {type(e).__name__}: {e}"
+    except CheckpointDamaged as e:
       if not exp.checkpoint.fallback:
-        raise CheckpointError(message + " (checkpoint.fallback is off)") from e
-      aside = checkpoints.set_aside(step)  # the step can be redone
-      logging.error("%s; moved it to %s and falling back to the previous checkpoint",
-                    message, aside)
+        raise CheckpointError(f"{e} (checkpoint.fallback is off)") from e
+      aside = checkpoints.quarantine(step)  # the step can be redone
+      set_aside.append(aside.name)
+      logging.error("%s; quarantined it as %s (kept for inspection) and falling back to the "
+                    "previous checkpoint", e, aside)
       continue
-    logging.info("resumed from %s (step %d)", path, step)
-    return layout.on_mesh(meta["step"], params, opt_state, meta.get("skip"))
-  if steps:  # never silently start over a run whose checkpoints all failed
-    raise CheckpointError(f"{checkpoints.directory}: no readable checkpoint among steps {steps}")
+    checkpoints.keep_verified(step)
+    logging.info("resumed from %s (step %d, verified)", path, step)
+    position = _resumed_position(path, meta, identity, allow_changed_data)
+    return layout.on_mesh(meta["step"], params, opt_state, meta.get("skip")), position
+  quarantined = checkpoints.quarantined()
+  if quarantined and exp.checkpoint.allow_restart_from_scratch:
+    logging.warning("%s: every checkpoint of this run is damaged (quarantined: %s); starting "
+                    "over as checkpoint.allow_restart_from_scratch says", checkpoints.directory,
+                    [p.name for p in quarantined])
+  elif quarantined:  # never silently start over a run that has written checkpoints
+    raise CheckpointError(
+        f"{checkpoints.directory}: this run has written checkpoints but none is usable: "
+        f"quarantined as damaged (kept for inspection): {[p.name for p in quarantined]}"
+        f"{f', this start set aside {set_aside}' if set_aside else ''}. Not starting over "
+        "from step 0 silently. To retry a quarantined step, rename it back to its number; to "
+        "start over deliberately, set checkpoint.allow_restart_from_scratch=True.")
   if exp.checkpoint.init_from:
-    source = resolve_step_dir(exp.checkpoint.init_from)
-    params, opt_state, meta = layout.restore(source)
+    source_dir = resolve_step_dir(exp.checkpoint.init_from)
+    params, opt_state, meta = layout.restore(source_dir)
     logging.info("initialised from %s (its step %d): parameters and optimizer moments; "
-                 "step, schedule and data position start at 0", source, meta["step"])
-    return layout.on_mesh(0, params, opt_state)
-  return layout.fresh()
+                 "step, schedule and data position start at 0", source_dir, meta["step"])
+    return layout.on_mesh(0, params, opt_state), DataPosition(identity)
+  return layout.fresh(), DataPosition(identity)
 
 
-def save(checkpoints: RunCheckpoints, state: TrainState, exp: Experiment, name: str) -> None:
-  """A checkpoint of `state`: parameters, moments, and meta (step, data position, skip
-  statistics, the model config and the experiment's name)."""
+def save(checkpoints: RunCheckpoints, state: TrainState, exp: Experiment, name: str,
+         data: DataPosition) -> None:
+  """A checkpoint of `state`: parameters, moments, and meta (step, data position and identity,
+  skip statistics, the model config and the experiment's name)."""
   step = int(state.step)
+  data_step = data.data_step(step)
   skip = {f: np.asarray(v).tolist() for f, v in state.skip._asdict().items()}
   checkpoints.save(step, state.params, state.opt_state, {
-      "step": step, "data_step": step, "experiment": name, "skip": skip,
-      "model_config": dataclasses.asdict(exp.model)})
+      "step": step, "data_step": data_step,
+      "instances_consumed": data_step * exp.data.global_batch_size, "data": data.identity,
+      "experiment": name, "skip": skip, "model_config": dataclasses.asdict(exp.model)})

@@ -83,8 +83,11 @@ def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransform
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, jax.tree.map(lambda u: lr * u, updates))
     # A skipped step (NaN/Inf, or a CE-loss / gradient-norm spike) leaves parameters and
-    # optimizer state exactly as they were; the data moves on, as in OLMo-core.
+    # optimizer state exactly as they were; the data moves on, as in OLMo-core. An update that
+    # would put NaN/Inf into them (finite loss and gradients notwithstanding) is skipped too:
+    # the state the loop holds, and so every checkpoint, stays finite.
     skip = optim.should_skip(exp.optimizer, state.skip, aux["ce_loss"], grad_norm)
+    skip |= ~optim.all_finite((params, opt_state))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
     params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
     stats = optim.record(exp.optimizer, state.skip, aux["ce_loss"], grad_norm, skip)
