@@ -116,6 +116,10 @@ def test_a_token_file_shorter_than_its_manifest_says_is_refused(tmp_path, tokeni
   (out / "manifest.json").write_text(json.dumps(record))
   with pytest.raises(DataError, match=r"the train files of .* hold \d+ tokens; it says"):
     prepare.Manifest.load(out)
+  for broken in ('{"splits": {', '{"splits": {}, "vocab_size": 3}', "[]"):  # torn or foreign
+    (out / "manifest.json").write_text(broken)
+    with pytest.raises(DataError, match=r"manifest\.json is not a readable manifest"):
+      prepare.Manifest.load(out)
 
 
 def test_prepare_cli_and_bad_input(tmp_path, tokenizer_file):

@@ -13,10 +13,9 @@ olmo_eval = pytest.importorskip("olmo_eval")  # the eval extra; CI installs it
 
 SEQ_LEN = 512  # many 5-shot contexts are longer: truncation is exercised
 # OLMo's reading-comprehension suite on whole files, plus one task of each other kind the 7B's
-# "fast" set uses: multiple choice in one pass (_fast), gold-only bits per byte, basic skills.
+# "fast" set uses: multiple choice in one pass (_fast), gold-only bits per byte.
 FULL_FILES = tasks_lib.DEFAULT_SUITE + (
-    "arc_challenge_test_mc_5shot_fast", "hellaswag_bpb_5shot", "copycolors_10way_fast",
-    "basic_skills_arithmetic_rc_5shot")
+    "arc_challenge_test_mc_5shot_fast", "hellaswag_bpb_5shot")
 
 
 class Bigram:

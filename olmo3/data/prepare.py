@@ -181,8 +181,13 @@ class Manifest:
     path = os.path.join(os.fspath(directory), "manifest.json")
     if not os.path.exists(path):
       raise DataError(f"{directory}: no manifest.json (run python -m olmo3.data.prepare)")
-    with open(path) as f:
-      manifest = cls(**json.load(f))
+    try:
+      with open(path) as f:
+        manifest = cls(**json.load(f))
+      manifest.splits["train"]["tokens"]  # a manifest has at least the training split
+    except (ValueError, TypeError, KeyError) as e:  # malformed JSON, missing or unknown keys
+      raise DataError(f"{path} is not a readable manifest ({type(e).__name__}: {e}); prepare "
+                      "the data again (python -m olmo3.data.prepare)") from None
     manifest._check_files(directory, path)
     return manifest
 
