@@ -74,10 +74,11 @@ def straight(tmp_path_factory):
     return {int(k): v for k, v in json.loads(done.read_text()).items()}
 
 
-def _launch(workdir, *extra):
+def _launch(workdir, *extra, stderr=subprocess.PIPE):
+  """The launcher in the background (the 9-step run unless `extra` says otherwise)."""
   return subprocess.Popen([sys.executable, MAIN, *TINY, "--fdl_set=train.steps=9",
                            f"--workdir={workdir}", *extra], cwd=ROOT, env=_env(1),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.DEVNULL, stderr=stderr, text=True)
 
 
 def _wait_for(path, proc, seconds=300):
@@ -194,9 +195,7 @@ def test_soak_kills_signals_and_damage_never_lose_a_checkpoint(tmp_path, straigh
       log = tmp_path / f"launch{launches}.log"
       launches += 1
       with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, MAIN, *TINY, "--fdl_set=train.steps=9",
-                                 f"--fdl_set=checkpoint.every={every}", f"--workdir={workdir}"],
-                                cwd=ROOT, env=_env(1), stdout=subprocess.DEVNULL, stderr=err)
+        proc = _launch(workdir, f"--fdl_set=checkpoint.every={every}", stderr=err)
         if event != "finish":
           seen, target = _logged_steps(workdir), int(rng.integers(1, 4))
           while proc.poll() is None and _logged_steps(workdir) < seen + target:

@@ -14,7 +14,7 @@ import numpy as np
 from olmo3.loss import IGNORE
 from etils import epath
 
-from olmo3.data.tokens import TOKEN_DTYPE, DataError, is_local
+from olmo3.data.tokens import TOKEN_DTYPE, DataError, is_local, token_count
 
 
 class HeldoutDocs:
@@ -65,11 +65,7 @@ class HeldoutDocs:
 
 
 def _read_tokens(path: epath.Path) -> np.ndarray:
-  if not path.exists():
-    raise DataError(f"held-out token file {path} does not exist")
-  size = path.stat().length
-  if size == 0 or size % TOKEN_DTYPE.itemsize:
-    raise DataError(f"held-out token file {path} has {size} bytes: not a raw uint32 token file")
+  token_count(path, "held-out token file")  # missing, empty or torn: named
   if is_local(path):
     return np.memmap(os.fspath(path), dtype=TOKEN_DTYPE, mode="r")
   return np.frombuffer(path.read_bytes(), TOKEN_DTYPE)

@@ -29,6 +29,20 @@ def is_local(path: epath.Path) -> bool:
   return "://" not in os.fspath(path)
 
 
+def token_count(path: epath.Path, kind: str = "token file") -> int:
+  """The tokens a raw uint32 token file holds, or DataError naming it (`kind` says what the file
+  is for) when it is missing, empty or not a whole number of tokens."""
+  if not path.exists():
+    raise DataError(f"{kind} {path} does not exist")
+  size = path.stat().length
+  if size == 0:
+    raise DataError(f"{kind} {path} is empty")
+  if size % TOKEN_DTYPE.itemsize:
+    raise DataError(f"{kind} {path} has {size} bytes, not a multiple of 4: not a raw uint32 "
+                    "token file")
+  return size // TOKEN_DTYPE.itemsize
+
+
 class TokenFiles:
   """Fixed-length instances over token files. Random access; picklable (handles reopen)."""
 
@@ -45,18 +59,7 @@ class TokenFiles:
     self.file_source = np.searchsorted(self.source_names, labels).astype(np.int32)
     self.seq_len = seq_len
     self.vocab_size = vocab_size
-    tokens = []
-    for path in self.paths:
-      if not path.exists():
-        raise DataError(f"token file {path} does not exist")
-      size = path.stat().length
-      if size == 0:
-        raise DataError(f"token file {path} is empty")
-      if size % TOKEN_DTYPE.itemsize:
-        raise DataError(f"token file {path} has {size} bytes, not a multiple of 4: not a raw "
-                        "uint32 token file")
-      tokens.append(size // TOKEN_DTYPE.itemsize)
-    self.file_tokens = np.asarray(tokens, np.int64)
+    self.file_tokens = np.asarray([token_count(p) for p in self.paths], np.int64)
     self.file_instances = self.file_tokens // seq_len
     self.offsets = np.concatenate([[0], np.cumsum(self.file_instances)])
     if self.offsets[-1] == 0:
