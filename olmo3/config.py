@@ -258,6 +258,12 @@ class ModelConfig(_Validated):
   scan_layers: bool = True  # scan over groups of `global_every` layers; False unrolls (same outputs)
   remat: Remat = Remat.NONE
   remat_custom: tuple[tuple[str, str], ...] = ()  # Remat.CUSTOM: (checkpoint name, mode)
+  # LM-head columns per chunk of the fused cross-entropy (olmo3.loss.fused_token_nll): the
+  # train step and evaluation never hold the full [B, T, V] float32 logits or their gradient,
+  # only one [B, T, vocab_chunk] block at a time. Same losses and gradients to float32
+  # rounding; None computes the full logits (the reference). A divisor of padded_vocab_size
+  # wastes nothing; otherwise the last chunk overlaps the one before it.
+  vocab_chunk: int | None = resumable(8192, ge=1)
 
   def _check(self) -> None:
     why = check_custom(self.remat_custom)
@@ -375,6 +381,9 @@ class DataConfig(_Validated):
   validate_tokens: bool = True  # scan every token file at startup for ids >= vocab
   num_workers: int = resumable(0, ge=0)  # Grain worker processes reading ahead (0: main process)
   prefetch: int = resumable(2, ge=1)  # steps buffered per worker
+  # Global batches already on the devices ahead of the step being dispatched (read and
+  # transferred by a background thread); 0 reads each batch when the loop asks for it.
+  device_prefetch: int = resumable(2, ge=0)
   # Resume although the data identity recorded in the checkpoint differs (other files, another
   # mix or order): the run continues at the same instance position of the new data. Off, a
   # changed identity stops the resume, since the position would silently mean other tokens.
