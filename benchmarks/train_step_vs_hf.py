@@ -1,16 +1,22 @@
-"""Training-step throughput on CPU: our jitted train step vs transformers' Olmo3ForCausalLM
-(torch, AdamW), the same tiny OLMo 3, batch and machine, runs alternated.
+"""Training-step throughput on CPU: the train step `launch/main.py` runs vs transformers'
+Olmo3ForCausalLM (torch, AdamW), on the same tiny OLMo 3, batch and machine, runs alternated.
 
-  python benchmarks/train_step_vs_hf.py [--preset olmo3_tiny] [--batch 16] [--seq_len 256]
-      [--rounds 3] [--steps 5]
+  python benchmarks/train_step_vs_hf.py [--fdl_config experiments.olmo3_tiny:stage1]
+      [--vocab_chunk N|none] [--rounds 3] [--steps 5]
 
-Each round times `--steps` steps of each side after a warm-up (compile / first step); the
-table reports the median tokens/s per side. Ends with one JSON line of headline figures.
+Our side is the shipped step: the experiment's `jit_train_step` on its `StateLayout` (loss with
+z-loss through the fused vocabulary-chunked cross-entropy, clipping, AdamW with the scheduled
+learning rate, step skipping), on one device, with the experiment's model, batch and sequence
+length (the tiny stage 1: 16 x 256 tokens). The peer trains transformers' model of the same
+shape with torch's AdamW on the same tokens. Each round times `--steps` steps of each side
+after a warm-up (compile / first step); the table reports the median tokens/s per side. Ends
+with one JSON line of headline figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -23,42 +29,34 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def ours(cfg, tokens, steps):
+def ours(exp, tokens, steps):
   import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
 
-  from olmo3 import model as model_lib
-  from olmo3 import sharding
-  from olmo3.loss import lm_loss
+  from olmo3.data import pipeline
+  from olmo3.sharded import ShardedModel
+  from olmo3.train.state import StateLayout
+  from olmo3.train.step import jit_train_step
 
-  with sharding.use_mesh(sharding.make_mesh(devices=jax.devices()[:1])):
-    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(model)
-  params = nnx.to_pure_dict(state)
-  tx = optax.adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
-  opt = tx.init(params)
-  x = jnp.asarray(tokens)
-
-  @jax.jit
-  def step(params, opt):
-    def loss_fn(p):
-      return lm_loss(nnx.merge(graphdef, p)(x[:, :-1]), x[:, 1:])[0]
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt = tx.update(grads, opt, params)
-    return optax.apply_updates(params, updates), opt, loss
-
-  params, opt, loss = step(params, opt)
-  loss.block_until_ready()
+  model = ShardedModel.for_experiment(exp, devices=jax.devices()[:1])
+  layout = StateLayout(exp, model)
+  b, t = exp.data.global_batch_size, exp.data.seq_len
+  rows = pipeline.HostRows.of(model.batch_sharding, b, t)
+  batch = rows.to_global({"input_ids": tokens[:, :-1].astype(np.int32),
+                          "labels": tokens[:, 1:].astype(np.int32),
+                          "filtered": np.zeros(b, bool), "source": np.zeros(b, np.int32)})
+  with model.context():
+    state = layout.fresh()
+    step = jit_train_step(exp, model, layout)
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
 
   def run():
-    nonlocal params, opt
+    nonlocal state
     start = time.perf_counter()
-    for _ in range(steps):
-      params, opt, loss = step(params, opt)
-    loss.block_until_ready()
+    with model.context():
+      for _ in range(steps):
+        state, metrics = step(state, batch)
+      jax.block_until_ready(metrics)
     return time.perf_counter() - start
 
   return run
@@ -100,36 +98,44 @@ def reference(cfg, tokens, steps):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", default="olmo3_tiny")
-  parser.add_argument("--batch", type=int, default=16)
-  parser.add_argument("--seq_len", type=int, default=256)
+  parser.add_argument("--fdl_config", default="experiments.olmo3_tiny:stage1")
+  parser.add_argument("--vocab_chunk", default=None,
+                      help="override model.vocab_chunk: columns per chunk, or 'none' (full logits)")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=5)
   args = parser.parse_args()
-  from olmo3 import config
+  import fiddle as fdl
 
-  cfg = config.PRESETS[args.preset]().replace(compute_dtype="float32")
-  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch, args.seq_len + 1))
-  sides = {"olmo3 (JAX, jit)": ours(cfg, tokens, args.steps),
+  from launch import configs
+
+  exp = fdl.build(configs.resolve(args.fdl_config))
+  if args.vocab_chunk is not None:
+    chunk = None if args.vocab_chunk == "none" else int(args.vocab_chunk)
+    exp = dataclasses.replace(exp, model=exp.model.replace(vocab_chunk=chunk))
+  cfg, b, t = exp.model, exp.data.global_batch_size, exp.data.seq_len
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t + 1))
+  sides = {"olmo3 (JAX, the shipped train step)": ours(exp, tokens, args.steps),
            "transformers Olmo3ForCausalLM (torch)": reference(cfg, tokens, args.steps)}
   times = {name: [] for name in sides}
   for _ in range(args.rounds):  # alternate: each round runs both sides
     for name, run in sides.items():
       times[name].append(run())
-  tokens_per_step = args.batch * args.seq_len
-  rate = {n: args.steps * tokens_per_step / statistics.median(t) for n, t in times.items()}
+  tokens_per_step = b * t
+  rate = {n: args.steps * tokens_per_step / statistics.median(v) for n, v in times.items()}
   import torch
 
-  print(f"\n{args.preset} ({cfg.param_count:,} parameters), batch {args.batch} x {args.seq_len}, "
-        f"float32, {args.rounds} alternated rounds of {args.steps} steps; "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+  print(f"\n{args.fdl_config} ({cfg.param_count:,} parameters, vocab_chunk {cfg.vocab_chunk}), "
+        f"batch {b} x {t}, {cfg.compute_dtype}, {args.rounds} alternated rounds of {args.steps} "
+        f"steps; {platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}")
   print("| implementation | tokens/s (median) | step time (s) |\n|---|---|---|")
   for name, r in rate.items():
     print(f"| {name} | {r:,.0f} | {tokens_per_step / r:.3f} |")
-  ours_rate, ref_rate = rate["olmo3 (JAX, jit)"], rate["transformers Olmo3ForCausalLM (torch)"]
+  ours_rate, ref_rate = rate["olmo3 (JAX, the shipped train step)"], rate[
+      "transformers Olmo3ForCausalLM (torch)"]
   print(json.dumps({"olmo3_tokens_per_s": ours_rate, "transformers_tokens_per_s": ref_rate,
-                    "speedup": ours_rate / ref_rate, "preset": args.preset,
-                    "batch": args.batch, "seq_len": args.seq_len}))
+                    "speedup": ours_rate / ref_rate, "fdl_config": args.fdl_config,
+                    "vocab_chunk": cfg.vocab_chunk, "batch": b, "seq_len": t}))
 
 
 if __name__ == "__main__":

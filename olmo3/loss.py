@@ -4,28 +4,139 @@ The training loss is the token-mean cross-entropy over unmasked labels plus OLMo
 (weight × mean squared log-partition); held-out evaluation sums the same per-token
 cross-entropy over documents; a task choice's score is minus its sum over the continuation
 (docs/recipe.md#loss, docs/evaluation.md).
+
+Each of these starts from `PerToken` (each position's cross-entropy, log-partition and mask),
+computed one of two ways with the same result to float32 rounding:
+- `token_nll(logits_BTV, labels_BT)` from full logits (the reference);
+- `fused_token_nll(h_BTD, w_DV, labels_BT, chunk)` from the final hidden states and the LM
+  head's kernel, over `chunk` vocabulary columns at a time, with its own gradient: neither the
+  forward nor the backward pass ever holds [B, T, V] float32 logits, only [B, T, chunk]. For the
+  7B at 8192 tokens a sequence that is 3.3 GB of logits (and as much gradient) never stored.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 IGNORE = -1  # the label of a position with no target (any negative label is masked)
 
+# A sharding constraint by logical axis names (olmo3.sharding.constrain); this module sits
+# below the sharding layer, so callers that run on a mesh pass theirs in.
+Constrain = Callable[[jax.Array, Sequence[str | None]], jax.Array]
 
-def token_nll(logits_BTV: jax.Array, labels_BT: jax.Array
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(nll_BT, lse_BT, mask_BT): each position's cross-entropy -log p(label) (0 where masked),
-  its log-partition logsumexp(logits), and the mask (label >= 0). Computed in float32."""
+
+def _unconstrained(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  del names
+  return x
+
+
+class PerToken(NamedTuple):
+  nll_BT: jax.Array  # -log p(label), float32; 0 where masked
+  lse_BT: jax.Array  # the log-partition logsumexp(logits), float32
+  mask_BT: jax.Array  # label >= 0
+
+
+def token_nll(logits_BTV: jax.Array, labels_BT: jax.Array) -> PerToken:
+  """Each position's cross-entropy, log-partition and mask from full logits, in float32."""
   logits = logits_BTV.astype(jnp.float32)
   mask_BT = labels_BT >= 0
   lse_BT = jax.nn.logsumexp(logits, axis=-1)
   target_BT = jnp.take_along_axis(logits, jnp.maximum(labels_BT, 0)[..., None], axis=-1)[..., 0]
-  return jnp.where(mask_BT, lse_BT - target_BT, 0.0), lse_BT, mask_BT
+  return PerToken(jnp.where(mask_BT, lse_BT - target_BT, 0.0), lse_BT, mask_BT)
 
 
-def lm_loss(logits_BTV: jax.Array, labels_BT: jax.Array, z_loss_weight: float = 0.0,
+def fused_token_nll(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, chunk: int,
+                    constrain: Constrain = _unconstrained) -> PerToken:
+  """`token_nll(h_BTD @ w_DV, labels_BT)` without the full logits: a scan over vocabulary
+  chunks of `chunk` columns keeps a running max and sum (online logsumexp) and the label's
+  logit; the backward pass recomputes each chunk's logits and turns them straight into that
+  chunk's share of the gradients.
+
+  Logits are computed as the LM head computes them (inputs and kernel in h's dtype, the compute
+  dtype; then float32). When `chunk` does not divide V the last chunk starts at V - chunk and
+  ignores the columns the chunk before it covered, so no padded copy of the kernel is made.
+  `constrain` lays out the chunk's logits and the kernel's gradient on the mesh.
+  """
+  nll_BT, lse_BT = _fused(min(chunk, w_DV.shape[1]), constrain, h_BTD, w_DV, labels_BT)
+  mask_BT = labels_BT >= 0
+  return PerToken(jnp.where(mask_BT, nll_BT, 0.0), lse_BT, mask_BT)
+
+
+def _chunk_logits(h_BTD, w_DV, labels_BT, i, chunk, constrain):
+  """Chunk i's logits [B, T, C] (float32), which of its columns are its own (not also in the
+  chunk before it) and which is the label; and the chunk's first column and kernel slice."""
+  v = w_DV.shape[1]
+  start = jnp.minimum(i * chunk, v - chunk)
+  w_DC = jax.lax.dynamic_slice_in_dim(w_DV, start, chunk, axis=1).astype(h_BTD.dtype)
+  logits_BTC = constrain(jnp.einsum("btd,dc->btc", h_BTD, w_DC).astype(jnp.float32),
+                         ("batch", "seq", "act_vocab"))
+  cols_C = start + jnp.arange(chunk)
+  own_C = cols_C >= i * chunk
+  is_label_BTC = (cols_C == jnp.maximum(labels_BT, 0)[..., None]) & own_C
+  return logits_BTC, own_C, is_label_BTC, start, w_DC
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused(chunk, constrain, h_BTD, w_DV, labels_BT):
+  """(lse - label logit, lse) per position, unmasked."""
+  return _fused_forward(chunk, constrain, h_BTD, w_DV, labels_BT)[0]
+
+
+def _fused_forward(chunk, constrain, h_BTD, w_DV, labels_BT):
+  n_chunks = -(-w_DV.shape[1] // chunk)
+
+  def step(carry, i):
+    max_BT, sum_BT, target_BT = carry
+    logits_BTC, own_C, is_label_BTC, _, _ = _chunk_logits(h_BTD, w_DV, labels_BT, i, chunk,
+                                                          constrain)
+    logits_BTC = jnp.where(own_C, logits_BTC, -jnp.inf)
+    new_max_BT = jnp.maximum(max_BT, logits_BTC.max(axis=-1))
+    sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + jnp.exp(
+        logits_BTC - new_max_BT[..., None]).sum(axis=-1)
+    target_BT = target_BT + jnp.where(is_label_BTC, logits_BTC, 0.0).sum(axis=-1)
+    return (new_max_BT, sum_BT, target_BT), None
+
+  shape = labels_BT.shape
+  init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape))
+  (max_BT, sum_BT, target_BT), _ = jax.lax.scan(step, init, jnp.arange(n_chunks))
+  lse_BT = max_BT + jnp.log(sum_BT)
+  return (lse_BT - target_BT, lse_BT), (h_BTD, w_DV, labels_BT, lse_BT)
+
+
+def _fused_backward(chunk, constrain, residuals, cotangents):
+  h_BTD, w_DV, labels_BT, lse_BT = residuals
+  d_nll_BT, d_lse_BT = cotangents
+  n_chunks = -(-w_DV.shape[1] // chunk)
+
+  def step(carry, i):
+    dh_BTD, dw_DV = carry
+    logits_BTC, own_C, is_label_BTC, start, w_DC = _chunk_logits(
+        h_BTD, w_DV, labels_BT, i, chunk, constrain)
+    # d nll / d logits = softmax - onehot(label); d lse / d logits = softmax.
+    p_BTC = jnp.where(own_C, jnp.exp(logits_BTC - lse_BT[..., None]), 0.0)
+    d_BTC = ((d_nll_BT + d_lse_BT)[..., None] * p_BTC
+             - jnp.where(is_label_BTC, d_nll_BT[..., None], 0.0)).astype(h_BTD.dtype)
+    dh_BTD = dh_BTD + jnp.einsum("btc,dc->btd", d_BTC, w_DC).astype(jnp.float32)
+    dw_DC = jnp.einsum("btd,btc->dc", h_BTD, d_BTC).astype(jnp.float32)
+    dw_DV = jax.lax.dynamic_update_slice_in_dim(
+        dw_DV, jax.lax.dynamic_slice_in_dim(dw_DV, start, chunk, axis=1) + dw_DC, start, axis=1)
+    return (dh_BTD, dw_DV), None
+
+  init = (constrain(jnp.zeros(h_BTD.shape, jnp.float32), ("batch", "seq", "act_embed")),
+          constrain(jnp.zeros(w_DV.shape, jnp.float32), ("embed", "vocab")))
+  (dh_BTD, dw_DV), _ = jax.lax.scan(step, init, jnp.arange(n_chunks))
+  return dh_BTD.astype(h_BTD.dtype), dw_DV.astype(w_DV.dtype), None
+
+
+_fused.defvjp(_fused_forward, _fused_backward)
+
+
+def lm_loss(per_token: PerToken, z_loss_weight: float = 0.0,
             batch_tokens: jax.Array | None = None, source_B: jax.Array | None = None,
             num_sources: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(loss, metrics): CE + z_loss_weight · lse², summed over unmasked labels and divided by
@@ -36,7 +147,7 @@ def lm_loss(logits_BTV: jax.Array, labels_BT: jax.Array, z_loss_weight: float = 
   With `source_B` (each row's source, in [0, num_sources)) the metrics also hold each source's
   summed CE and unmasked token count (`source_ce_sum`, `source_tokens`: [S], S = num_sources).
   """
-  nll_BT, lse_BT, mask_BT = token_nll(logits_BTV, labels_BT)
+  nll_BT, lse_BT, mask_BT = per_token
   n_tokens = mask_BT.sum()
   divisor = jnp.maximum(n_tokens if batch_tokens is None else batch_tokens, 1
                         ).astype(jnp.float32)
@@ -53,22 +164,20 @@ def lm_loss(logits_BTV: jax.Array, labels_BT: jax.Array, z_loss_weight: float = 
   return ce + z_loss_weight * z_loss, metrics
 
 
-def summed_nll(logits_BTV: jax.Array, labels_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def summed_nll(per_token: PerToken) -> tuple[jax.Array, jax.Array]:
   """(summed cross-entropy, unmasked token count) of a batch: held-out sets add these up."""
-  nll_BT, _, mask_BT = token_nll(logits_BTV, labels_BT)
-  return nll_BT.sum(), mask_BT.sum()
+  return per_token.nll_BT.sum(), per_token.mask_BT.sum()
 
 
-def row_logprob(logits_BTV: jax.Array, labels_BT: jax.Array) -> jax.Array:
+def row_logprob(per_token: PerToken) -> jax.Array:
   """[B]: each row's summed log-probability of its unmasked labels (a task choice's score)."""
-  return -token_nll(logits_BTV, labels_BT)[0].sum(axis=-1)
+  return -per_token.nll_BT.sum(axis=-1)
 
 
-def choice_logprobs(logits_BTV: jax.Array, position_B: jax.Array, choices_BK: jax.Array
-                    ) -> jax.Array:
-  """[B, K]: log p(choice k) at each row's `position` (multiple choice scored in one pass:
-  every answer is one token after the same context). Negative choices (padding) give 0."""
-  logits_BV = jnp.take_along_axis(logits_BTV, position_B[:, None, None], axis=1)[:, 0]
+def choice_logprobs(logits_BV: jax.Array, choices_BK: jax.Array) -> jax.Array:
+  """[B, K]: log p(choice k) from each row's logits at its answer position (multiple choice
+  scored in one pass: every answer is one token after the same context). Negative choices
+  (padding) give 0."""
   logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
   logp_BK = jnp.take_along_axis(logp_BV, jnp.maximum(choices_BK, 0), axis=-1)
   return jnp.where(choices_BK >= 0, logp_BK, 0.0)

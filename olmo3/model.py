@@ -286,6 +286,16 @@ class Transformer(nnx.Module):
 
     With return_hidden, also every layer's output [L, B, T, D] (for per-layer parity).
     """
+    h_BTD, hidden_LBTD = self._features(tokens_BT, return_hidden)
+    logits_BTV = constrain(self.lm_head(h_BTD), ("batch", "seq", "act_vocab"))
+    return (logits_BTV, hidden_LBTD) if return_hidden else logits_BTV
+
+  def features(self, tokens_BT: jax.Array) -> jax.Array:
+    """[B, T, D]: what the LM head reads (the final norm's output, in the compute dtype). The
+    fused loss (olmo3.loss.fused_token_nll) takes these and the head's kernel."""
+    return self._features(tokens_BT, False)[0]
+
+  def _features(self, tokens_BT: jax.Array, return_hidden: bool):
     cfg = self.cfg
     check_token_ids(tokens_BT, cfg.vocab_size)
     valid = (tokens_BT >= 0) & (tokens_BT < cfg.vocab_size)
@@ -293,9 +303,7 @@ class Transformer(nnx.Module):
     x_BTD = self.embed_tokens(tokens_BT)
     rope = rope_tables(tokens_BT.shape[1], cfg.head_dim, cfg.rope_theta)
     x_BTD, hidden_LBTD = self._blocks(x_BTD, rope, return_hidden)
-    logits_BTV = self.lm_head(self.norm(x_BTD))
-    logits_BTV = constrain(logits_BTV, ("batch", "seq", "act_vocab"))
-    return (logits_BTV, hidden_LBTD) if return_hidden else logits_BTV
+    return constrain(self.norm(x_BTD), ("batch", "seq", "act_embed")), hidden_LBTD
 
   def _blocks(self, x_BTD, rope, return_hidden: bool):
     """Runs the layers: scanned in groups of `global_every` (same static windows in every

@@ -13,8 +13,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from olmo3 import loss
 from olmo3 import model as model_lib
 from olmo3 import sharding as sharding_lib
 from olmo3.config import Experiment, ModelConfig
@@ -57,6 +59,28 @@ class ShardedModel:
     """Logits [B, T, V] of a parameter tree (traced inside `context()`: the logical rules there
     shard the activations)."""
     return nnx.merge(self.graphdef, params)(tokens_BT)
+
+  def features(self, params: Any, tokens_BT: jax.Array) -> jax.Array:
+    """[B, T, D]: the final hidden states the LM head reads."""
+    return nnx.merge(self.graphdef, params).features(tokens_BT)
+
+  def token_losses(self, params: Any, tokens_BT: jax.Array, labels_BT: jax.Array
+                   ) -> loss.PerToken:
+    """Each position's cross-entropy, log-partition and mask: what training and held-out
+    evaluation score. Fused over vocabulary chunks of `cfg.vocab_chunk` columns (never the
+    full float32 logits), or from the full logits when it is None; the same to float32
+    rounding."""
+    if self.cfg.vocab_chunk is None:
+      return loss.token_nll(self.apply(params, tokens_BT), labels_BT)
+    return loss.fused_token_nll(self.features(params, tokens_BT),
+                                params["lm_head"]["kernel"], labels_BT, self.cfg.vocab_chunk,
+                                sharding_lib.constrain)
+
+  def logits_at(self, params: Any, tokens_BT: jax.Array, position_B: jax.Array) -> jax.Array:
+    """[B, V]: each row's logits at one position (the LM head applied there alone)."""
+    model = nnx.merge(self.graphdef, params)
+    h_BD = jnp.take_along_axis(model.features(tokens_BT), position_B[:, None, None], axis=1)[:, 0]
+    return model.lm_head(h_BD)
 
   def init_params(self, seed: int) -> Any:
     """Freshly initialised parameters (OLMo's init), created sharded: no device holds them all."""

@@ -16,7 +16,7 @@ from olmo3 import flops as flops_lib
 from olmo3 import model as model_lib
 from olmo3 import remat as remat_lib
 from olmo3.config import DataConfig, Experiment, ModelConfig, Remat
-from olmo3.loss import lm_loss
+from olmo3.loss import lm_loss, token_nll
 from olmo3.perf import aot
 from olmo3.perf.flags import FLAG_SETS
 
@@ -88,7 +88,7 @@ CUSTOM = (("query_proj", "device"), ("mlpwi_1", "remat"), ("mlpwo", "device"))
 
 def _remat_grads(cfg, params, tokens):
   graphdef = nnx.graphdef(model_lib.abstract_model(cfg))
-  return lambda p: lm_loss(nnx.merge(graphdef, p)(tokens), tokens)[0]
+  return lambda p: lm_loss(token_nll(nnx.merge(graphdef, p)(tokens), tokens))[0]
 
 
 @pytest.mark.parametrize("remat", ["full", "custom"])  # the next test tells all policies apart

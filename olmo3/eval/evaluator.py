@@ -31,14 +31,14 @@ class Evaluator:
     pipeline.check_divisible(cfg.batch_size, model.batch_sharding, "EvalConfig.batch_size")
 
     def summed_nll(params, batch):
-      return loss.summed_nll(model.apply(params, batch["input_ids"]), batch["labels"])
+      return loss.summed_nll(model.token_losses(params, batch["input_ids"], batch["labels"]))
 
     def row_logprob(params, batch):
-      return loss.row_logprob(model.apply(params, batch["input_ids"]), batch["labels"])
+      return loss.row_logprob(model.token_losses(params, batch["input_ids"], batch["labels"]))
 
     def choice_logprobs(params, batch):
-      return loss.choice_logprobs(model.apply(params, batch["input_ids"]), batch["position"],
-                                  batch["choices"])
+      return loss.choice_logprobs(
+          model.logits_at(params, batch["input_ids"], batch["position"]), batch["choices"])
 
     # Replicated outputs: every process can read them (a batch-sharded [B] result is not
     # addressable from one process when the job spans several).

@@ -19,7 +19,7 @@ import optax
 from olmo3 import sharding as sharding_lib
 from olmo3.config import Experiment
 from olmo3.data.pipeline import batch_only
-from olmo3.loss import lm_loss
+from olmo3.loss import PerToken, lm_loss
 from olmo3.sharded import ShardedModel
 from olmo3.train import optim
 from olmo3.train.state import StateLayout, TrainState
@@ -29,11 +29,16 @@ from olmo3.train.state import StateLayout, TrainState
 Batch = dict[str, jax.Array]
 
 
-def loss_and_grads(exp: Experiment, apply: Callable[[Any, jax.Array], jax.Array],
-                   param_shardings: Any, params: Any, batch: Batch, num_sources: int = 1):
+TokenLosses = Callable[[Any, jax.Array, jax.Array], PerToken]  # (params, tokens, labels)
+
+
+def loss_and_grads(exp: Experiment, token_losses: TokenLosses, param_shardings: Any,
+                   params: Any, batch: Batch, num_sources: int = 1):
   """((loss, metrics), gradients) of the whole global batch; with train.microbatches = k,
   accumulated over k sequential microbatches (each a 1/k slice of every device's rows, so no
   data moves), normalised by the whole batch's token count: the same loss and update.
+  `token_losses(params, tokens, labels)` is the model's per-token loss
+  (`ShardedModel.token_losses`: the fused, vocabulary-chunked cross-entropy).
 
   The token count is OLMo-core's: the unmasked labels, plus all T positions of every instance
   the repetition filter masked (they count as tokens with zero loss). The metrics include the
@@ -42,8 +47,8 @@ def loss_and_grads(exp: Experiment, apply: Callable[[Any, jax.Array], jax.Array]
   z_loss_weight, k = exp.train.z_loss_weight, exp.train.microbatches
 
   def loss_fn(params, tokens_BT, labels_BT, source_B, batch_tokens):
-    return lm_loss(apply(params, tokens_BT), labels_BT, z_loss_weight, batch_tokens, source_B,
-                   num_sources)
+    return lm_loss(token_losses(params, tokens_BT, labels_BT), z_loss_weight, batch_tokens,
+                   source_B, num_sources)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   seq_len = batch["labels"].shape[1]
@@ -76,8 +81,8 @@ def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransform
   """(state, batch) -> (next state, metrics); not jitted. batch["source"] < num_sources."""
 
   def step(state: TrainState, batch: Batch):
-    (loss, aux), grads = loss_and_grads(exp, model.apply, model.param_shardings, state.params,
-                                        batch, num_sources)
+    (loss, aux), grads = loss_and_grads(exp, model.token_losses, model.param_shardings,
+                                        state.params, batch, num_sources)
     grad_norm = optax.global_norm(grads)
     lr = optim.learning_rate(exp.optimizer, state.step + 1)  # this is update state.step + 1
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
