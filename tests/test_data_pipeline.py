@@ -1,3 +1,4 @@
+import itertools
 import os
 
 import jax
@@ -8,7 +9,7 @@ import pytest
 from olmo3.config import DataConfig, RepetitionFilter
 from olmo3.data import pipeline, sources, tokens
 from olmo3.data.tokens import DataError
-from olmo3.loss import IGNORE, lm_loss
+from olmo3.loss import IGNORE, lm_loss, token_nll
 
 from data_helpers import batch_sharding, write_files
 
@@ -56,6 +57,53 @@ def test_each_device_holds_its_own_rows(tmp_path):
     assert shard.data.shape == (1, 16)
 
 
+def test_device_prefetch_keeps_the_loaders_order(tmp_path):
+  cfg = _cfg(write_files(tmp_path, [3000]))
+  sharding = batch_sharding(8, {"data": 2, "fsdp": 4})
+  plain = _global_batches(cfg, sharding, 3, 6)
+  loader = pipeline.Loader(cfg, sharding, start_step=3, num_steps=6, vocab_size=100)
+  with pipeline.DevicePrefetch(iter(loader), depth=2) as batches:
+    ahead = list(batches)
+    assert next(batches, None) is None  # stays exhausted
+  assert len(ahead) == len(plain)
+  for a, b in zip(plain, ahead):
+    assert b["input_ids"].sharding == sharding  # already global arrays on the devices
+    for key in pipeline.STEP_KEYS:
+      np.testing.assert_array_equal(a[key], np.asarray(b[key]))
+
+
+def test_device_prefetch_raises_a_read_error_where_the_batch_would_be():
+  def batches():
+    yield from ({"x": i} for i in range(3))
+    raise DataError("batch 3 is unreadable")
+
+  prefetch = pipeline.DevicePrefetch(batches(), depth=2)
+  assert [b["x"] for b in itertools.islice(prefetch, 3)] == [0, 1, 2]
+  with pytest.raises(DataError, match="batch 3 is unreadable"):
+    next(prefetch)
+  prefetch.close()
+  assert not prefetch._thread.is_alive()
+
+
+def test_device_prefetch_stops_its_thread_when_the_consumer_stops_early():
+  read, closed = [], []
+
+  def endless():
+    try:
+      for i in itertools.count():
+        read.append(i)
+        yield {"x": i}
+    finally:
+      closed.append(True)  # the thread closes the iterator it ran
+
+  with pytest.raises(RuntimeError, match="the loop stopped"):
+    with pipeline.DevicePrefetch(endless(), depth=3) as prefetch:
+      assert [next(prefetch)["x"] for _ in range(2)] == [0, 1]
+      raise RuntimeError("the loop stopped")
+  assert not prefetch._thread.is_alive() and closed == [True]
+  assert len(read) <= 2 + 3  # never more than `depth` batches ahead of the consumer
+
+
 def test_labels_shift_left_and_repetitive_instances_are_masked(tmp_path):
   rng = np.random.default_rng(0)
   instances = [rng.integers(2, 100, 64) for _ in range(4)]
@@ -81,9 +129,9 @@ def test_labels_shift_left_and_repetitive_instances_are_masked(tmp_path):
 
 def test_all_masked_batch_gives_zero_loss_not_nan():
   logits = jnp.asarray(np.random.default_rng(0).standard_normal((2, 5, 11)), jnp.float32)
-  loss, metrics = lm_loss(logits, jnp.full((2, 5), -1), z_loss_weight=1e-5)
+  loss, metrics = lm_loss(token_nll(logits, jnp.full((2, 5), -1)), z_loss_weight=1e-5)
   assert float(loss) == 0.0 and int(metrics["tokens"]) == 0
-  grads = jax.grad(lambda x: lm_loss(x, jnp.full((2, 5), -1), 1e-5)[0])(logits)
+  grads = jax.grad(lambda x: lm_loss(token_nll(x, jnp.full((2, 5), -1)), 1e-5)[0])(logits)
   assert np.isfinite(np.asarray(grads)).all()
 
 

@@ -70,10 +70,50 @@ def _losses(workdir):
   return by_step
 
 
-def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path):
+def _dispatches_and_rows(monkeypatch) -> list[str]:
+  """The order in which the loop dispatches steps and writes their rows, as it runs."""
+  from olmo3.train import loop
+
+  events = []
+  jit_train_step, create_writer = loop.jit_train_step, metrics_lib.create_writer
+
+  def jit_spy(*args):
+    step_fn = jit_train_step(*args)
+
+    def dispatch(state, batch):
+      events.append(f"dispatch {sum(e.startswith('dispatch') for e in events) + 1}")
+      return step_fn(state, batch)
+
+    return dispatch
+
+  def writer_spy(*args, **kwargs):
+    writer = create_writer(*args, **kwargs)
+    write = writer.write_scalars
+
+    def write_scalars(step, values):
+      if "loss" in values:  # a row (not CLU's progress report)
+        events.append(f"row {step}")
+      write(step, values)
+
+    writer.write_scalars = write_scalars
+    return writer
+
+  monkeypatch.setattr(loop, "jit_train_step", jit_spy)
+  monkeypatch.setattr(metrics_lib, "create_writer", writer_spy)
+  return events
+
+
+def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path, monkeypatch):
+  """Also: the devices never wait while the host fetches and writes a row. Step s's row is read
+  after step s + 1 is dispatched, except where the loop needs step s anyway (a checkpoint, the
+  last step)."""
   path = write_corpus(tmp_path)
   full = micro_experiment(path, steps=8)
-  train(full, str(tmp_path / "full"))
+  events = _dispatches_and_rows(monkeypatch)
+  train(full, str(tmp_path / "full"))  # checkpoints at 2, 4, 6, 8
+  assert events == ["dispatch 1", "dispatch 2", "row 1", "row 2", "dispatch 3", "dispatch 4",
+                    "row 3", "row 4", "dispatch 5", "dispatch 6", "row 5", "row 6",
+                    "dispatch 7", "dispatch 8", "row 7", "row 8"]
   first = dataclasses.replace(full, train=dataclasses.replace(full.train, steps=5))
   train(first, str(tmp_path / "resumed"))  # checkpoints at 2, 4, 5
   train(full, str(tmp_path / "resumed"))  # resumes from step 5
@@ -111,11 +151,11 @@ NAN_MARK, SPIKE_MARK = 491, 490  # token ids the corpus never holds (it draws be
 class _Injecting(ShardedModel):
   """Turns a batch holding a marker token into a NaN loss or a large loss spike."""
 
-  def apply(self, params, tokens):
-    logits = super().apply(params, tokens)
+  def features(self, params, tokens):  # the logits scale with the LM head's input
+    h = super().features(params, tokens)
     scale = jnp.where(jnp.any(tokens == NAN_MARK), jnp.nan,
                       jnp.where(jnp.any(tokens == SPIKE_MARK), 30.0, 1.0))
-    return logits * scale
+    return h * scale.astype(h.dtype)
 
 
 def _marked_corpus(tmp_path, marks):
@@ -249,7 +289,7 @@ def test_loss_divisor_counts_filtered_instances_as_olmo_core_does():
   the summed CE and z-loss by the unmasked labels plus T for each masked instance."""
   from olmo_core.nn.functional import cross_entropy_loss
 
-  from olmo3.loss import IGNORE
+  from olmo3.loss import IGNORE, token_nll
   from olmo3.train.step import loss_and_grads
 
   rng = np.random.default_rng(0)
@@ -261,7 +301,8 @@ def test_loss_divisor_counts_filtered_instances_as_olmo_core_does():
   filtered = np.array([False, True, False, False])
   exp = micro_experiment("unused")
   (loss, aux), _ = loss_and_grads(
-      exp, lambda p, tokens: p["logits"], None, {"logits": jnp.asarray(logits)},
+      exp, lambda p, tokens, labels: token_nll(p["logits"], labels), None,
+      {"logits": jnp.asarray(logits)},
       {"input_ids": jnp.zeros((b, t), jnp.int32), "labels": jnp.asarray(labels),
        "filtered": jnp.asarray(filtered), "source": jnp.zeros(b, jnp.int32)})
   torch_labels = torch.from_numpy(np.where(labels == IGNORE, -100, labels).astype(np.int64))
@@ -277,7 +318,7 @@ def test_loss_divisor_counts_filtered_instances_as_olmo_core_does():
 def test_per_source_sums_match_a_direct_computation(microbatches):
   """Each source's summed CE and unmasked token count, from a bigram model's logits, as numpy
   computes them; whole or in microbatches, and whatever the sources, the loss is the same."""
-  from olmo3.loss import IGNORE
+  from olmo3.loss import IGNORE, token_nll
   from olmo3.train.step import loss_and_grads
 
   rng = np.random.default_rng(0)
@@ -289,11 +330,11 @@ def test_per_source_sums_match_a_direct_computation(microbatches):
   source = np.array([2, 0, 2, 2, 0, 1, 2, 0], np.int32)
   exp = micro_experiment("unused")
   exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, microbatches=microbatches))
-  apply = lambda p, tokens: p["table"][tokens]
+  token_losses = lambda p, tokens, labels: token_nll(p["table"][tokens], labels)
 
   def run(source, num_sources):
     replicated = {"table": jax.sharding.SingleDeviceSharding(jax.devices()[0])}
-    return loss_and_grads(exp, apply, replicated, {"table": jnp.asarray(table)},
+    return loss_and_grads(exp, token_losses, replicated, {"table": jnp.asarray(table)},
                           {"input_ids": jnp.asarray(ids), "labels": jnp.asarray(labels),
                            "filtered": jnp.zeros(b, bool), "source": jnp.asarray(source)},
                           num_sources)

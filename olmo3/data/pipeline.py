@@ -15,13 +15,16 @@ The one exit: iterating a `Loader` yields what the train step consumes, global j
                            counts its T tokens, as OLMo-core's does)
   source    [B]    int32   the instance's source: an index into `Loader.source.source_names`
                            (the mix's labels, sorted)
-Audits read `Loader.host_batches()` instead: this process's rows as numpy arrays, with the
+`DevicePrefetch` runs that iteration ahead of the step on a background thread. Audits read
+`Loader.host_batches()` instead: this process's rows as numpy arrays, with the
 global step and each row's global instance index (`instance` [R] int64), which stay on the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 from collections.abc import Iterator
 
 import grain
@@ -144,6 +147,70 @@ class Loader:
     """Each step's global batch, as the train step consumes it (STEP_KEYS)."""
     for batch in self.dataset:
       yield self.host_rows.to_global({k: batch[k] for k in STEP_KEYS})
+
+
+class DevicePrefetch:
+  """Iterates `batches` (a Loader's global arrays) up to `depth` steps ahead of the consumer:
+  a background thread reads and transfers them, so the next step's batch is already on the
+  devices when the step is dispatched. The order is `batches`'s; an exception raised reading
+  a batch is raised by the `next()` that would have returned it. `close()` (or leaving a `with`
+  block) stops the thread once its current read ends, and joins it."""
+
+  def __init__(self, batches: Iterator[dict[str, jax.Array]], depth: int):
+    if depth < 1:
+      raise ValueError(f"prefetch depth {depth} < 1")
+    self._slots = threading.Semaphore(depth)  # batches read but not yet consumed, at most depth
+    self._ready: queue.SimpleQueue = queue.SimpleQueue()  # (batch, None) | (None, error | None)
+    self._stop = threading.Event()
+    self._done = False
+    self._thread = threading.Thread(target=self._fill, args=(batches,), name="device-prefetch",
+                                    daemon=True)
+    self._thread.start()
+
+  def _fill(self, batches: Iterator[dict[str, jax.Array]]) -> None:
+    try:
+      while True:
+        self._slots.acquire()
+        if self._stop.is_set():
+          return
+        try:
+          batch = next(batches)
+        except StopIteration:
+          self._ready.put((None, None))
+          return
+        self._ready.put((batch, None))
+    except BaseException as e:  # pylint: disable=broad-except  # raised in the consumer
+      self._ready.put((None, e))
+    finally:
+      if hasattr(batches, "close"):  # a generator (Loader.__iter__) releases its Grain iterator
+        batches.close()
+
+  def __iter__(self) -> DevicePrefetch:
+    return self
+
+  def __next__(self) -> dict[str, jax.Array]:
+    if self._done:
+      raise StopIteration
+    batch, error = self._ready.get()
+    if batch is None:
+      self._done = True
+      if error is not None:
+        raise error
+      raise StopIteration
+    self._slots.release()
+    return batch
+
+  def close(self) -> None:
+    self._stop.set()
+    self._slots.release()  # wakes a thread waiting for a slot
+    self._thread.join()
+    self._done = True
+
+  def __enter__(self) -> DevicePrefetch:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 def batch_only(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:

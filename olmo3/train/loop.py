@@ -4,10 +4,16 @@ latest checkpoint (olmo3.train.state), logging metrics, evaluating (olmo3.eval.e
 checkpointing on the configured cadences, and stopping cleanly at a step boundary on SIGTERM /
 SIGINT. Besides the step's scalars it logs each data source's loss over the log interval
 (`train/<source>/ce_loss`, the mix's labels).
+
+The host never waits for a step it does not need: batches reach the devices ahead of their
+step (`pipeline.DevicePrefetch`), a log step's row is fetched after the next step is dispatched,
+and the consecutive-skip count is checked with the rows and before evaluating or saving. Only
+evaluation and checkpoint steps (and a preemption's save) wait for their own step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -26,7 +32,7 @@ from olmo3 import metrics as metrics_lib
 from olmo3.train import state as state_lib
 from olmo3.train.checkpoints import RunCheckpoints
 from olmo3.train.lease import Lease, LeaseHeld
-from olmo3.train.preemption import Preemption
+from olmo3.train.preemption import EXCHANGE_EVERY, Preemption
 from olmo3.train.step import jit_train_step
 
 
@@ -102,6 +108,84 @@ def _hold(lease: Lease) -> None:
     raise error
 
 
+class _Log:
+  """The metrics rows. A log step's metrics stay on the devices until the loop fetches them:
+  one step late (`write` after the next step is dispatched, so the devices work while the host
+  waits, formats and writes) or, where the loop waits for the step anyway, at once. A crash
+  can lose only the pending row, of a step after the latest checkpoint, which a resumed run
+  logs again."""
+
+  def __init__(self, exp: Experiment, writer: metrics_lib.interface.MetricWriter,
+               names: tuple[str, ...], start: int):
+    self.exp, self.writer, self.names = exp, writer, names
+    self.flops_per_step = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
+    self.peak = peak_flops_per_device(jax.devices()[0].device_kind)
+    # Each step's per-source (ce_sum [S], tokens [S]) since the last row, on the devices.
+    self.per_source: list[tuple[jax.Array, jax.Array]] = []
+    # (step, metrics, its interval's per-source sums) of a row not fetched yet.
+    self.pending: tuple[int, dict[str, jax.Array], list] | None = None
+    self.clock = (time.perf_counter(), start)  # (when, step): the last step timed
+    self.last: dict[str, float] = {}  # the last row (and evaluation) written
+    self.train_logs: list[dict[str, float]] = []  # written since the last evaluation
+
+  def add(self, step: int, step_metrics: dict[str, jax.Array], row: bool) -> None:
+    self.per_source.append((step_metrics.pop("source_ce_sum"), step_metrics.pop("source_tokens")))
+    if row:
+      self.pending, self.per_source = (step, step_metrics, self.per_source), []
+
+  def write(self) -> None:
+    """The pending row, if any: waits for its step (only)."""
+    if self.pending is None:
+      return
+    (step, step_metrics, sums), self.pending = self.pending, None
+    fetched, sums = jax.device_get((step_metrics, sums))
+    # The fetch returned when the step ended: its duration is the devices', the host's reading
+    # and dispatching hidden behind it unless they are the slower.
+    now = time.perf_counter()
+    values = {k: float(v) for k, v in fetched.items()}
+    values.update(source_losses(self.names, sums))
+    elapsed = (now - self.clock[0]) / (step - self.clock[1])
+    per_device = self.flops_per_step / elapsed / jax.device_count()
+    values.update({"step_time_s": elapsed, "tokens_per_s": self.exp.tokens_per_step / elapsed,
+                   "tflops_per_device": per_device / 1e12})
+    if self.peak:
+      values["mfu"] = per_device / self.peak
+    self.writer.write_scalars(step, values)
+    self.last = values
+    self.train_logs.append(values)
+    self.clock = (now, step)
+
+  def restart_clock(self, step: int) -> None:
+    """Time the steps after `step` from now (evaluation is not a step's time)."""
+    self.clock = (time.perf_counter(), step)
+
+
+class _SkipLimit:
+  """train.max_consecutive_skips, counted on the host from each step's `skipped` flag. The
+  flags stay on the devices until `check`, which the loop calls where it waits anyway (with a
+  row, before evaluating or saving): a run of skips between two checks is still seen, and no
+  checkpoint is written after the limit was reached."""
+
+  def __init__(self, limit: int, consecutive: int):
+    self.limit, self.consecutive = limit, consecutive
+    self.steps: list[tuple[int, jax.Array, jax.Array]] = []  # (step, skipped, loss) unchecked
+
+  def add(self, step: int, step_metrics: dict[str, jax.Array]) -> None:
+    self.steps.append((step, step_metrics["skipped"], step_metrics["loss"]))
+
+  def check(self) -> None:
+    steps, self.steps = jax.device_get(self.steps), []
+    for step, skipped, loss in steps:
+      self.consecutive = self.consecutive + 1 if skipped else 0
+      if self.consecutive >= self.limit:
+        raise TrainingStopped(
+            f"step {step}: {self.consecutive} consecutive steps skipped (NaN/Inf or loss / "
+            f"gradient-norm spikes; the last loss was {float(loss)}): stopping. Parameters "
+            f"at step {step} were those of step {step - self.consecutive}; the latest "
+            f"checkpoint, from before step {step}, is intact. Lower the LR, check the data, or "
+            "raise train.max_consecutive_skips.")
+
+
 def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
            preemption: Preemption) -> dict[str, float]:
   model = model or ShardedModel.for_experiment(exp)
@@ -129,75 +213,71 @@ def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
     loader = pipeline.Loader(exp.data, model.batch_sharding,
                              start_step=data_position.data_step(start),
                              num_steps=end - start, source=source)
+    batches = (pipeline.DevicePrefetch(iter(loader), exp.data.device_prefetch)
+               if exp.data.device_prefetch else iter(loader))
     writer = metrics_lib.create_writer(workdir, jax.process_index() == 0, resumed_at=start)
     from clu import periodic_actions  # after olmo3.metrics: CLU then imports without TF
 
     progress = periodic_actions.ReportProgress(num_train_steps=end, writer=writer,
                                                every_steps=max(exp.train.log_every, 10))
-    flops_per_step = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
-    peak = peak_flops_per_device(jax.devices()[0].device_kind)
     alarm = GapAlarm(exp.eval.alarm_window, exp.eval.alarm_margin)
-    last: dict[str, float] = {}
-    per_source = []  # each step's per-source sums since the last log (on device: no sync)
-    train_logs: list[dict[str, float]] = []  # logged since the last evaluation
-    tick = time.perf_counter()
+    log = _Log(exp, writer, source.source_names, start)
+    limit = exp.train.max_consecutive_skips
+    skips = _SkipLimit(limit, int(state.skip.consecutive)) if limit is not None else None
+
+    def wait_for_step() -> None:
+      """The pending row and the skip count, where the loop needs the step's results anyway."""
+      log.write()
+      if skips is not None:
+        skips.check()
+
+    # Nothing below reads the devices except wait_for_step, evaluation and saving: the host
+    # runs a step ahead, dispatching step s + 1 before it waits for step s's row.
     try:
-      for step, batch in enumerate(loader, start=start + 1):
-        checkpoints.check()  # a failed async save stops the run here, not a save later
-        state, step_metrics = step_fn(state, batch)
-        per_source.append((step_metrics.pop("source_ce_sum"), step_metrics.pop("source_tokens")))
-        progress(step)
-        limit = exp.train.max_consecutive_skips  # reading the count waits for the step
-        if limit is not None and (consecutive := int(state.skip.consecutive)) >= limit:
-          writer.write_scalars(step, jax.device_get(step_metrics))
-          raise TrainingStopped(
-              f"step {step}: {consecutive} consecutive steps skipped (NaN/Inf or loss / "
-              f"gradient-norm spikes; the last loss was {float(step_metrics['loss'])}): "
-              f"stopping. Parameters are those of step {step - consecutive}; the latest "
-              "checkpoint is intact. Lower the LR, check the data, or raise "
-              "train.max_consecutive_skips.")
-        last_step = step == end
-        if step % exp.train.log_every == 0 or last_step:
-          fetched, sums = jax.device_get((step_metrics, per_source))
-          values = {k: float(v) for k, v in fetched.items()}
-          values.update(source_losses(source.source_names, sums))
-          per_source = []
-          elapsed = (time.perf_counter() - tick) / exp.train.log_every
-          per_device = flops_per_step / elapsed / jax.device_count()
-          values.update({"step_time_s": elapsed, "tokens_per_s": exp.tokens_per_step / elapsed,
-                         "tflops_per_device": per_device / 1e12})
-          if peak:
-            values["mfu"] = per_device / peak
-          writer.write_scalars(step, values)
-          last = values
-          train_logs.append(values)
-          tick = time.perf_counter()
-        stop = False
-        if evaluator and (step % exp.train.eval_every == 0 or last_step):
-          evals = evaluator.evaluate(state.params)
-          warning = alarm.observe(step, train_logs, evals)
-          train_logs = []
-          writer.write_scalars(step, evals)
-          last = {**last, **evals}
-          if warning:
-            logging.warning("%s", warning)
-            stop = exp.eval.stop_on_alarm
-            if stop:
-              logging.warning("stopping at step %d (eval.stop_on_alarm)", step)
-          tick = time.perf_counter()
-        # A signal seen at any point of this step (training, evaluation, or the save below) is
-        # honoured here, whatever the checkpoint cadence: every process agrees on this step.
-        preempted = not last_step and preemption.agreed()
-        if stop or preempted or step % exp.checkpoint.every == 0 or last_step:
-          writer.flush()  # metrics up to a checkpoint are on disk before it can exist
-          state_lib.save(checkpoints, state, exp, name, data_position)
-        if preempted:
-          logging.warning("preempted (signal %s): saved step %d; rerun the same command to "
-                          "resume", preemption.signal, step)
-          break
-        if stop:
-          break
+      with contextlib.closing(batches):
+        for step, batch in enumerate(batches, start=start + 1):
+          checkpoints.check()  # a failed async save stops the run here, not a save later
+          state, step_metrics = step_fn(state, batch)
+          if log.pending:
+            wait_for_step()  # the previous step's row, while this step runs
+          if skips is not None:
+            skips.add(step, step_metrics)
+          progress(step)
+          last_step = step == end
+          log.add(step, step_metrics, row=step % exp.train.log_every == 0 or last_step)
+          evaluate = evaluator is not None and (step % exp.train.eval_every == 0 or last_step)
+          checkpoint = step % exp.checkpoint.every == 0 or last_step
+          stop = False
+          if evaluate:
+            wait_for_step()  # the alarm compares this step's row with the evaluation
+            evals = evaluator.evaluate(state.params)
+            warning = alarm.observe(step, log.train_logs, evals)
+            log.train_logs = []
+            writer.write_scalars(step, evals)
+            log.last = {**log.last, **evals}
+            if warning:
+              logging.warning("%s", warning)
+              stop = exp.eval.stop_on_alarm
+              if stop:
+                logging.warning("stopping at step %d (eval.stop_on_alarm)", step)
+            log.restart_clock(step)
+          # A signal seen at any point of this step (training, evaluation, or the save below) is
+          # honoured here, whatever the checkpoint cadence; in a job of several processes, at
+          # the step they agree on (a second or so later, or the next exchange for signals
+          # Python caught: olmo3.train.preemption).
+          preempted = not last_step and preemption.agreed(
+              exchange=evaluate or checkpoint or step % EXCHANGE_EVERY == 0)
+          if stop or preempted or checkpoint:
+            wait_for_step()  # never a checkpoint after the skip limit was reached
+            writer.flush()  # metrics up to a checkpoint are on disk before it can exist
+            state_lib.save(checkpoints, state, exp, name, data_position)
+          if preempted:
+            logging.warning("preempted (signal %s): saved step %d; rerun the same command to "
+                            "resume", preemption.signal, step)
+            break
+          if stop:
+            break
     finally:
       checkpoints.wait()
       writer.flush()
-  return last
+  return log.last

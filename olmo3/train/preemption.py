@@ -2,20 +2,35 @@
 
 Light to import (JAX is imported on first use), so a launcher can install the handlers before
 its own heavy imports: a signal during startup is then a clean stop, not a kill.
+
+In a job of several processes, no check touches the devices (the loop never waits for a step
+to learn of a signal). Once `jax.distributed` starts, XLA's own SIGTERM handler replaces
+Python's (its preemption service): the coordination service then agrees on a step in the
+background, and `agreed()` asks it locally at every call. Signals Python still sees (SIGINT;
+a SIGTERM before `jax.distributed` started, or with the service off) are exchanged through the
+coordination service's key-value store at the calls that ask for it.
 """
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 
-import numpy as np
+# How often (in steps) a multi-process loop exchanges the signals Python caught, beside its
+# evaluation and checkpoint steps: a barrier among the hosts, nothing on the devices.
+EXCHANGE_EVERY = 10
+BARRIER_TIMEOUT_MS = 10 * 60 * 1000  # the hosts only drift apart by host work between checks
+
+# Every process makes the same sequence of `agreed()` calls, so the call's index names the
+# same point on all of them (XLA's sync point and the exchange's keys count from it); one count
+# for the whole process, since both outlive a `Preemption`.
+_calls = itertools.count(1)
 
 
 class Preemption:
   """Records SIGTERM / SIGINT (restoring the previous handlers on `restore`). `agreed()` is
-  True on every process at the same step once any process was signalled: a tiny all-gather of
-  the flag per call when the job spans several processes."""
+  True on every process at the same call once any process was signalled."""
 
   def __init__(self):
     self.signal: int | None = None
@@ -28,15 +43,34 @@ class Preemption:
     del frame
     self.signal = signum
 
-  def agreed(self) -> bool:
+  def agreed(self, exchange: bool = True) -> bool:
+    """Whether to stop here. Every process must call it at the same points with the same
+    `exchange`. One process: the host flag. Several: XLA's preemption sync point (local, every
+    call) and, where `exchange`, a barrier that shares Python's flags (no device either)."""
     import jax  # pylint: disable=import-outside-toplevel
+    from jax._src import distributed  # pylint: disable=import-outside-toplevel
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
 
-    local = np.int32(self.signal is not None)
+    call = next(_calls)
+    coordination = distributed.global_state  # the client Orbax's multihost helpers use too
+    if (coordination.preemption_sync_manager is not None
+        and multihost_utils.reached_preemption_sync_point(call)):
+      self.signal = self.signal or int(signal.SIGTERM)  # XLA's handler caught it, not ours
+      return True
     if jax.process_count() == 1:
-      return bool(local)
-    from jax.experimental import multihost_utils
-
-    return bool(np.asarray(multihost_utils.process_allgather(local)).any())
+      return self.signal is not None
+    if not exchange:
+      return False
+    client = coordination.client
+    keys = f"olmo3/preemption/{call}/"  # this call's: a later call's never count here
+    if self.signal is not None:
+      client.key_value_set(f"{keys}{jax.process_index()}", str(self.signal))
+    # Every key set before a process reaches the barrier is seen by all after it.
+    client.wait_at_barrier(f"olmo3_preemption_{call}", BARRIER_TIMEOUT_MS)
+    signalled = client.key_value_dir_get(keys)
+    if signalled and self.signal is None:
+      self.signal = min(int(v) for _, v in signalled)  # another process's
+    return bool(signalled)
 
   def restore(self) -> None:
     for sig, handler in self._previous.items():
