@@ -155,3 +155,22 @@ def mfu_sweep() -> list[dict[str, object]]:
           for remat in ("custom", "full", "minimal")
           for batch in (512, 1024)
           for offload in (True, False)]
+
+
+def head_shape_sweep() -> list[dict[str, object]]:
+  """Attention head shapes at the 7B's d_model = 4096 (4): 8 x 512, 16 x 256, 32 x 128 (the 7B)
+  and 64 x 64 heads x head_dim, multi-head as the 7B (n_kv_heads = n_heads), everything else
+  stage 1. H x K = d_model throughout, so the parameters (q_norm / k_norm included: QK-norm runs
+  over the whole H·K projection, not per head) and the analytic FLOPs (ModelConfig.
+  flops_per_token; the attention core, 12·H·K per key, is 11% of them at 8192 tokens) are the
+  same for every variant. What differs is how the hardware runs them: the per-head contractions
+  (q·kᵀ over K, p·v producing K) against the MXU, 128 x 128 on v5p and 256 x 256 on v6e and
+  tpu7x (K = 64 fills half of a v5p pass, K = 256 a whole v6e / tpu7x one); splash attention's
+  grid (one step per head and block pair) and its per-head softmax statistics (H x T floats per
+  sequence); the scores XLA attention materialises (H x T x S); and RoPE (K / 2 frequencies
+  per head between 1 and 1/theta). Whether a shape keeps the 7B's quality is the tiny sweep's
+  question (experiments.olmo3_tiny:head_shape_sweep). Run (≈ 5 minutes a variant on 2 cores):
+  python launch/sweep.py --fdl_config=experiments.olmo3_7b:stage1
+  --sweep=experiments.olmo3_7b:head_shape_sweep --compile_only=tpu7x:4x8x8
+  --out benchmarks/sweeps/olmo3_7b_head_shape_tpu7x_4x8x8"""
+  return [{"model.n_heads": heads, "model.n_kv_heads": heads} for heads in (8, 16, 32, 64)]

@@ -120,3 +120,19 @@ def mfu_sweep() -> list[dict[str, object]]:
           for remat in ("none", "full", "minimal")
           for batch in (8, 16)
           for kernel in ("xla", "dot_product")]
+
+
+def head_shape_sweep() -> list[dict[str, object]]:
+  """The 7B's head-shape sweep (experiments.olmo3_7b:head_shape_sweep) at tiny size (6): 2 x 64,
+  4 x 32 (the tiny model) and 8 x 16 heads x head_dim at d_model = 128, multi-head, each from
+  two initialisation seeds (train.seed 0 and 1) to show the spread; data order as stage 1
+  (data.seed 34521). Parameters and analytic FLOPs are the same for every shape; what ranks is
+  quality: the embedded held-out CE (its 32 documents, the same for every variant) after the
+  same budget, the whole tiny stage 1 (100 steps of 16 x 256 tokens, its schedule included).
+  16 CPU-minutes (24 minutes on 2 cores shared with other jobs); results in
+  benchmarks/sweeps/olmo3_tiny_head_shape/:
+  python launch/sweep.py --fdl_config=experiments.olmo3_tiny:stage1
+  --sweep=experiments.olmo3_tiny:head_shape_sweep --steps 100 --rank_by=heldout
+  --out benchmarks/sweeps/olmo3_tiny_head_shape"""
+  return [{"model.n_heads": heads, "model.n_kv_heads": heads, "train.seed": seed}
+          for heads in (2, 4, 8) for seed in (0, 1)]

@@ -4,6 +4,8 @@ r"""Generate, compile or run, and rank the variants of a sweep.
       --sweep=experiments.olmo3_7b:mfu_sweep --compile_only=tpu7x:4x8x8 --out sweeps/7b
   python launch/sweep.py --fdl_config=experiments.olmo3_tiny:stage1 \
       --sweep=experiments.olmo3_tiny:mfu_sweep --steps 5 --out sweeps/tiny
+  python launch/sweep.py --fdl_config=experiments.olmo3_tiny:stage1 \
+      --sweep=experiments.olmo3_tiny:head_shape_sweep --steps 100 --rank_by=heldout --out ...
   ... --variant 'model.remat=full,data.global_batch_size=16'    # rerun one variant alone
 
 A sweep is a function returning a list of override dicts ({"model.remat": "full", ...}); each
@@ -12,8 +14,10 @@ each variant's XLA / libtpu flags take effect; a crash costs the variant that ca
 (the others are rerun); --jobs N runs N workers at a time. With --compile_only each variant's
 train step is compiled for the target (memory, fits, compiled FLOPs); with --steps each trains
 N steps in a scratch workdir (tokens/s, TFLOP/s per device, MFU when the device's peak is
-known). Writes OUT/results.csv, OUT/results.md (ranked: what fits, by MFU or by memory) and
-OUT/results.png. A misspelt override path stops the sweep before any variant runs.
+known); with --rank_by=heldout each also evaluates its held-out sets after its N steps
+(heldout_ce: the mean CE over the sets). Writes OUT/results.csv, OUT/results.md (ranked: what
+fits, by MFU or by memory, or by held-out CE) and OUT/results.png (the ranking metric). A
+misspelt override path stops the sweep before any variant runs.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ COMPILE_ONLY = flags.DEFINE_string("compile_only", None,
                                    "'local' or a TPU topology kind:AxBxC")
 STEPS = flags.DEFINE_integer("steps", None, "train each variant this many steps", lower_bound=1)
 flags.mark_flags_as_mutual_exclusive(["compile_only", "steps"], required=True)
+RANK_BY = flags.DEFINE_enum(
+    "rank_by", "mfu", ["mfu", "heldout"],
+    "mfu: by MFU, else tokens/s, else memory (smallest first); heldout: with --steps, each "
+    "variant evaluates its held-out sets (eval.heldout) after its last step, lowest CE first")
 OUT = flags.DEFINE_string("out", None, "directory for results.csv, results.md, results.png",
                           required=True)
 VARIANT = flags.DEFINE_string("variant", None, "run only the variant of this name")
@@ -72,6 +80,7 @@ class Sweep:
   steps: int | None
   out: str
   jobs: int = 1
+  rank_by: str = "mfu"
 
 
 def apply(cfg: fdl.Config, overrides: dict[str, Any]) -> fdl.Config:
@@ -85,7 +94,8 @@ def variant_config(sweep: Sweep, overrides: dict[str, Any]) -> fdl.Config:
   return apply(configs.resolve(sweep.fdl_config, sweep.fdl_set), overrides)
 
 
-def run_variant(exp, compile_only: str | None, steps: int | None) -> dict[str, Any]:
+def run_variant(exp, compile_only: str | None, steps: int | None,
+                heldout: bool = False) -> dict[str, Any]:
   if compile_only:
     from olmo3.perf import aot
 
@@ -98,17 +108,33 @@ def run_variant(exp, compile_only: str | None, steps: int | None) -> dict[str, A
             "analytic_tflops": r.analytic_tflops_per_step, "compile_s": round(r.compile_s, 1)}
   from olmo3.train.loop import train
 
+  # `heldout`: the loop evaluates once, after the last step (after that step's timing is
+  # logged), the held-out sets only: held-out loss ranks, and the tasks would add minutes.
   exp = dataclasses.replace(
-      exp, train=dataclasses.replace(exp.train, steps=steps, log_every=steps, eval_every=0),
+      exp, train=dataclasses.replace(exp.train, steps=steps, log_every=steps,
+                                     eval_every=steps if heldout else 0),
+      eval=dataclasses.replace(exp.eval, tasks=()),
       checkpoint=dataclasses.replace(exp.checkpoint, every=10**9, init_from=None))
   with tempfile.TemporaryDirectory() as workdir:
     last = train(exp, workdir)
-  return {"fits": True, "tokens_per_s": last.get("tokens_per_s"),
-          "tflops_per_device": last.get("tflops_per_device"), "mfu": last.get("mfu"),
-          "loss": last.get("loss")}
+  row = {"fits": True, "tokens_per_s": last.get("tokens_per_s"),
+         "tflops_per_device": last.get("tflops_per_device"), "mfu": last.get("mfu"),
+         "loss": last.get("loss")}
+  return {**row, **heldout_columns(last)} if heldout else row
 
 
-def write_results(out: str, rows: list[dict[str, Any]]) -> None:
+def heldout_columns(metrics: dict[str, float]) -> dict[str, float]:
+  """heldout_ce (the mean CE over the held-out sets) from the loop's eval/<set>/ce_loss, and
+  heldout_ce/<set> for each set when there are several."""
+  ce = {k[len("eval/"):-len("/ce_loss")]: v for k, v in metrics.items()
+        if k.startswith("eval/") and k.endswith("/ce_loss")}
+  if not ce:
+    raise ValueError("no held-out loss was logged (eval.heldout names no set)")
+  return {"heldout_ce": sum(ce.values()) / len(ce),
+          **({f"heldout_ce/{name}": v for name, v in ce.items()} if len(ce) > 1 else {})}
+
+
+def write_results(out: str, rows: list[dict[str, Any]], rank_by: str = "mfu") -> None:
   os.makedirs(out, exist_ok=True)
   keys = ["variant"] + sorted({k for r in rows for k in r} - {"variant"})
   with open(os.path.join(out, "results.csv"), "w", newline="") as f:
@@ -120,12 +146,16 @@ def write_results(out: str, rows: list[dict[str, Any]]) -> None:
     score = r.get("mfu") or r.get("tokens_per_s") or -(r.get("memory_gb") or 1e9)
     return (not r.get("fits"), -score if score is not None else 0)
 
-  ranked = sorted(rows, key=rank)
+  def rank_heldout(r):  # what fits first; then the lowest held-out CE (none: last)
+    ce = r.get("heldout_ce")
+    return (not r.get("fits"), ce is None, ce or 0.0)
+
+  ranked = sorted(rows, key=rank_heldout if rank_by == "heldout" else rank)
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write("| rank | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n")
     for i, r in enumerate(ranked, 1):
       f.write(f"| {i} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |\n")
-  _chart(os.path.join(out, "results.png"), ranked)
+  _chart(os.path.join(out, "results.png"), ranked, rank_by)
 
 
 def _read_rows(out: str) -> dict[str, dict[str, Any]]:
@@ -153,21 +183,26 @@ def _fmt(v) -> str:
   return "" if v is None else str(v)
 
 
-def _chart(path: str, rows: list[dict[str, Any]]) -> None:
+def _chart(path: str, rows: list[dict[str, Any]], rank_by: str) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  metric = next((k for k in ("mfu", "tokens_per_s", "memory_gb") if any(r.get(k) for r in rows)),
-                None)
+  metric = "heldout_ce" if rank_by == "heldout" else next(
+      (k for k in ("mfu", "tokens_per_s", "memory_gb") if any(r.get(k) for r in rows)), None)
   fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
   names = [r["variant"] for r in rows]
   values = [r.get(metric) or 0 for r in rows]
   colors = ["tab:green" if r.get("fits") else "tab:red" for r in rows]
-  ax.barh(range(len(rows)), values, color=colors)
+  bars = ax.barh(range(len(rows)), values, color=colors)
+  ax.bar_label(bars, fmt="%.4g", fontsize=7)
   ax.set_yticks(range(len(rows)), names, fontsize=7)
   ax.invert_yaxis()
+  if metric == "heldout_ce" and any(values):
+    # Variants differ by hundredths of a nat: bars from zero would all look the same length.
+    ax.set_xlim(0.98 * min(v for v in values if v), 1.01 * max(values))
+    metric += ", lower is better"
   ax.set_xlabel(f"{metric} (green: fits, red: does not)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -189,6 +224,7 @@ def _run_worker(sweep: Sweep, indices: list[int], on_result) -> None:
             else ["--steps", str(sweep.steps)])
     cmd = [sys.executable, os.path.abspath(__file__), "--fdl_config", sweep.fdl_config,
            "--sweep", sweep.sweep, *(f"--fdl_set={s}" for s in sweep.fdl_set), *mode,
+           "--rank_by", sweep.rank_by,
            "--out", scratch, "--_worker", ",".join(map(str, indices)), "--_results", results]
     with open(os.path.join(scratch, "log"), "w+") as log:
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -237,7 +273,7 @@ def _worker(sweep: Sweep, indices: list[int], results: str) -> None:
       flags_lib.apply_to_environ(*_flag_key(exp))  # before JAX starts
     print(f"--- {configs.variant_name(variants[index])}", flush=True)
     try:
-      result = run_variant(exp, sweep.compile_only, sweep.steps)
+      result = run_variant(exp, sweep.compile_only, sweep.steps, sweep.rank_by == "heldout")
     except Exception as e:  # reported in the table; the sweep goes on
       traceback.print_exc()
       result = {"fits": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -247,6 +283,9 @@ def _worker(sweep: Sweep, indices: list[int], results: str) -> None:
 
 def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) -> list[dict]:
   """Runs the sweep's variants (or the one named `variant`) and writes the tables."""
+  if sweep.rank_by == "heldout" and not sweep.steps:
+    raise configs.ConfigRefError("--rank_by=heldout needs --steps: held-out loss is measured "
+                                 "after training")
   variants = list(enumerate(configs.load_sweep(sweep.sweep)))
   if variant:
     variants = [(i, v) for i, v in variants if configs.variant_name(v) == variant]
@@ -262,7 +301,11 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) ->
   groups: dict[tuple, list[int]] = {}
   for i, overrides in variants:
     if names[i] not in done:
-      groups.setdefault(_flag_key(_build(sweep, overrides)), []).append(i)
+      exp = _build(sweep, overrides)
+      if sweep.rank_by == "heldout" and not exp.eval.heldout:
+        raise configs.ConfigRefError(f"variant {names[i]}: --rank_by=heldout needs held-out "
+                                     "sets (eval.heldout is empty)")
+      groups.setdefault(_flag_key(exp), []).append(i)
   units = [g[j::sweep.jobs] for g in groups.values() for j in range(min(sweep.jobs, len(g)))]
   lock = threading.Lock()
 
@@ -271,12 +314,12 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) ->
     print(f"{names[index]}: {result}", flush=True)
     with lock:
       done[names[index]] = row
-      write_results(sweep.out, list(done.values()))
+      write_results(sweep.out, list(done.values()), sweep.rank_by)
 
   with concurrent.futures.ThreadPoolExecutor(sweep.jobs) as pool:
     list(pool.map(lambda unit: _run_worker(sweep, unit, on_result), units))
   rows = list(done.values())
-  write_results(sweep.out, rows)
+  write_results(sweep.out, rows, sweep.rank_by)
   return rows
 
 
@@ -285,7 +328,7 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   configs.make_cwd_importable()
   sweep = Sweep(CONFIG.value, SWEEP.value, tuple(SETS.value), COMPILE_ONLY.value, STEPS.value,
-                OUT.value, JOBS.value)
+                OUT.value, JOBS.value, RANK_BY.value)
   try:
     if _WORKER.value is not None:
       _worker(sweep, [int(i) for i in _WORKER.value.split(",")], _RESULTS.value)

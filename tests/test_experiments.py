@@ -88,3 +88,28 @@ def test_shrink_model_keeps_the_7b_evaluation():
   assert small.model.d_model == olmo3_tiny.olmo3_tiny().d_model and small.train.steps == 50
   assert big.eval.heldout == ("v3-small-ppl-validation",) and len(big.eval.tasks) == 26
   assert big.train.eval_every == 10_000
+
+
+@pytest.mark.parametrize("module, shapes", [
+    (olmo3_7b, {(8, 512), (16, 256), (32, 128), (64, 64)}),
+    (olmo3_tiny, {(2, 64), (4, 32), (8, 16)})])
+def test_head_shape_sweeps_change_the_heads_alone(module, shapes):
+  """Each variant is stage 1 with (heads, head_dim) changed at the same d_model (and, at tiny
+  size, the init seed): same parameters, same analytic FLOPs; distinct names (results never
+  overwrite)."""
+  base = fdl.build(module.stage1()).model
+  seen, names = set(), set()
+  for overrides in module.head_shape_sweep():
+    cfg = module.stage1()
+    for path, value in overrides.items():
+      configs.set_field(cfg, path, value)
+    assert {c.path for c in configs.diff(module.stage1(), cfg)} <= {
+        "model.n_heads", "model.n_kv_heads", "train.seed"}
+    exp = fdl.build(cfg)  # validates
+    model = exp.model
+    assert model.d_model == base.d_model and model.n_kv_heads == model.n_heads
+    assert model.param_count == base.param_count
+    assert model.flops_per_token(exp.data.seq_len) == base.flops_per_token(exp.data.seq_len)
+    seen.add((model.n_heads, model.head_dim))
+    names.add(configs.variant_name(overrides))
+  assert seen == shapes and len(names) == len(module.head_shape_sweep())

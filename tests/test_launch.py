@@ -164,6 +164,41 @@ def test_sweep_with_a_bad_override_path_fails_naming_it(tmp_path):
   assert not (tmp_path / "out").exists()  # nothing ran
 
 
+def test_sweep_ranks_by_heldout_loss_lowest_first(tmp_path):
+  """--rank_by=heldout: what fits first, then the lowest held-out CE (the mean over the sets
+  the loop evaluated); the default still ranks by MFU. Misuse stops before any variant runs."""
+  from launch import sweep
+
+  assert sweep.heldout_columns({"loss": 5.0, "eval/a/ce_loss": 6.0, "eval/a/ppl": 403.4}) == {
+      "heldout_ce": 6.0}
+  assert sweep.heldout_columns({"eval/a/ce_loss": 6.0, "eval/b/ce_loss": 5.0}) == {
+      "heldout_ce": 5.5, "heldout_ce/a": 6.0, "heldout_ce/b": 5.0}
+  rows = [{"variant": "fast", "fits": True, "mfu": 0.5, "heldout_ce": 6.1},
+          {"variant": "crashed", "fits": False, "error": "variant process exited 1"},
+          {"variant": "best", "fits": True, "mfu": 0.3, "heldout_ce": 5.9},
+          {"variant": "middle", "fits": True, "mfu": 0.4, "heldout_ce": 6.0}]
+
+  def ranked(*rank_by):
+    out = tmp_path / "_".join(rank_by or ("default",))
+    sweep.write_results(str(out), rows, *rank_by)
+    assert (out / "results.png").exists()
+    return [line.split(" | ")[1] for line in (out / "results.md").read_text().splitlines()[2:]]
+
+  assert ranked("heldout") == ["best", "middle", "fast", "crashed"]
+  assert ranked() == ranked("mfu") == ["fast", "middle", "best", "crashed"]
+
+  def run(compile_only, steps, *sets):
+    return sweep.run_sweep(sweep.Sweep(
+        "experiments.olmo3_tiny:stage1", "experiments.olmo3_tiny:head_shape_sweep", sets,
+        compile_only, steps, str(tmp_path / "out"), rank_by="heldout"))
+
+  with pytest.raises(configs.ConfigRefError, match="--rank_by=heldout needs --steps"):
+    run("local", None)
+  with pytest.raises(configs.ConfigRefError, match=r"eval.heldout is empty"):
+    run(None, 1, "eval.heldout=()")
+  assert not (tmp_path / "out").exists()
+
+
 def _losses(workdir):
   return {r["step"]: r["loss"] for r in metrics_lib.read_jsonl(workdir / "metrics.jsonl")
           if "loss" in r}
