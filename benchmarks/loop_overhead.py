@@ -2,7 +2,7 @@
 same model and batches, in the same process.
 
   python benchmarks/loop_overhead.py [--fdl_config experiments.olmo3_tiny:stage1]
-      [--batch 4] [--seq_len 256] [--steps 30] [--log_every 5] [--device_prefetch N]
+      [--batch 4] [--seq_len 256] [--steps 60] [--log_every 5] [--device_prefetch N]
       [--rounds 2]
 
 The loop trains `--steps` steps in a temporary workdir (evaluation off, one checkpoint: the
@@ -100,7 +100,7 @@ def main() -> None:
   parser.add_argument("--fdl_config", default="experiments.olmo3_tiny:stage1")
   parser.add_argument("--batch", type=int, default=4)  # a quarter of the tiny batch: short steps
   parser.add_argument("--seq_len", type=int, default=256)
-  parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument("--steps", type=int, default=60)  # 11 timed rows: a stable median
   parser.add_argument("--log_every", type=int, default=5)
   parser.add_argument("--device_prefetch", type=int, default=None,
                       help="data.device_prefetch of the loop (default: the experiment's)")

@@ -76,8 +76,12 @@ def _chunk_logits(h_BTD, w_DV, labels_BT, i, chunk, constrain):
   logits_BTC = constrain(jnp.einsum("btd,dc->btc", h_BTD, w_DC).astype(jnp.float32),
                          ("batch", "seq", "act_vocab"))
   cols_C = start + jnp.arange(chunk)
-  own_C = cols_C >= i * chunk
-  is_label_BTC = (cols_C == jnp.maximum(labels_BT, 0)[..., None]) & own_C
+  # Only a last chunk that overlaps the one before it has columns of another chunk (None: all
+  # its own, the case whenever chunk divides V; decided statically, so no mask is computed).
+  own_C = None if v % chunk == 0 else cols_C >= i * chunk
+  is_label_BTC = cols_C == jnp.maximum(labels_BT, 0)[..., None]
+  if own_C is not None:
+    is_label_BTC &= own_C
   return logits_BTC, own_C, is_label_BTC, start, w_DC
 
 
@@ -94,7 +98,8 @@ def _fused_forward(chunk, constrain, h_BTD, w_DV, labels_BT):
     max_BT, sum_BT, target_BT = carry
     logits_BTC, own_C, is_label_BTC, _, _ = _chunk_logits(h_BTD, w_DV, labels_BT, i, chunk,
                                                           constrain)
-    logits_BTC = jnp.where(own_C, logits_BTC, -jnp.inf)
+    if own_C is not None:
+      logits_BTC = jnp.where(own_C, logits_BTC, -jnp.inf)
     new_max_BT = jnp.maximum(max_BT, logits_BTC.max(axis=-1))
     sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + jnp.exp(
         logits_BTC - new_max_BT[..., None]).sum(axis=-1)
@@ -118,7 +123,9 @@ def _fused_backward(chunk, constrain, residuals, cotangents):
     logits_BTC, own_C, is_label_BTC, start, w_DC = _chunk_logits(
         h_BTD, w_DV, labels_BT, i, chunk, constrain)
     # d nll / d logits = softmax - onehot(label); d lse / d logits = softmax.
-    p_BTC = jnp.where(own_C, jnp.exp(logits_BTC - lse_BT[..., None]), 0.0)
+    p_BTC = jnp.exp(logits_BTC - lse_BT[..., None])
+    if own_C is not None:
+      p_BTC = jnp.where(own_C, p_BTC, 0.0)
     d_BTC = ((d_nll_BT + d_lse_BT)[..., None] * p_BTC
              - jnp.where(is_label_BTC, d_nll_BT[..., None], 0.0)).astype(h_BTD.dtype)
     dh_BTD = dh_BTD + jnp.einsum("btc,dc->btd", d_BTC, w_DC).astype(jnp.float32)
