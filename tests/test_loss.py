@@ -135,8 +135,8 @@ def test_train_step_loss_gradients_and_evaluation_equal_with_and_without_fusing(
 
 
 def test_the_compiled_train_step_holds_no_full_logits():
-  """The shipped step with the default chunking: no [B, T, V] array anywhere in the compiled
-  program (with vocab_chunk=None there is, so the check can see one)."""
+  """The shipped step, chunked: no [B, T, V] array anywhere in the compiled program, only
+  [B, T, chunk] ones (the same spelling of shapes, so the check can see them)."""
   exp = micro_experiment("unused")
   exp = dataclasses.replace(exp, model=exp.model.replace(n_layers=1))
   b, t, v = exp.data.global_batch_size, exp.data.seq_len, exp.model.padded_vocab_size
@@ -150,7 +150,6 @@ def test_the_compiled_train_step_holds_no_full_logits():
       fn = step_lib.jit_train_step(e, model, layout)
       return fn.lower(*step_lib.abstract_inputs(e, model, layout)).compile().as_text()
 
-  assert any(s in compiled(None) for s in shapes)
   text = compiled(128)
   assert not any(s in text for s in shapes), "the fused step materialises full logits"
   assert f"f32[{b},{t},128]" in text

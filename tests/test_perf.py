@@ -71,7 +71,11 @@ def test_exact_count_agrees_with_installed_olmo_core():
 def test_analytic_flops_match_the_compiled_step():
   model = config.olmo3_micro().replace(d_model=256, n_heads=4, n_kv_heads=4, mlp_hidden=512,
                                        vocab_size=512, padded_vocab_size=512, n_layers=2,
-                                       max_seq_len=64, sliding_window=32)
+                                       max_seq_len=64, sliding_window=32,
+                                       # Full logits: the fused loss recomputes the head's
+                                       # logits in its backward pass (not model FLOPs, as a
+                                       # remat's recompute is not) inside a `while` loop.
+                                       vocab_chunk=None)
   exp = Experiment(model=model, data=DataConfig(paths=("unused",), seq_len=64,
                                                 global_batch_size=8))
   report = aot.compile_train_step(exp)
