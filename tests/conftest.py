@@ -54,13 +54,15 @@ def write_random_hf_dir(path, cfg: ModelConfig, seed: int = 0, dtype: str = "flo
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-  """Longest first: `@pytest.mark.slow(seconds=N)` (rough, on 2 cores) orders the slow tests
-  ahead of the rest, longest first. With -n 2 and --maxschedchunk=1 (pyproject) the two
+  """Longest first: `@pytest.mark.slow(seconds=N)` and `@pytest.mark.seconds(N)` (rough, on 2
+  cores) order the long tests ahead of the rest, longest first. With -n 2 and --maxschedchunk=1 (pyproject) the two
   workers start on them and the short tests fill in around them, instead of a long test
   starting last and running alone."""
 
   def seconds(item: pytest.Item) -> float:
-    mark = item.get_closest_marker("slow")
-    return 0.0 if mark is None else float(mark.kwargs.get("seconds", 1))
+    slow, timed = item.get_closest_marker("slow"), item.get_closest_marker("seconds")
+    if timed is not None:
+      return float(timed.args[0])
+    return 0.0 if slow is None else float(slow.kwargs.get("seconds", 1))
 
   items.sort(key=lambda item: -seconds(item))  # stable: otherwise file order

@@ -93,12 +93,13 @@ def _models(exp):
   return fused, full
 
 
+@pytest.mark.seconds(8)
 def test_train_step_loss_gradients_and_evaluation_equal_with_and_without_fusing():
   """The micro model on 8 devices (FSDP), vocabulary 512 in chunks of 96 (the last overlaps):
   the step's loss, per-source sums and every parameter's gradient; held-out sums; the logits
   the one-pass multiple-choice scoring reads."""
-  exp = micro_experiment("unused")  # two layers: one sliding, one global
-  exp = dataclasses.replace(exp, model=exp.model.replace(vocab_chunk=96, n_layers=2))
+  exp = micro_experiment("unused")  # one layer: the loss does not care what the layers are
+  exp = dataclasses.replace(exp, model=exp.model.replace(vocab_chunk=96, n_layers=1))
   fused, full = _models(exp)
   params = jax.device_put(random_params(exp.model, 0), fused.param_shardings)
   rng = np.random.default_rng(0)
@@ -127,11 +128,12 @@ def test_train_step_loss_gradients_and_evaluation_equal_with_and_without_fusing(
     position = jnp.asarray(rng.integers(0, 32, 8))
     at = jax.jit(fused.logits_at)(params, batch["input_ids"], position)
   with full.context():
-    ce_ref, n_ref = jax.jit(lambda p: loss.summed_nll(loss.token_nll(
-        full.apply(p, batch["input_ids"]), batch["labels"])))(params)
-    logits = jax.jit(full.apply)(params, batch["input_ids"])
-  assert float(ce) == pytest.approx(float(ce_ref), rel=1e-6) and int(n) == int(n_ref)
-  np.testing.assert_allclose(at, logits[jnp.arange(8), position], rtol=1e-5, atol=1e-5)
+    logits = np.asarray(jax.jit(full.apply)(params, batch["input_ids"]), np.float64)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  mask = labels >= 0
+  nll = -np.take_along_axis(logp, np.maximum(labels, 0)[..., None], -1)[..., 0]
+  assert float(ce) == pytest.approx(nll[mask].sum(), rel=1e-6) and int(n) == mask.sum()
+  np.testing.assert_allclose(at, logits[np.arange(8), position], rtol=1e-5, atol=1e-5)
 
 
 def test_the_compiled_train_step_holds_no_full_logits():

@@ -41,6 +41,7 @@ def test_float32_parity_with_olmo_core(cfg):
   assert metrics["max_kl"] <= 1e-6 and metrics["top1_agreement"] == 1.0, metrics
 
 
+@pytest.mark.seconds(20)
 def test_training_steps_match_olmo_cores():
   """The benchmark's run, shortened to 28 steps (the odd batch at step 26 included):
   the same weights and batches through our train step and through OLMo-core's model, loss,

@@ -153,6 +153,7 @@ def _compile_tiny(topologies, libtpu_args=""):
 
 @pytest.mark.parametrize("topologies, flag_set", [(["tpu7x:2x2x1"], "tpu7x"),
                                                   (["v5p:2x2x1*2"], "v5p")])
+@pytest.mark.seconds(20)
 def test_compile_for_tpu_topologies_with_their_flag_sets(topologies, flag_set):
   done = _compile_tiny(topologies, " ".join(FLAG_SETS[flag_set].libtpu))
   assert done.returncode == 0, done.stderr[-3000:]
@@ -191,7 +192,7 @@ def test_shipped_sweeps_build_every_variant():
     assert len(names) == len(sweep()) == 12  # distinct names: results never overwrite
 
 
-@pytest.mark.slow(seconds=25)
+@pytest.mark.slow(seconds=40)
 def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
   (tmp_path / "small_sweep.py").write_text(
       "def sweep():\n"
@@ -229,6 +230,7 @@ def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
   assert float(row["tokens_per_s"]) > 0 and float(row["loss"]) > 0
 
 
+@pytest.mark.seconds(15)
 def test_each_sweep_variant_gets_its_own_flag_set(tmp_path):
   """Flags only apply before JAX starts, so every variant runs in a process of its own: an
   unknown XLA flag aborts that variant's process (XLA refuses it), the other variant compiles."""

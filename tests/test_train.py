@@ -103,6 +103,7 @@ def _dispatches_and_rows(monkeypatch) -> list[str]:
   return events
 
 
+@pytest.mark.seconds(11)
 def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path, monkeypatch):
   """Also: the devices never wait while the host fetches and writes a row. Step s's row is read
   after step s + 1 is dispatched, except where the loop needs step s anyway (a checkpoint, the
@@ -123,6 +124,7 @@ def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path, monkeypatch
   assert a[8] < a[1] - 1.0  # it learns
 
 
+@pytest.mark.seconds(15)
 def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
   path = write_corpus(tmp_path)
   stage1 = micro_experiment(path, steps=4)
@@ -177,6 +179,7 @@ def _skip_experiment(path, steps, **optimizer):
                                          **optimizer))
 
 
+@pytest.mark.seconds(12)
 def test_nan_and_spike_steps_are_skipped(tmp_path):
   """In the real loop: the NaN step and the injected loss spike are skipped, and every other
   decision is SkipStepAdamW's on the logged CE losses and gradient norms (OLMo-core's class
@@ -233,6 +236,7 @@ def test_metric_writer_starts_without_importing_torch(tmp_path):
   assert list(tmp_path.rglob("events.out.tfevents*"))
 
 
+@pytest.mark.seconds(20)
 def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
   """Two microbatches per step (each 1/2 of every device's rows) give the losses and gradient
   norms of the whole batch at once, up to float32 summation order; a batch the microbatches
