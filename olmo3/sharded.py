@@ -64,23 +64,27 @@ class ShardedModel:
     """[B, T, D]: the final hidden states the LM head reads."""
     return nnx.merge(self.graphdef, params).features(tokens_BT)
 
+  def head(self, params: Any, h_xD: jax.Array) -> jax.Array:
+    """The LM head's logits [..., V] of final hidden states [..., D] (any leading shape)."""
+    return nnx.merge(self.graphdef, params).lm_head(h_xD)
+
   def token_losses(self, params: Any, tokens_BT: jax.Array, labels_BT: jax.Array
                    ) -> loss.PerToken:
     """Each position's cross-entropy, log-partition and mask: what training and held-out
     evaluation score. Fused over vocabulary chunks of `cfg.vocab_chunk` columns (never the
     full float32 logits), or from the full logits when it is None; the same to float32
-    rounding."""
+    rounding. Both read `features`."""
+    h_BTD = self.features(params, tokens_BT)
     if self.cfg.vocab_chunk is None:
-      return loss.token_nll(self.apply(params, tokens_BT), labels_BT)
-    return loss.fused_token_nll(self.features(params, tokens_BT),
-                                params["lm_head"]["kernel"], labels_BT, self.cfg.vocab_chunk,
-                                sharding_lib.constrain)
+      logits_BTV = sharding_lib.constrain(self.head(params, h_BTD), ("batch", "seq", "act_vocab"))
+      return loss.token_nll(logits_BTV, labels_BT)
+    return loss.fused_token_nll(h_BTD, params["lm_head"]["kernel"], labels_BT,
+                                self.cfg.vocab_chunk, sharding_lib.constrain)
 
   def logits_at(self, params: Any, tokens_BT: jax.Array, position_B: jax.Array) -> jax.Array:
     """[B, V]: each row's logits at one position (the LM head applied there alone)."""
-    model = nnx.merge(self.graphdef, params)
-    h_BD = jnp.take_along_axis(model.features(tokens_BT), position_B[:, None, None], axis=1)[:, 0]
-    return model.lm_head(h_BD)
+    h_BTD = self.features(params, tokens_BT)
+    return self.head(params, jnp.take_along_axis(h_BTD, position_B[:, None, None], axis=1)[:, 0])
 
   def init_params(self, seed: int) -> Any:
     """Freshly initialised parameters (OLMo's init), created sharded: no device holds them all."""
