@@ -4,6 +4,7 @@ table against OLMo-core's own."""
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -81,7 +82,8 @@ def test_ai2_csv_within_tolerance(tmp_path):
                         capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert done.returncode == 0, done.stdout + done.stderr
   out = done.stdout
-  assert _line(out, "ce_loss").split()[1] == "6"  # steps 50..300 every 50
+  # Steps 50..300 every 50 compared; the reference's other 24 steps are counted, not dropped.
+  assert _line(out, "ce_loss").split()[1:4] == ["6", "0", "24"]
   assert _line(out, f"eval/{SET}/ce_loss").split()[1] == "3"
   for metric in ("ce_loss", f"eval/{SET}/ce_loss", f"downstream/{TASK}/acc_v1",
                  f"downstream/{TASK}/len_norm_v2"):
@@ -99,7 +101,7 @@ def test_one_metric_outside_is_named_and_exits_1(tmp_path, capsys):
   code, out, _ = _run(capsys, run / "metrics.jsonl", _write_csv(tmp_path / "ai2.csv", rows))
   assert code == 1
   line = _line(out, f"downstream/{TASK}/acc_v1").split()
-  assert line[1:4] == ["3", "0.0210", "200"] and line[-2:] == ["OUTSIDE", "±0.005"]
+  assert line[1:6] == ["3", "0", "0", "0.0210", "200"] and line[-2:] == ["OUTSIDE", "±0.005"]
   assert _line(out, "ce_loss").endswith("within ±0.005")
   assert out.splitlines()[-1].startswith("1 of 4 metrics outside ±0.005 (1 of 15 comparisons")
   # A looser tolerance passes it; --metrics leaves it out.
@@ -118,7 +120,7 @@ def test_jsonl_reference_in_ai2_and_our_names(tmp_path, capsys):
       f.write(json.dumps({"step": step, **row}) + "\n")
   code, out, _ = _run(capsys, run, tmp_path / "ref.jsonl", "--json")
   assert code == 0
-  report = json.loads(out)
+  report = json.loads(out)  # the whole of stdout is one document
   assert report["reference"] == str(tmp_path / "ref.jsonl")
   assert {r["metric"]: r["steps"] for r in report["metrics"]} == {
       "ce_loss": 3, f"eval/{SET}/ce_loss": 3, f"downstream/{TASK}/acc_v1": 3,
@@ -133,7 +135,7 @@ def test_two_runs_and_a_run_being_written(tmp_path, capsys):
   with open(b / "metrics.jsonl", "a") as f:
     f.write('{"step": 250, "ce_lo')  # the line a live (or killed) run is writing
   code, out, _ = _run(capsys, a, b)
-  assert code == 0 and _line(out, "ce_loss").split()[1:3] == ["3", "0.0000"]
+  assert code == 0 and _line(out, "ce_loss").split()[1:5] == ["3", "3", "0", "0.0000"]
   # Our names need no translation; training metrics beyond CE are selected on request.
   code, out, _ = _run(capsys, a, b, "--metrics", "^(lr|loss)$")
   assert code == 0 and {line.split()[0] for line in out.splitlines()[3:5]} == {"loss", "lr"}
@@ -214,6 +216,120 @@ def test_plot_is_a_png_of_at_most_12_panels(tmp_path, capsys):
   code, out, _ = _run(capsys, run, ref, "--plot", tmp_path / "many.png")
   assert code == 0 and "(12 of 14 metrics; narrow with --metrics)" in out
   assert (tmp_path / "many.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _write_alarm_run(workdir, fired=(), evals=(10, 20, 30, 40, 50), extra=None):
+  """A memorize-like run: training CE every 5 steps, held-out CE and the gap alarm (0 / 1) at
+  each evaluation, as the loop logs them; `extra` adds metrics per step."""
+  workdir.mkdir()
+  with open(workdir / "metrics.jsonl", "w") as f:
+    for step in range(5, max(evals) + 1, 5):
+      row = {"step": step, "ce_loss": 4.0 - step / 20, **(extra or {}).get(step, {})}
+      if step in evals:
+        row.update({"eval/embedded/ce_loss": 7.0 + step / 100,
+                    "alarm/generalization_gap": float(step in fired)})
+      f.write(json.dumps(row) + "\n")
+  return workdir
+
+
+def test_alarms_are_compared(tmp_path, capsys):
+  """When and whether each run's alarms fired; one run alone firing exits 1, whatever the
+  curves say; an alarm the reference does not log is shown, not judged."""
+  clean = _write_alarm_run(tmp_path / "clean")
+  memorize = _write_alarm_run(tmp_path / "memorize", fired=(40, 50))
+  code, out, _ = _run(capsys, memorize, clean, "--tolerance", "1")  # curves within
+  assert code == 1
+  assert _line(out, "alarm/generalization_gap") == (
+      "alarm/generalization_gap  ours: fired at 40, 50 (2 of 5) | reference: never "
+      "(5 evaluations) | DIFFERS")
+  assert out.splitlines()[-1].endswith("; 1 of 1 alarms fired in one run only")
+  # Both fired (at other steps): they agree.
+  late = _write_alarm_run(tmp_path / "late", fired=(50,))
+  code, out, _ = _run(capsys, memorize, late, "--tolerance", "1")
+  assert code == 0 and _line(out, "alarm/generalization_gap").endswith(
+      "reference: fired at 50 (1 of 5) | agree")
+  # Against a reference that logs no alarm (AI2's CSV): reported, not judged.
+  ref = _write_csv(tmp_path / "ai2.csv", {s: {"train/CE loss": 4.0 - s / 20}
+                                          for s in range(5, 51, 5)})
+  code, out, _ = _run(capsys, memorize, ref)
+  assert code == 0 and _line(out, "alarm/generalization_gap").endswith(
+      "reference: not logged | not compared")
+  assert out.splitlines()[-1] == ("0 of 1 metrics outside ±0.005 (0 of 10 comparisons differ "
+                                  "by more than 0.005)")
+  # Any alarm the runs log, not only the gap alarm; --metrics does not hide alarms.
+  other = {40: {"alarm/loss_spike": 1.0}}
+  code, out, _ = _run(capsys, _write_alarm_run(tmp_path / "spiky", extra=other), clean,
+                      "--metrics", "^ce_loss$", "--tolerance", "1")
+  assert code == 0 and _line(out, "alarm/loss_spike").endswith(
+      "ours: fired at 40 (1 of 1) | reference: not logged | not compared")
+
+
+def test_every_step_either_run_logged_is_aligned(tmp_path, capsys):
+  """Steps only one run logged are kept (shown missing), in --per_step and in --json."""
+  a = _write_run(tmp_path / "a", steps=range(50, 201, 50))
+  b = _write_run(tmp_path / "b", steps=range(100, 301, 50))
+  code, out, _ = _run(capsys, a, b, "--per_step")
+  assert code == 0 and _line(out, "ce_loss").split()[1:4] == ["3", "1", "2"]
+  table = out.splitlines()
+  start = table.index(next(line for line in table if line.startswith("ce_loss: ")))
+  rows = [line.split() for line in table[start + 1:start + 6]]
+  assert rows == [["50", "2.9500", "—", "—"], ["100", "2.9000", "2.9000", "0.0000"],
+                  ["150", "2.8500", "2.8500", "0.0000"], ["200", "2.8000", "2.8000", "0.0000"],
+                  ["250", "—", "2.7500", "—"]]
+  code, out, _ = _run(capsys, a, b, "--json")
+  (ce,) = [r for r in json.loads(out)["metrics"] if r["metric"] == "ce_loss"]
+  assert [p[0] for p in ce["points"]] == [50, 100, 150, 200, 250, 300]
+  assert ce["points"][0] == [50, 2.95, None] and ce["points"][-1] == [300, None, 2.7]
+  assert (ce["steps"], ce["ours_only"], ce["reference_only"]) == (3, 1, 2)
+
+
+def test_json_is_one_document_with_the_summary(tmp_path, capsys):
+  """Valid JSON even with --plot and a NaN (OLMo-core logs NaN for a set it did not reach):
+  json.loads reads the whole of stdout, with the summary and the alarms in it."""
+  ours = _write_alarm_run(tmp_path / "ours", fired=(40,))
+  ref = tmp_path / "ref.jsonl"
+  ref.write_text("".join(  # json.dumps writes NaN as `NaN`, which our reader (and Python's) takes
+      json.dumps({"step": s, "ce_loss": 4.0 - s / 20, "alarm/generalization_gap": 0,
+                  "eval/embedded/ce_loss": math.nan if s == 30 else 7.0}) + "\n"
+      for s in (10, 20, 30)))
+  code, out, err = _run(capsys, ours, ref, "--json", "--plot", tmp_path / "p.png")
+  assert code == 1 and err.strip() == f"wrote {tmp_path / 'p.png'}"
+  document = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+  assert document["summary"] == {"metrics": 2, "metrics_outside": 1, "comparisons": 6,
+                                 "comparisons_outside": 3, "alarms": 1, "alarms_differ": 1,
+                                 "ok": False}
+  held_out = next(r for r in document["metrics"] if r["metric"] == "eval/embedded/ce_loss")
+  assert held_out["max_abs_delta"] == "nan" and held_out["step"] == 30
+  assert held_out["points"][2] == [30, 7.3, "nan"]
+  assert document["alarms"] == [{
+      "alarm": "alarm/generalization_gap", "ours_fired": [40], "reference_fired": [],
+      "ours_evaluations": 5, "reference_evaluations": 3, "agree": False}]
+
+
+def test_plot_has_a_title_and_marks_where_alarms_fired(tmp_path):
+  """Read back from the figure: the title names both runs, every panel spans every step either
+  run logged, and a dashed line stands at the step where each run's alarm first fired."""
+  ours = compare.load(str(_write_alarm_run(tmp_path / "memorize", fired=(40, 50))))
+  ref = compare.load(str(_write_alarm_run(tmp_path / "stage1", fired=(30,), evals=(10, 20, 30))))
+  comparison = compare.compare(ours, ref, 1.0)
+  fig, shown = compare.figure(ours, ref, comparison, 1.0)
+  try:
+    assert shown == 2
+    assert fig._suptitle.get_text() == "ours: memorize  vs  reference: stage1"
+    for ax in fig.axes[:shown]:
+      assert ax.get_xlim() == (5, 50)
+      marks = {line.get_label(): tuple(line.get_xdata()) for line in ax.get_lines()
+               if line.get_linestyle() == "--"}
+      assert marks == {"ours: alarm/generalization_gap fired (step 40)": (40, 40),
+                       "reference: alarm/generalization_gap fired (step 30)": (30, 30)}
+      curves = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()
+                if line.get_linestyle() == "-"}
+      if ax.get_title().startswith("ce_loss"):
+        assert curves["ours: memorize"] == list(range(5, 51, 5))
+        assert curves["reference: stage1"] == list(range(5, 31, 5))
+  finally:
+    import matplotlib.pyplot as plt
+    plt.close(fig)
 
 
 def test_names_match_olmo_core():

@@ -1,8 +1,8 @@
 """python -m olmo3.eval.compare OURS REFERENCE [--tolerance 0.005] [--metrics REGEX]
-                              [--plot FILE.png] [--json]
+                              [--plot FILE.png] [--json] [--per_step]
 
-Compares a run's metrics with a reference at matching steps: AI2's released in-loop numbers, a
-W&B export, or another run. Each of OURS and REFERENCE is a run workdir (its metrics.jsonl), a
+Compares a run's metrics with a reference, step by step: AI2's released in-loop numbers, a W&B
+export, or another run. Each of OURS and REFERENCE is a run workdir (its metrics.jsonl), a
 .jsonl file (one object per step, with "step") or a .csv file (a `step`, `Step` or `_step`
 column and one column per metric; an empty cell means "not logged at this step").
 
@@ -12,10 +12,22 @@ AI2's names (OLMo-core's trainer: `train/CE loss`, `eval/lm/<set>/CE loss`,
 listed as "not in ours". --metrics (a regex searched in our names) selects what is compared; by
 default training CE, held-out CE and downstream metrics (not PPL: it is exp(CE)).
 
-For each metric in both: the steps compared, the largest |ours - reference| and its step, and
-whether it is within ±tolerance (the TPU reproduction matched AI2 within ±0.005). --plot draws a
-panel per compared metric: both curves and the ±tolerance band around the reference.
-Exit status: 0 all within, 1 any metric outside, 2 unreadable input or nothing to compare.
+For each metric in both: the steps both logged and those only one side logged (every step
+either logged is in --per_step's table, --json's `points` and the plot, a missing value shown
+as missing), the largest |ours - reference| over the common steps and its step, and whether it
+is within ±tolerance (the TPU reproduction matched AI2 within ±0.005).
+
+Alarms (every `alarm/<name>` either side logs, e.g. alarm/generalization_gap; not subject to
+--metrics): whether and at which steps each side's alarm fired. They agree when both fired or
+neither did; one side alone firing is a difference (exit 1). An alarm only one side logs is
+reported, not judged.
+
+--plot draws a panel per compared metric on one step axis: both curves, the ±tolerance band
+around the reference, a vertical line where each side's alarm first fired; its title names the
+two sources. --json prints one JSON document (the summary included; a non-finite number is the
+string "nan", "inf" or "-inf"; a missing value is null).
+Exit status: 0 all within and alarms agree, 1 any metric outside or an alarm differs, 2
+unreadable input or nothing to compare.
 """
 
 from __future__ import annotations
@@ -23,17 +35,22 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import io
 import json
 import math
-import os
 import re
 import sys
+from typing import Any
+
+from etils import epath
 
 DEFAULT_TOLERANCE = 0.005
 DEFAULT_METRICS = r"^(ce_loss$|eval/(?!.*/ppl$)|downstream/)"
+ALARM_PREFIX = "alarm/"  # the loop's alarms: 1 at an evaluation where it fired, else 0
 STEP_COLUMNS = ("step", "Step", "_step")  # ours and W&B's panel and history exports
 MAX_PANELS = 12
 MAX_LISTED = 10  # names per "not in ..." line of the text report; --json lists all
+MISSING = "—"  # a value one side did not log, in the text tables
 
 # AI2's metric names (OLMo-core's trainer and evaluator callbacks) -> ours; `{}` is the held-out
 # set or task label. The downstream labels are OLMo-core's DownstreamEvaluator.metric_type_to_label
@@ -67,30 +84,67 @@ class CompareError(Exception):
   """Input that cannot be compared; the message names the file."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Source:
   path: str  # the file read
   series: dict[str, dict[int, float]]  # our metric name -> step -> value
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MetricResult:
   metric: str
   steps: int  # steps where both have a value
+  ours_only: int  # steps only ours logged (shown, not compared)
+  reference_only: int  # steps only the reference logged
   max_abs_delta: float
   step: int  # where max_abs_delta occurs
   ours: float
   reference: float
   within: bool
   outside_steps: int  # steps whose |delta| exceeds the tolerance
+  # Every step either side logged, in order: (step, ours or None, reference or None).
+  points: tuple[tuple[int, float | None, float | None], ...]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class AlarmResult:
+  alarm: str  # e.g. alarm/generalization_gap
+  # Steps where it fired, in order; None when that side never logged the alarm.
+  ours_fired: tuple[int, ...] | None
+  reference_fired: tuple[int, ...] | None
+  ours_evaluations: int  # steps that side logged the alarm (fired or not)
+  reference_evaluations: int
+  # Both fired, or neither did; None when one side does not log it (nothing to judge).
+  agree: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+  metrics: int
+  metrics_outside: int
+  comparisons: int  # (metric, step) pairs both logged
+  comparisons_outside: int
+  alarms: int  # alarms both log
+  alarms_differ: int
+  ok: bool  # exit status 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Comparison:
   metrics: list[MetricResult]
+  alarms: list[AlarmResult]
   not_in_ours: list[str]
   not_in_reference: list[str]
   no_common_steps: list[str]
+
+  @property
+  def summary(self) -> Summary:
+    outside = sum(not r.within for r in self.metrics)
+    judged = [a for a in self.alarms if a.agree is not None]
+    differ = sum(not a.agree for a in judged)
+    return Summary(len(self.metrics), outside, sum(r.steps for r in self.metrics),
+                   sum(r.outside_steps for r in self.metrics), len(judged), differ,
+                   outside == 0 and differ == 0)
 
 
 def to_ours(name: str) -> str:
@@ -125,42 +179,40 @@ def _csv_metric(column: str) -> str | None:
   return column.rsplit(" - ", 1)[-1]
 
 
-def _read_csv(path: str) -> dict[int, dict[str, float]]:
-  with open(path, newline="") as f:
-    reader = csv.reader(f)
-    header = next(reader, None)
-    if header is None:
-      raise CompareError(f"{path}: empty file")
-    step_column = next((header.index(c) for c in STEP_COLUMNS if c in header), None)
-    if step_column is None:
-      raise CompareError(f"{path}: no step column (one of {', '.join(STEP_COLUMNS)}) in its "
-                         f"header {header[:8]}")
-    metrics = {i: m for i, column in enumerate(header)
-               if i != step_column and (m := _csv_metric(column)) is not None}
-    seen: dict[str, str] = {}
+def _read_csv(path: str, text: str) -> dict[int, dict[str, float]]:
+  reader = csv.reader(io.StringIO(text, newline=""))
+  header = next(reader, None)
+  if header is None:
+    raise CompareError(f"{path}: empty file")
+  step_column = next((header.index(c) for c in STEP_COLUMNS if c in header), None)
+  if step_column is None:
+    raise CompareError(f"{path}: no step column (one of {', '.join(STEP_COLUMNS)}) in its "
+                       f"header {header[:8]}")
+  metrics = {i: m for i, column in enumerate(header)
+             if i != step_column and (m := _csv_metric(column)) is not None}
+  seen: dict[str, str] = {}
+  for i, metric in metrics.items():
+    if metric in seen:
+      raise CompareError(f"{path}: columns {seen[metric]!r} and {header[i]!r} both hold "
+                         f"{metric!r} (export one run)")
+    seen[metric] = header[i]
+  rows: dict[int, dict[str, float]] = {}
+  for row in reader:
+    if not any(cell.strip() for cell in row):
+      continue
+    where = f"{path} line {reader.line_num}"
+    if len(row) != len(header):
+      raise CompareError(f"{where}: {len(row)} cells, the header has {len(header)}")
+    values = rows.setdefault(_step(row[step_column], f"{where} column {header[step_column]!r}"),
+                             {})
     for i, metric in metrics.items():
-      if metric in seen:
-        raise CompareError(f"{path}: columns {seen[metric]!r} and {header[i]!r} both hold "
-                           f"{metric!r} (export one run)")
-      seen[metric] = header[i]
-    rows: dict[int, dict[str, float]] = {}
-    for row in reader:
-      if not any(cell.strip() for cell in row):
-        continue
-      where = f"{path} line {reader.line_num}"
-      if len(row) != len(header):
-        raise CompareError(f"{where}: {len(row)} cells, the header has {len(header)}")
-      values = rows.setdefault(_step(row[step_column], f"{where} column {header[step_column]!r}"),
-                               {})
-      for i, metric in metrics.items():
-        if row[i].strip():
-          values[metric] = _number(row[i], f"{where} column {header[i]!r}")
+      if row[i].strip():
+        values[metric] = _number(row[i], f"{where} column {header[i]!r}")
   return rows
 
 
-def _read_jsonl(path: str) -> dict[int, dict[str, float]]:
-  with open(path) as f:
-    lines = f.readlines()
+def _read_jsonl(path: str, text: str) -> dict[int, dict[str, float]]:
+  lines = text.splitlines(keepends=True)
   rows: dict[int, dict[str, float]] = {}
   for number, line in enumerate(lines, start=1):
     if not line.strip():
@@ -189,14 +241,18 @@ def _read_jsonl(path: str) -> dict[int, dict[str, float]]:
 
 
 def load(path: str) -> Source:
-  """A workdir's metrics.jsonl, a .jsonl or a .csv file, with AI2's names translated to ours."""
-  file = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
-  if not os.path.isfile(file):
+  """A workdir's metrics.jsonl, a .jsonl or a .csv file (local or a URL epath reads), with
+  AI2's names translated to ours."""
+  file = epath.Path(path)
+  if file.is_dir():
+    file = file / "metrics.jsonl"
+  if not file.is_file():
     raise CompareError(f"{file}: not found")
   try:
-    rows = _read_csv(file) if file.lower().endswith(".csv") else _read_jsonl(file)
+    text = file.read_text()
   except UnicodeDecodeError:
     raise CompareError(f"{file}: not a text file") from None
+  rows = (_read_csv if file.name.lower().endswith(".csv") else _read_jsonl)(str(file), text)
   translated: dict[str, str] = {}  # ours -> the name in the file
   series: dict[str, dict[int, float]] = {}
   for step in sorted(rows):
@@ -207,14 +263,41 @@ def load(path: str) -> Source:
       series.setdefault(ours, {})[step] = value
   if not series:
     raise CompareError(f"{file}: no metrics")
-  return Source(file, series)
+  return Source(str(file), series)
+
+
+def _aligned(a: dict[int, float], b: dict[int, float]
+             ) -> tuple[tuple[int, float | None, float | None], ...]:
+  return tuple((s, a.get(s), b.get(s)) for s in sorted(set(a) | set(b)))
+
+
+def _fired(series: dict[int, float] | None) -> tuple[int, ...] | None:
+  # NaN is not a firing (`not nan != 0` is False, hence the explicit check).
+  return None if series is None else tuple(
+      s for s, v in sorted(series.items()) if v != 0 and not math.isnan(v))
+
+
+def compare_alarms(ours: Source, reference: Source) -> list[AlarmResult]:
+  """Every alarm either side logs: where it fired in each, and whether they agree."""
+  names = sorted(m for m in {*ours.series, *reference.series} if m.startswith(ALARM_PREFIX))
+  results = []
+  for name in names:
+    a, b = ours.series.get(name), reference.series.get(name)
+    fired_a, fired_b = _fired(a), _fired(b)
+    agree = None if a is None or b is None else bool(fired_a) == bool(fired_b)
+    results.append(AlarmResult(name, fired_a, fired_b, len(a or ()), len(b or ()), agree))
+  return results
 
 
 def compare(ours: Source, reference: Source, tolerance: float,
             metrics: re.Pattern[str] = re.compile(DEFAULT_METRICS)) -> Comparison:
-  """Per metric, the largest |ours - reference| over the steps both logged."""
-  mine = {m for m in ours.series if metrics.search(m)}
-  theirs = {m for m in reference.series if metrics.search(m)}
+  """Per metric, the largest |ours - reference| over the steps both logged, every step either
+  logged aligned; and the alarms."""
+  def selected(source: Source) -> set[str]:
+    return {m for m in source.series if metrics.search(m) and not m.startswith(ALARM_PREFIX)}
+
+  mine, theirs = selected(ours), selected(reference)
+  alarms = compare_alarms(ours, reference)
   results, no_common = [], []
   for metric in sorted(mine & theirs):
     a, b = ours.series[metric], reference.series[metric]
@@ -226,9 +309,10 @@ def compare(ours: Source, reference: Source, tolerance: float,
     # NaN (OLMo-core logs it for a held-out set it did not reach) is never within tolerance.
     outside = sum(not d <= tolerance for d in delta.values())
     worst = max(steps, key=lambda s: math.inf if math.isnan(delta[s]) else delta[s])
-    results.append(MetricResult(metric, len(steps), delta[worst], worst, a[worst], b[worst],
-                                not outside, outside))
-  if not results:
+    results.append(MetricResult(metric, len(steps), len(set(a) - set(b)), len(set(b) - set(a)),
+                                delta[worst], worst, a[worst], b[worst], not outside, outside,
+                                _aligned(a, b)))
+  if not results and not any(r.agree is not None for r in alarms):
     if no_common:
       raise CompareError(
           f"{ours.path} and {reference.path} have no steps in common for the {len(no_common)} "
@@ -237,7 +321,7 @@ def compare(ours: Source, reference: Source, tolerance: float,
     raise CompareError(f"{ours.path} and {reference.path} have no metrics in common"
                        f"{'' if metrics.pattern == DEFAULT_METRICS else ' matching --metrics'}"
                        f" (reference: {_listing(sorted(theirs or reference.series))})")
-  return Comparison(results, sorted(theirs - mine), sorted(mine - theirs), no_common)
+  return Comparison(results, alarms, sorted(theirs - mine), sorted(mine - theirs), no_common)
 
 
 def _span(source: Source, metrics: list[str]) -> str:
@@ -251,15 +335,24 @@ def _listing(names: list[str]) -> str:
 
 
 def _label(path: str) -> str:
-  if os.path.basename(path) == "metrics.jsonl":
-    return os.path.basename(os.path.dirname(os.path.abspath(path)))
-  return os.path.basename(path)
+  p = epath.Path(path)
+  return p.parent.name if p.name == "metrics.jsonl" else p.name
 
 
-def plot(path: str, ours: Source, reference: Source, comparison: Comparison, tolerance: float
-         ) -> int:
-  """One PNG, a panel per compared metric, up to MAX_PANELS: the others by name, then the
-  downstream ones (dozens per suite, which would crowd out the loss curves). Returns the count."""
+def _steps_text(fired: tuple[int, ...] | None, evaluations: int) -> str:
+  if fired is None:
+    return "not logged"
+  if not fired:
+    return f"never ({evaluations} evaluations)"
+  shown = ", ".join(map(str, fired[:MAX_LISTED])) + (", …" if len(fired) > MAX_LISTED else "")
+  return f"fired at {shown} ({len(fired)} of {evaluations})"
+
+
+def figure(ours: Source, reference: Source, comparison: Comparison, tolerance: float):
+  """The plot as a matplotlib Figure: a panel per compared metric, up to MAX_PANELS (the others
+  by name, then the downstream ones: dozens per suite, which would crowd out the loss curves),
+  on one step axis spanning every step either side logged; a dashed vertical line where each
+  side's alarm first fired, in that side's colour."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -267,57 +360,126 @@ def plot(path: str, ours: Source, reference: Source, comparison: Comparison, tol
 
   shown = sorted(comparison.metrics,
                  key=lambda r: (r.metric.startswith("downstream/"), r.metric))[:MAX_PANELS]
-  cols = min(3, len(shown))
-  rows = math.ceil(len(shown) / cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.3 * rows), squeeze=False)
+  all_steps = [s for src in (ours, reference) for series in src.series.values() for s in series]
+  first_fired = [(side, color, a.alarm, fired[0])
+                 for a in comparison.alarms
+                 for side, color, fired in (("ours", "tab:blue", a.ours_fired),
+                                            ("reference", "tab:orange", a.reference_fired))
+                 if fired]
+  cols = max(1, min(3, len(shown)))
+  rows = max(1, math.ceil(len(shown) / cols))
+  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.3 * rows + 0.6), squeeze=False,
+                           sharex=True)
   for ax, result in zip(axes.flat, shown):
-    ref = sorted(reference.series[result.metric].items())
+    ref = [(s, v) for s, _, v in result.points if v is not None]
+    mine = [(s, v) for s, v, _ in result.points if v is not None]
     steps, values = zip(*ref)
     ax.fill_between(steps, [v - tolerance for v in values], [v + tolerance for v in values],
                     color="tab:orange", alpha=0.25, linewidth=0, label=f"reference ±{tolerance}")
     ax.plot(steps, values, color="tab:orange", marker="." if len(ref) < 50 else None,
             label=f"reference: {_label(reference.path)}")
-    ax.plot(*zip(*sorted(ours.series[result.metric].items())), color="tab:blue",
-            marker="." if len(ours.series[result.metric]) < 50 else None,
+    ax.plot(*zip(*mine), color="tab:blue", marker="." if len(mine) < 50 else None,
             label=f"ours: {_label(ours.path)}")
+    for side, color, alarm, step in first_fired:
+      ax.axvline(step, color=color, linestyle="--", linewidth=1,
+                 label=f"{side}: {alarm} fired (step {step})")
     verdict = "within" if result.within else "OUTSIDE"
     ax.set_title(f"{result.metric}\nmax |Δ| {result.max_abs_delta:.4g} at step {result.step} "
                  f"({verdict})", fontsize=8, color="black" if result.within else "tab:red")
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
+  axes.flat[0].set_xlim(min(all_steps), max(all_steps))  # shared: every panel spans both runs
   for ax in axes.flat[len(shown):]:
     ax.set_visible(False)
-  axes.flat[0].legend(fontsize=7)
+  if shown:
+    axes.flat[0].legend(fontsize=7)
+  title = f"ours: {_label(ours.path)}  vs  reference: {_label(reference.path)}"
   if len(comparison.metrics) > len(shown):
-    fig.suptitle(f"{len(shown)} of {len(comparison.metrics)} compared metrics (narrow with "
-                 "--metrics)", fontsize=9)
+    title += (f"\n{len(shown)} of {len(comparison.metrics)} compared metrics (narrow with "
+              "--metrics)")
+  fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return len(shown)
+  return fig, len(shown)
 
 
-def report(ours: Source, reference: Source, comparison: Comparison, tolerance: float) -> str:
+def plot(path: str, ours: Source, reference: Source, comparison: Comparison, tolerance: float
+         ) -> int:
+  """Writes figure(...) as one PNG at `path`; returns the panels drawn."""
+  import matplotlib.pyplot as plt
+
+  fig, shown = figure(ours, reference, comparison, tolerance)
+  try:
+    with epath.Path(path).open("wb") as f:
+      fig.savefig(f, dpi=110, format="png")
+  finally:
+    plt.close(fig)
+  return shown
+
+
+def _value(v: float | None) -> str:
+  return MISSING if v is None else f"{v:.4f}"
+
+
+def report(ours: Source, reference: Source, comparison: Comparison, tolerance: float,
+           per_step: bool = False) -> str:
   results = comparison.metrics
-  width = max(len("metric"), *(len(r.metric) for r in results))
-  lines = [f"ours:      {ours.path}", f"reference: {reference.path}",
-           f"{'metric'.ljust(width)}  {'steps':>6}  {'max |Δ|':>9}  {'at step':>8}  "
-           f"{'ours':>10}  {'reference':>10}  verdict"]
-  for r in results:
-    lines.append(f"{r.metric.ljust(width)}  {r.steps:>6}  {r.max_abs_delta:>9.4f}  {r.step:>8}  "
-                 f"{r.ours:>10.4f}  {r.reference:>10.4f}  "
-                 f"{'within' if r.within else 'OUTSIDE'} ±{tolerance}")
+  lines = [f"ours:      {ours.path}", f"reference: {reference.path}"]
+  if results:
+    width = max(len("metric"), *(len(r.metric) for r in results))
+    lines.append(f"{'metric'.ljust(width)}  {'steps':>6}  {'ours only':>9}  {'ref only':>8}  "
+                 f"{'max |Δ|':>9}  {'at step':>8}  {'ours':>10}  {'reference':>10}  verdict")
+    for r in results:
+      lines.append(f"{r.metric.ljust(width)}  {r.steps:>6}  {r.ours_only:>9}  "
+                   f"{r.reference_only:>8}  {r.max_abs_delta:>9.4f}  {r.step:>8}  "
+                   f"{r.ours:>10.4f}  {r.reference:>10.4f}  "
+                   f"{'within' if r.within else 'OUTSIDE'} ±{tolerance}")
+  if comparison.alarms:
+    width = max(len("alarm"), *(len(a.alarm) for a in comparison.alarms))
+    lines.append(f"{'alarm'.ljust(width)}  ours: ... | reference: ... | verdict")
+    for a in comparison.alarms:
+      verdict = {True: "agree", False: "DIFFERS", None: "not compared"}[a.agree]
+      lines.append(f"{a.alarm.ljust(width)}  ours: {_steps_text(a.ours_fired, a.ours_evaluations)}"
+                   f" | reference: "
+                   f"{_steps_text(a.reference_fired, a.reference_evaluations)} | {verdict}")
   for title, names in (("not in ours", comparison.not_in_ours),
                        ("not in reference", comparison.not_in_reference),
                        ("no common steps", comparison.no_common_steps)):
     if names:
       lines.append(f"{title} ({len(names)}): {_listing(names)}")
-  outside = sum(not r.within for r in results)
-  lines.append(f"{outside} of {len(results)} metrics outside ±{tolerance} "
-               f"({sum(r.outside_steps for r in results)} of {sum(r.steps for r in results)} "
-               f"comparisons differ by more than {tolerance})")
+  if per_step:
+    for r in results:
+      lines.append(f"{r.metric}: {'step':>8}  {'ours':>10}  {'reference':>10}  {'|Δ|':>9}")
+      pad = " " * (len(r.metric) + 2)
+      for step, a, b in r.points:
+        delta = MISSING if a is None or b is None else f"{abs(a - b):.4f}"
+        lines.append(f"{pad}{step:>8}  {_value(a):>10}  {_value(b):>10}  {delta:>9}")
+  s = comparison.summary
+  line = (f"{s.metrics_outside} of {s.metrics} metrics outside ±{tolerance} "
+          f"({s.comparisons_outside} of {s.comparisons} comparisons differ by more than "
+          f"{tolerance})")
+  if s.alarms:
+    line += f"; {s.alarms_differ} of {s.alarms} alarms fired in one run only"
+  lines.append(line)
   return "\n".join(lines)
+
+
+def _jsonable(value: Any) -> Any:
+  """JSON has no NaN or infinity: those become strings, so the document stays valid."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+  if isinstance(value, dict):
+    return {k: _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  return value
+
+
+def as_json(ours: Source, reference: Source, comparison: Comparison, tolerance: float) -> str:
+  document = {"ours": ours.path, "reference": reference.path, "tolerance": tolerance,
+              **dataclasses.asdict(comparison),
+              "summary": dataclasses.asdict(comparison.summary)}
+  return json.dumps(_jsonable(document), indent=1, allow_nan=False)
 
 
 def _regex(text: str) -> re.Pattern[str]:
@@ -336,19 +498,24 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--metrics", type=_regex, default=DEFAULT_METRICS,
                       help="regex searched in our metric names (default: %(default)s)")
   parser.add_argument("--plot", default=None, help="write a PNG of the compared curves")
-  parser.add_argument("--json", action="store_true", help="print the report as JSON")
+  parser.add_argument("--json", action="store_true",
+                      help="print the report, summary included, as one JSON document")
+  parser.add_argument("--per_step", action="store_true",
+                      help="also print each compared metric at every step either side logged")
   args = parser.parse_args(argv)
   try:
     ours, reference = load(args.ours), load(args.reference)
     comparison = compare(ours, reference, args.tolerance, args.metrics)
+    if args.plot and not comparison.metrics:
+      raise CompareError(f"--plot {args.plot}: no metric to draw (the sources share alarms "
+                         "only)")
   except (CompareError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.json:
-    print(json.dumps({"ours": ours.path, "reference": reference.path,
-                      "tolerance": args.tolerance, **dataclasses.asdict(comparison)}, indent=1))
+    print(as_json(ours, reference, comparison, args.tolerance))
   else:
-    print(report(ours, reference, comparison, args.tolerance))
+    print(report(ours, reference, comparison, args.tolerance, args.per_step))
   if args.plot:
     try:
       shown = plot(args.plot, ours, reference, comparison, args.tolerance)
@@ -356,10 +523,11 @@ def main(argv: list[str] | None = None) -> int:
       print(f"error: {e}", file=sys.stderr)
       return 2
     total = len(comparison.metrics)
+    # With --json, stdout holds the JSON document alone.
     print(f"wrote {args.plot}" + (f" ({shown} of {total} metrics; narrow with --metrics)"
                                   if shown < total else ""),
           file=sys.stderr if args.json else sys.stdout)
-  return 0 if all(r.within for r in comparison.metrics) else 1
+  return 0 if comparison.summary.ok else 1
 
 
 if __name__ == "__main__":
