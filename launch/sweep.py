@@ -3,7 +3,7 @@ r"""Generate, compile or run, and rank the variants of a sweep.
   python launch/sweep.py --fdl_config=experiments.olmo3_7b:stage1 \
       --sweep=experiments.olmo3_7b:mfu_sweep --compile_only=tpu7x:4x8x8 --out sweeps/7b
   python launch/sweep.py --fdl_config=experiments.olmo3_tiny:stage1 \
-      --sweep=experiments.olmo3_tiny:mfu_sweep --steps 5 --out sweeps/tiny
+      --sweep=experiments.olmo3_tiny:mfu_sweep --steps 16 --out sweeps/tiny
   python launch/sweep.py --fdl_config=experiments.olmo3_tiny:stage1 \
       --sweep=experiments.olmo3_tiny:head_shape_sweep --steps 100 --rank_by=heldout --out ...
   ... --variant 'model.remat=full,data.global_batch_size=16'    # rerun one variant alone
@@ -13,11 +13,16 @@ variant is named after its overrides. Variants run in worker processes, one per 
 each variant's XLA / libtpu flags take effect; a crash costs the variant that caused it alone
 (the others are rerun); --jobs N runs N workers at a time. With --compile_only each variant's
 train step is compiled for the target (memory, fits, compiled FLOPs); with --steps each trains
-N steps in a scratch workdir (tokens/s, TFLOP/s per device, MFU when the device's peak is
-known); with --rank_by=heldout each also evaluates its held-out sets after its N steps
-(heldout_ce: the mean CE over the sets). Writes OUT/results.csv, OUT/results.md (ranked: what
-fits, by MFU or by memory, or by held-out CE) and OUT/results.png (the ranking metric). A
-misspelt override path stops the sweep before any variant runs.
+N steps in a scratch workdir and is timed in steady state: the N steps form --repeats + 1
+windows of N // (repeats + 1) steps (at least 2); the first, which holds the compile, is not
+timed, and each of the others is one timed repeat. tokens/s, TFLOP/s per device and MFU (when
+the device's peak is known) are the repeats' median, with their min and max beside them
+(`<metric>_min`, `<metric>_max`). With --rank_by=heldout each also evaluates its held-out sets
+after its N steps (heldout_ce: the mean CE over the sets). Writes OUT/results.csv, OUT/results.md
+(ranked: what fits, by median MFU, else median tokens/s, else memory; or by held-out CE) and
+OUT/results.png (the ranking metric, the repeats' range as error bars), rewritten after each
+variant, and prints "[k of N]" as variants finish. A misspelt override path stops the sweep
+before any variant runs.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import concurrent.futures
 import csv
 import dataclasses
 import json
+import io
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +44,7 @@ from typing import Any
 
 import fiddle as fdl
 from absl import app, flags
+from etils import epath
 
 from launch import configs
 from olmo3.perf import flags as flags_lib
@@ -50,7 +58,12 @@ SETS = flags.DEFINE_multi_string("fdl_set", [], "override for every variant: pat
                                  "(a Python literal)")
 COMPILE_ONLY = flags.DEFINE_string("compile_only", None,
                                    "'local' or a TPU topology kind:AxBxC")
-STEPS = flags.DEFINE_integer("steps", None, "train each variant this many steps", lower_bound=1)
+STEPS = flags.DEFINE_integer("steps", None, "train each variant this many steps (timed: the "
+                             "--repeats windows after the first, which holds the compile)",
+                             lower_bound=1)
+REPEATS = flags.DEFINE_integer(
+    "repeats", 3, "with --steps: timed windows per variant (after an untimed first one); the "
+    "table reports their median, min and max", lower_bound=3)
 flags.mark_flags_as_mutual_exclusive(["compile_only", "steps"], required=True)
 RANK_BY = flags.DEFINE_enum(
     "rank_by", "mfu", ["mfu", "heldout"],
@@ -81,6 +94,16 @@ class Sweep:
   out: str
   jobs: int = 1
   rank_by: str = "mfu"
+  repeats: int = 3
+
+
+TIMED = ("tokens_per_s", "tflops_per_device", "mfu", "step_time_s")  # median, min, max each
+MIN_WINDOW = 2  # steps per timed repeat: one step's time alone is mostly its dispatch jitter
+
+
+def window(steps: int, repeats: int) -> int:
+  """Steps per timed repeat: --steps split into an untimed first window and `repeats` timed."""
+  return steps // (repeats + 1)
 
 
 def apply(cfg: fdl.Config, overrides: dict[str, Any]) -> fdl.Config:
@@ -95,7 +118,7 @@ def variant_config(sweep: Sweep, overrides: dict[str, Any]) -> fdl.Config:
 
 
 def run_variant(exp, compile_only: str | None, steps: int | None,
-                heldout: bool = False) -> dict[str, Any]:
+                heldout: bool = False, repeats: int = 3) -> dict[str, Any]:
   if compile_only:
     from olmo3.perf import aot
 
@@ -106,21 +129,44 @@ def run_variant(exp, compile_only: str | None, steps: int | None,
     return {"fits": r.fits if r.fits is not None else True, "memory_gb": round(r.total_gb, 3),
             "temp_gb": round(r.temp_gb, 3), "compiled_tflops": r.compiled_tflops_per_step,
             "analytic_tflops": r.analytic_tflops_per_step, "compile_s": round(r.compile_s, 1)}
+  from olmo3 import metrics as metrics_lib
   from olmo3.train.loop import train
 
-  # `heldout`: the loop evaluates once, after the last step (after that step's timing is
-  # logged), the held-out sets only: held-out loss ranks, and the tasks would add minutes.
+  # The loop logs a row every `k` steps, each timing the steps since the previous row (the
+  # loop's own clock): the rows at 2k .. (repeats + 1)k are the timed repeats; the first holds
+  # the compile. `heldout`: the loop evaluates once, after the last step (after that step's
+  # row), the held-out sets only: held-out loss ranks, and the tasks would add minutes.
+  k = window(steps, repeats)
   exp = dataclasses.replace(
-      exp, train=dataclasses.replace(exp.train, steps=steps, log_every=steps,
+      exp, train=dataclasses.replace(exp.train, steps=steps, log_every=k,
                                      eval_every=steps if heldout else 0),
       eval=dataclasses.replace(exp.eval, tasks=()),
       checkpoint=dataclasses.replace(exp.checkpoint, every=10**9, init_from=None))
   with tempfile.TemporaryDirectory() as workdir:
     last = train(exp, workdir)
-  row = {"fits": True, "tokens_per_s": last.get("tokens_per_s"),
-         "tflops_per_device": last.get("tflops_per_device"), "mfu": last.get("mfu"),
-         "loss": last.get("loss")}
+    rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  row = {"fits": True, **steady_state(rows, k, repeats), "repeats": repeats,
+         "steps_per_repeat": k, "loss": last.get("loss")}
   return {**row, **heldout_columns(last)} if heldout else row
+
+
+def steady_state(rows: list[dict[str, float]], k: int, repeats: int) -> dict[str, float]:
+  """From a run's metrics rows (one every k steps, each timing the steps since the previous):
+  the `repeats` windows after the first (which holds the compile), and for each timed metric
+  their median (the column ranked by) and their min and max (the spread: a shared or throttled
+  machine shows here). A trailing partial window is not a repeat."""
+  timed = [r for r in rows if "tokens_per_s" in r and r["step"] % k == 0
+           and k < r["step"] <= (repeats + 1) * k]
+  if len(timed) != repeats:
+    raise RuntimeError(f"{len(timed)} timed windows of {k} steps logged, expected {repeats} "
+                       f"(rows at steps {[r['step'] for r in rows if 'tokens_per_s' in r]})")
+  out: dict[str, float] = {}
+  for key in TIMED:
+    values = [r[key] for r in timed if r.get(key) is not None]
+    if values:
+      out.update({key: statistics.median(values), f"{key}_min": min(values),
+                  f"{key}_max": max(values)})
+  return out
 
 
 def heldout_columns(metrics: dict[str, float]) -> dict[str, float]:
@@ -135,14 +181,16 @@ def heldout_columns(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def write_results(out: str, rows: list[dict[str, Any]], rank_by: str = "mfu") -> None:
-  os.makedirs(out, exist_ok=True)
+  directory = epath.Path(out)
+  directory.mkdir(parents=True, exist_ok=True)
   keys = ["variant"] + sorted({k for r in rows for k in r} - {"variant"})
-  with open(os.path.join(out, "results.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, keys)
-    writer.writeheader()
-    writer.writerows(rows)
+  text = io.StringIO(newline="")
+  writer = csv.DictWriter(text, keys)
+  writer.writeheader()
+  writer.writerows(rows)
+  (directory / "results.csv").write_text(text.getvalue())
 
-  def rank(r):  # what fits first; then by MFU (or throughput), else by memory
+  def rank(r):  # what fits first; then by (median) MFU, else tokens/s, else by memory
     score = r.get("mfu") or r.get("tokens_per_s") or -(r.get("memory_gb") or 1e9)
     return (not r.get("fits"), -score if score is not None else 0)
 
@@ -151,17 +199,17 @@ def write_results(out: str, rows: list[dict[str, Any]], rank_by: str = "mfu") ->
     return (not r.get("fits"), ce is None, ce or 0.0)
 
   ranked = sorted(rows, key=rank_heldout if rank_by == "heldout" else rank)
-  with open(os.path.join(out, "results.md"), "w") as f:
-    f.write("| rank | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n")
-    for i, r in enumerate(ranked, 1):
-      f.write(f"| {i} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |\n")
-  _chart(os.path.join(out, "results.png"), ranked, rank_by)
+  (directory / "results.md").write_text(
+      "| rank | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n"
+      + "".join(f"| {i} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |\n"
+                for i, r in enumerate(ranked, 1)))
+  _chart(directory / "results.png", ranked, rank_by)
 
 
 def _read_rows(out: str) -> dict[str, dict[str, Any]]:
   """The rows of an earlier OUT/results.csv, by variant, values parsed back from text."""
-  path = os.path.join(out, "results.csv")
-  if not os.path.exists(path):
+  path = epath.Path(out) / "results.csv"
+  if not path.exists():
     return {}
 
   def parse(v: str):
@@ -172,9 +220,8 @@ def _read_rows(out: str) -> dict[str, dict[str, Any]]:
     except ValueError:
       return v
 
-  with open(path, newline="") as f:
-    return {r["variant"]: {k: parse(v) if k != "variant" else v for k, v in r.items()}
-            for r in csv.DictReader(f)}
+  return {r["variant"]: {k: parse(v) if k != "variant" else v for k, v in r.items()}
+          for r in csv.DictReader(io.StringIO(path.read_text(), newline=""))}
 
 
 def _fmt(v) -> str:
@@ -183,7 +230,7 @@ def _fmt(v) -> str:
   return "" if v is None else str(v)
 
 
-def _chart(path: str, rows: list[dict[str, Any]], rank_by: str) -> None:
+def _chart(path: epath.Path, rows: list[dict[str, Any]], rank_by: str) -> None:
   import matplotlib
 
   matplotlib.use("Agg")
@@ -195,7 +242,13 @@ def _chart(path: str, rows: list[dict[str, Any]], rank_by: str) -> None:
   names = [r["variant"] for r in rows]
   values = [r.get(metric) or 0 for r in rows]
   colors = ["tab:green" if r.get("fits") else "tab:red" for r in rows]
-  bars = ax.barh(range(len(rows)), values, color=colors)
+  # The repeats' range around each median, where the variant was timed.
+  spread = [[v - (r.get(f"{metric}_min") if r.get(f"{metric}_min") is not None else v)
+             for r, v in zip(rows, values)],
+            [(r.get(f"{metric}_max") if r.get(f"{metric}_max") is not None else v) - v
+             for r, v in zip(rows, values)]]
+  bars = ax.barh(range(len(rows)), values, color=colors,
+                 xerr=spread if any(map(any, spread)) else None, capsize=2)
   ax.bar_label(bars, fmt="%.4g", fontsize=7)
   ax.set_yticks(range(len(rows)), names, fontsize=7)
   ax.invert_yaxis()
@@ -203,10 +256,14 @@ def _chart(path: str, rows: list[dict[str, Any]], rank_by: str) -> None:
     # Variants differ by hundredths of a nat: bars from zero would all look the same length.
     ax.set_xlim(0.98 * min(v for v in values if v), 1.01 * max(values))
     metric += ", lower is better"
-  ax.set_xlabel(f"{metric} (green: fits, red: does not)")
+  timed = " median of the repeats, min-max bars;" if any(map(any, spread)) else ""
+  ax.set_xlabel(f"{metric} ({timed} green: fits, red: does not)")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  try:
+    with path.open("wb") as f:
+      fig.savefig(f, dpi=110, format="png")
+  finally:
+    plt.close(fig)
 
 
 def _flag_key(exp) -> tuple:
@@ -221,7 +278,7 @@ def _run_worker(sweep: Sweep, indices: list[int], on_result) -> None:
   with tempfile.TemporaryDirectory() as scratch:
     results = os.path.join(scratch, "results.jsonl")
     mode = (["--compile_only", sweep.compile_only] if sweep.compile_only
-            else ["--steps", str(sweep.steps)])
+            else ["--steps", str(sweep.steps), "--repeats", str(sweep.repeats)])
     cmd = [sys.executable, os.path.abspath(__file__), "--fdl_config", sweep.fdl_config,
            "--sweep", sweep.sweep, *(f"--fdl_set={s}" for s in sweep.fdl_set), *mode,
            "--rank_by", sweep.rank_by,
@@ -273,7 +330,8 @@ def _worker(sweep: Sweep, indices: list[int], results: str) -> None:
       flags_lib.apply_to_environ(*_flag_key(exp))  # before JAX starts
     print(f"--- {configs.variant_name(variants[index])}", flush=True)
     try:
-      result = run_variant(exp, sweep.compile_only, sweep.steps, sweep.rank_by == "heldout")
+      result = run_variant(exp, sweep.compile_only, sweep.steps, sweep.rank_by == "heldout",
+                           sweep.repeats)
     except Exception as e:  # reported in the table; the sweep goes on
       traceback.print_exc()
       result = {"fits": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -286,6 +344,11 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) ->
   if sweep.rank_by == "heldout" and not sweep.steps:
     raise configs.ConfigRefError("--rank_by=heldout needs --steps: held-out loss is measured "
                                  "after training")
+  if sweep.steps and window(sweep.steps, sweep.repeats) < MIN_WINDOW:
+    raise configs.ConfigRefError(
+        f"--steps={sweep.steps} with --repeats={sweep.repeats}: needs at least "
+        f"{MIN_WINDOW * (sweep.repeats + 1)} steps (an untimed first window, which holds the "
+        f"compile, then {sweep.repeats} timed windows, each of at least {MIN_WINDOW} steps)")
   variants = list(enumerate(configs.load_sweep(sweep.sweep)))
   if variant:
     variants = [(i, v) for i, v in variants if configs.variant_name(v) == variant]
@@ -308,12 +371,17 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) ->
       groups.setdefault(_flag_key(exp), []).append(i)
   units = [g[j::sweep.jobs] for g in groups.values() for j in range(min(sweep.jobs, len(g)))]
   lock = threading.Lock()
+  total = len(names)
+  kept = sum(name in done for name in names.values())
+  print(f"{total} variants" + (f" ({kept} kept from {sweep.out}/results.csv)" if kept else "")
+        + f": running {total - kept} in {len(units)} worker processes", flush=True)
 
   def on_result(index: int, result: dict[str, Any]) -> None:
     row = {"variant": names[index], **result}
-    print(f"{names[index]}: {result}", flush=True)
     with lock:
       done[names[index]] = row
+      finished = sum(name in done for name in names.values())
+      print(f"[{finished} of {total}] {names[index]}: {result}", flush=True)
       write_results(sweep.out, list(done.values()), sweep.rank_by)
 
   with concurrent.futures.ThreadPoolExecutor(sweep.jobs) as pool:
@@ -328,7 +396,7 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   configs.make_cwd_importable()
   sweep = Sweep(CONFIG.value, SWEEP.value, tuple(SETS.value), COMPILE_ONLY.value, STEPS.value,
-                OUT.value, JOBS.value, RANK_BY.value)
+                OUT.value, JOBS.value, RANK_BY.value, REPEATS.value)
   try:
     if _WORKER.value is not None:
       _worker(sweep, [int(i) for i in _WORKER.value.split(",")], _RESULTS.value)

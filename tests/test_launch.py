@@ -194,9 +194,43 @@ def test_sweep_ranks_by_heldout_loss_lowest_first(tmp_path):
 
   with pytest.raises(configs.ConfigRefError, match="--rank_by=heldout needs --steps"):
     run("local", None)
+  with pytest.raises(configs.ConfigRefError, match=r"^--steps=7 with --repeats=3: needs at "
+                     r"least 8 steps \(an untimed first window"):
+    run(None, 7)
   with pytest.raises(configs.ConfigRefError, match=r"eval.heldout is empty"):
-    run(None, 1, "eval.heldout=()")
+    run(None, 8, "eval.heldout=()")
   assert not (tmp_path / "out").exists()
+
+
+def test_sweep_times_steady_state_repeats_and_ranks_by_their_median(tmp_path):
+  """The window holding the compile is never timed; the repeats after it give the median
+  (ranked by) and the range; a trailing partial window is not a repeat. The chart shows the
+  range as error bars."""
+  from launch import sweep
+
+  def rows(per_window):  # one row every 4 steps: tokens/s of each window, MFU in proportion
+    return [{"step": 4 * (i + 1), "tokens_per_s": t, "mfu": t / 1e4, "step_time_s": 1e3 / t,
+             "loss": 5.0} for i, t in enumerate(per_window)]
+
+  # The first window (compile) is slowest; 18 steps: 4 windows of 4, then 2 steps not timed
+  # (the loop's row at the last step).
+  got = sweep.steady_state(rows([10.0, 200.0, 100.0, 300.0]) + [
+      {"step": 18, "tokens_per_s": 1.0, "loss": 5.0}], 4, 3)
+  assert (got["tokens_per_s"], got["tokens_per_s_min"], got["tokens_per_s_max"]) == (
+      200.0, 100.0, 300.0)
+  assert got["mfu"] == pytest.approx(0.02) and got["step_time_s_max"] == pytest.approx(10.0)
+  with pytest.raises(RuntimeError, match="2 timed windows of 4 steps logged, expected 3"):
+    sweep.steady_state(rows([10.0, 200.0, 100.0]), 4, 3)
+  # Ranked by the median, not by a lucky repeat.
+  ranked = [{"variant": "steady", "fits": True, "tokens_per_s": 200.0, "tokens_per_s_min": 190.0,
+             "tokens_per_s_max": 210.0},
+            {"variant": "noisy", "fits": True, "tokens_per_s": 150.0, "tokens_per_s_min": 50.0,
+             "tokens_per_s_max": 400.0}]
+  sweep.write_results(str(tmp_path / "out"), ranked)
+  table = (tmp_path / "out" / "results.md").read_text().splitlines()
+  assert [line.split(" | ")[1] for line in table[2:]] == ["steady", "noisy"]
+  assert "tokens_per_s_max" in table[0] and "tokens_per_s_min" in table[0]
+  assert (tmp_path / "out" / "results.png").stat().st_size > 5_000
 
 
 def _losses(workdir):

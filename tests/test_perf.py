@@ -219,15 +219,23 @@ def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
   assert ranked == sorted(names, key=lambda n: [float(r["memory_gb"]) for r in rows
                                                 if r["variant"] == n][0])
   assert (tmp_path / "all" / "results.png").stat().st_size > 5_000
-  one = subprocess.run([sys.executable, "launch/sweep.py", *common, "--steps", "2",
-                        "--variant", names[1], "--out", str(tmp_path / "one")],
+  assert [line.split("]")[0] for line in done.stdout.splitlines() if line.startswith("[")] == [
+      "[1 of 3", "[2 of 3", "[3 of 3"]  # progress as variants finish
+  # Timed in steady state: 8 steps are an untimed window of 2 (the compile) and 3 timed repeats
+  # of 2; the table holds their median and range (tests/test_launch.py checks the selection).
+  one = subprocess.run([sys.executable, "launch/sweep.py", *common, "--steps", "8",
+                        "--fdl_set=data.seq_len=64", "--variant", names[1],
+                        "--out", str(tmp_path / "one")],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
   assert one.returncode == 0, one.stderr[-3000:]
+  assert "[1 of 1] " + names[1] in one.stdout
   with open(tmp_path / "one" / "results.csv") as f:
     (row,) = list(csv.DictReader(f))
   assert row["variant"] == names[1]
   assert row["fits"] == "True" and not row.get("error")
-  assert float(row["tokens_per_s"]) > 0 and float(row["loss"]) > 0
+  assert (row["repeats"], row["steps_per_repeat"]) == ("3", "2")
+  low, median, high = (float(row[f"tokens_per_s{s}"]) for s in ("_min", "", "_max"))
+  assert 0 < low <= median <= high and float(row["loss"]) > 0
 
 
 @pytest.mark.seconds(15)
