@@ -1,0 +1,448 @@
+"""Cluster jobs for an experiment: a GKE JobSet manifest or the equivalent xpk command for TPU
+pod slices, and a SLURM batch script for GPU nodes. Rendering only (no I/O, no submission):
+`launch/cluster.py` is the command line. docs/launch.md describes the jobs.
+
+Every job runs the launcher exactly as a user would (`python launch/main.py --fdl_config=...
+--workdir=... --fdl_set=...`) with the experiment's compiler flag set in its environment
+(XLA_FLAGS, LIBTPU_INIT_ARGS, its `env` pairs), and joins its processes with
+`jax.distributed` through JAX's own cluster detection: GKE's TPU environment (TPU_WORKER_ID,
+TPU_WORKER_HOSTNAMES, and MEGASCALE_* across slices) or SLURM's (SLURM_PROCID, SLURM_NTASKS,
+SLURM_STEP_NODELIST, ...; the coordinator is the first node, on a port derived from the job id).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from olmo3.config import AttentionKernel, Experiment, MeshConfig
+
+JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+TPU_RESOURCE = "google.com/tpu"
+# JobSet's exclusive placement: one slice (child Job) per node pool, so no slice's hosts are
+# split across node pools (ICI links only exist within one).
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+CONTAINER = "olmo3"
+REPLICATED_JOB = "slice"
+# Pod hostnames are <name>-slice-<slice>-<host> and must stay a DNS label (63 characters);
+# xpk caps workload names at 40 for the same reason.
+MAX_NAME = 40
+CHIPS_PER_HOST = 4  # every multi-host slice of these kinds: 4 chips per TPU VM
+
+
+class Target(enum.Enum):
+  GKE = "gke"  # a JobSet manifest, submitted with `kubectl apply -f -`
+  XPK = "xpk"  # the equivalent `xpk workload create` command
+  SLURM = "slurm"  # a batch script, submitted with `sbatch`
+
+
+class Processes(enum.Enum):
+  """How a SLURM job maps processes onto GPUs."""
+
+  PER_GPU = "per_gpu"  # one task per GPU; JAX restricts each to GPU SLURM_LOCALID
+  PER_NODE = "per_node"  # one task per node owning all its GPUs (JAX_LOCAL_DEVICE_IDS)
+
+
+class LaunchError(ValueError):
+  """A job that cannot be rendered as asked. The one-line message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuKind:
+  name: str  # as in flag sets and --compile_only topologies: tpu7x, v5p, v6e
+  gke_accelerator: str  # the node label GKE gives this kind's slice node pools
+  dims: int  # topology AxBxC (3) or AxB (2)
+  devices_per_chip: int  # JAX devices per chip (tpu7x: its two TensorCores are two devices)
+  single_host: tuple[str, ...]  # topologies one TPU VM serves (every chip on one host)
+  small: tuple[str, ...]  # the multi-host topologies below whole 4x4x4 cubes (3-D kinds)
+  max_cubes: int  # 3-D kinds: the largest slice in 4x4x4 cubes; 2-D kinds: 0 (`small` lists all)
+
+
+TPU_KINDS: dict[str, TpuKind] = {k.name: k for k in (
+    TpuKind("tpu7x", "tpu7x", 3, 2, ("1x1x1", "2x2x1"), ("2x2x2", "2x2x4", "2x4x4"), 144),
+    TpuKind("v5p", "tpu-v5p-slice", 3, 1, ("2x2x1",), ("2x2x2", "2x2x4", "2x4x4"), 140),
+    TpuKind("v6e", "tpu-v6e-slice", 2, 1, ("1x1", "2x2", "2x4"),
+            ("4x4", "4x8", "8x8", "8x16", "16x16"), 0),
+)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlices:
+  """`num_slices` identical TPU slices of one kind and topology."""
+
+  kind: TpuKind
+  topology: str
+  num_slices: int
+
+  @property
+  def chips(self) -> int:  # per slice
+    return math.prod(int(n) for n in self.topology.split("x"))
+
+  @property
+  def chips_per_host(self) -> int:
+    return self.chips if self.topology in self.kind.single_host else CHIPS_PER_HOST
+
+  @property
+  def hosts(self) -> int:  # per slice: one launcher process each
+    return self.chips // self.chips_per_host
+
+  @property
+  def devices(self) -> int:  # per slice
+    return self.chips * self.kind.devices_per_chip
+
+  @property
+  def xpk_type(self) -> str:  # xpk's --tpu-type names: <kind>-<topology>
+    return f"{self.kind.name}-{self.topology}"
+
+  def describe(self) -> str:
+    return (f"{self.num_slices} x {self.kind.name} {self.topology} slice(s): {self.hosts} "
+            f"host(s) x {self.chips_per_host} chips each, {self.devices * self.num_slices} "
+            "devices in all")
+
+
+def tpu_slices(accelerator: str, topology: str, num_slices: int) -> TpuSlices:
+  kind = TPU_KINDS.get(accelerator)
+  if kind is None:
+    raise LaunchError(f"--accelerator={accelerator!r}: unknown TPU kind (known: "
+                      f"{', '.join(TPU_KINDS)})")
+  dims = topology.split("x")
+  if len(dims) != kind.dims or not all(d.isdigit() and int(d) > 0 for d in dims):
+    raise LaunchError(f"--topology={topology!r}: {accelerator} topologies are "
+                      + ("AxBxC" if kind.dims == 3 else "AxB") + " chip counts, e.g. "
+                      + (kind.small[-1]))
+  sizes = [int(d) for d in dims]
+  whole_cubes = (kind.dims == 3 and all(n % 4 == 0 for n in sizes)
+                 and sizes == sorted(sizes) and math.prod(sizes) // 64 <= kind.max_cubes)
+  if topology not in kind.single_host + kind.small and not whole_cubes:
+    allowed = ", ".join(kind.single_host + kind.small)
+    if kind.dims == 3:
+      allowed += (f", or AxBxC in multiples of 4 with A <= B <= C up to {kind.max_cubes} "
+                  "4x4x4 cubes")
+    raise LaunchError(f"--topology={topology!r} is not a {accelerator} slice ({allowed})")
+  if num_slices < 1:
+    raise LaunchError(f"--num_slices={num_slices}: must be >= 1")
+  slices = TpuSlices(kind, topology, num_slices)
+  if num_slices > 1 and slices.hosts == 1:
+    raise LaunchError(f"--num_slices={num_slices}: multislice needs multi-host slices; "
+                      f"{accelerator} {topology} is one host")
+  return slices
+
+
+def check_experiment(exp: Experiment, target: Target, devices_per_slice: int,
+                     slices: int) -> None:
+  """What makes the job fail at once, said before it is submitted: an attention kernel for the
+  other kind of accelerator, or a mesh that does not fill the job's devices."""
+  kernel = exp.model.attention
+  if target is Target.SLURM and kernel is AttentionKernel.SPLASH:
+    raise LaunchError("--target=slurm: model.attention=splash is a TPU kernel (it would run "
+                      "interpreted on GPUs); add --fiddler=gpu")
+  if target is not Target.SLURM and kernel is AttentionKernel.CUDNN:
+    raise LaunchError(f"--target={target.value}: model.attention=cudnn needs GPUs; use splash "
+                      "on TPUs")
+  problem = mesh_problem(exp.mesh, devices_per_slice, slices)
+  if problem:
+    where = ("--topology/--num_slices" if target is not Target.SLURM
+             else "--nodes/--gpus_per_node")
+    raise LaunchError(f"{where}: {problem}")
+
+
+def mesh_problem(mesh: MeshConfig, devices_per_slice: int, slices: int) -> str | None:
+  """Why `mesh` cannot fill `slices` x `devices_per_slice` devices (None: it can), by the
+  arithmetic `olmo3.sharding.make_mesh` applies to real devices (tests/test_cluster.py checks
+  that the two agree)."""
+  shape, dcn = dict(mesh.shape), dict(mesh.dcn) or ({"data": slices} if slices > 1 else {})
+  if math.prod(dcn.values()) != slices:
+    return (f"mesh.dcn={dcn}: the devices come from {slices} slice(s); the DCN sizes must "
+            "multiply to that")
+  known = math.prod(n for n in shape.values() if n != -1)
+  if -1 in shape.values():
+    if devices_per_slice % known:
+      return (f"mesh.shape={shape}: the {devices_per_slice} devices per slice are not "
+              f"divisible by {known}")
+  elif known != devices_per_slice:
+    return (f"mesh.shape={shape} needs {known} devices per slice; the job has "
+            f"{devices_per_slice}")
+  return None
+
+
+def job_env(exp: Experiment) -> dict[str, str]:
+  """The experiment's flag set as the job's environment, as `olmo3.perf.flags.apply_to_environ`
+  sets it in the launcher (which applies it again: the same flags, so the same values)."""
+  env = {var: " ".join(extra) for var, extra in (("XLA_FLAGS", exp.xla_flags),
+                                                 ("LIBTPU_INIT_ARGS", exp.libtpu_flags))
+         if extra}
+  env.update(dict(exp.env))
+  return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """The launcher invocation every process of a job runs."""
+
+  fdl_config: str
+  fdl_sets: tuple[str, ...] = ()
+  fiddlers: tuple[str, ...] = ()
+  workdir: str | None = None
+  flags: tuple[str, ...] = ()  # other launcher flags, e.g. --compilation_cache=gs://...
+  python: str = "python"
+
+  def argv(self) -> list[str]:
+    return [self.python, "launch/main.py", f"--fdl_config={self.fdl_config}",
+            *(f"--fiddler={f}" for f in self.fiddlers), *(f"--fdl_set={s}" for s in self.fdl_sets),
+            *([f"--workdir={self.workdir}"] if self.workdir else []), *self.flags]
+
+  def shell(self) -> str:
+    return shlex.join(self.argv())
+
+
+def default_name(fdl_config: str) -> str:
+  """experiments.olmo3_7b:stage1 -> olmo3-7b-stage1 (a DNS label: job and pod names)."""
+  module, _, fn = fdl_config.replace(":", ".").rpartition(".")
+  return re.sub(r"[^a-z0-9]+", "-", f"{module.rsplit('.', 1)[-1]}-{fn}".lower()).strip("-")
+
+
+def check_name(name: str) -> str:
+  if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > MAX_NAME:
+    raise LaunchError(f"--name={name!r}: must be a DNS label of at most {MAX_NAME} characters "
+                      "(lowercase letters, digits and '-', starting with a letter)")
+  return name
+
+
+# --- TPU pod slices: GKE JobSet and xpk ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PodJob:
+  name: str
+  slices: TpuSlices
+  image: str
+  command: Command
+  env: Mapping[str, str]
+  max_restarts: int = 0  # JobSet restarts every slice; the run resumes from its checkpoint
+  # SIGTERM is honoured at the next step boundary, which then saves a checkpoint: give it time.
+  grace_period_s: int = 600
+  working_dir: str | None = None  # the repository in the image (None: the image's WORKDIR)
+  queue: str | None = None  # a Kueue LocalQueue
+
+
+def jobset(job: PodJob) -> dict[str, Any]:
+  """The JobSet: one replicated job per slice, one pod per host, every pod the launcher."""
+  s = job.slices
+  container: dict[str, Any] = {
+      "name": CONTAINER, "image": job.image, "command": job.command.argv(),
+      "env": [{"name": k, "value": v} for k, v in job.env.items()],
+      # 8471: the TPU runtime between hosts and slices; 8080: the TPU metrics endpoint.
+      "ports": [{"containerPort": 8471}, {"containerPort": 8080}],
+      "resources": {"limits": {TPU_RESOURCE: s.chips_per_host}},
+  }
+  if job.working_dir:
+    container["workingDir"] = job.working_dir
+  metadata: dict[str, Any] = {"name": job.name,
+                              "annotations": {EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL}}
+  if job.queue:
+    metadata["labels"] = {QUEUE_LABEL: job.queue}
+  pod = {
+      "restartPolicy": "Never",
+      "nodeSelector": {ACCELERATOR_LABEL: s.kind.gke_accelerator, TOPOLOGY_LABEL: s.topology},
+      # As xpk runs TPU jobs: the host's network for DCN traffic between slices.
+      "hostNetwork": True,
+      "dnsPolicy": "ClusterFirstWithHostNet",
+      "terminationGracePeriodSeconds": job.grace_period_s,
+      "containers": [container],
+  }
+  return {
+      "apiVersion": JOBSET_API,
+      "kind": "JobSet",
+      "metadata": metadata,
+      "spec": {
+          "failurePolicy": {"maxRestarts": job.max_restarts},
+          # Stable pod hostnames: GKE builds TPU_WORKER_HOSTNAMES from them.
+          "network": {"enableDNSHostnames": True},
+          "replicatedJobs": [{
+              "name": REPLICATED_JOB,
+              "replicas": s.num_slices,
+              "template": {"spec": {
+                  "parallelism": s.hosts, "completions": s.hosts,
+                  # One failed host fails its slice; JobSet's failurePolicy restarts the set.
+                  "backoffLimit": 0,
+                  "template": {"spec": pod},
+              }},
+          }],
+      },
+  }
+
+
+def render_jobset(job: PodJob) -> str:
+  text = f"# {job.slices.describe()}\n" + yaml.safe_dump(jobset(job), sort_keys=False,
+                                                                width=1 << 16)
+  validate_jobset(text, job)
+  return text
+
+
+def _get(node: Any, *path: str | int) -> Any:
+  for key in path:
+    try:
+      node = node[key]
+    except (KeyError, IndexError, TypeError):
+      raise LaunchError("manifest: missing " + ".".join(map(str, path))) from None
+  return node
+
+
+def validate_jobset(text: str, job: PodJob) -> dict[str, Any]:
+  """Parses a rendered manifest as YAML and checks every field the job depends on against
+  `job`: a manifest that would schedule other hosts, chips or flags is refused here."""
+  try:
+    doc = yaml.safe_load(text)
+  except yaml.YAMLError as e:
+    raise LaunchError(f"manifest: not YAML ({str(e).splitlines()[0]})") from None
+  s = job.slices
+  rjobs = _get(doc, "spec", "replicatedJobs")
+  pod = _get(rjobs, 0, "template", "spec", "template", "spec")
+  containers = _get(pod, "containers")
+  expected: list[tuple[tuple[Any, ...], Any]] = [
+      (("apiVersion",), JOBSET_API), (("kind",), "JobSet"), (("metadata", "name"), job.name),
+      (("metadata", "annotations", EXCLUSIVE_TOPOLOGY), NODE_POOL_LABEL),
+      (("spec", "replicatedJobs", 0, "replicas"), s.num_slices),
+      (("spec", "replicatedJobs", 0, "template", "spec", "parallelism"), s.hosts),
+      (("spec", "replicatedJobs", 0, "template", "spec", "completions"), s.hosts),
+  ]
+  for path, want in expected:
+    got = _get(doc, *path)
+    if got != want:
+      raise LaunchError(f"manifest: {'.'.join(map(str, path))} is {got!r}, not {want!r}")
+  if not isinstance(rjobs, list) or len(rjobs) != 1:
+    raise LaunchError("manifest: spec.replicatedJobs must hold one job (the slices)")
+  selector = _get(pod, "nodeSelector")
+  for label, want in ((ACCELERATOR_LABEL, s.kind.gke_accelerator), (TOPOLOGY_LABEL, s.topology)):
+    if selector.get(label) != want:
+      raise LaunchError(f"manifest: nodeSelector {label} is {selector.get(label)!r}, "
+                        f"not {want!r}")
+  if not isinstance(containers, list) or len(containers) != 1:
+    raise LaunchError("manifest: the pod must run one container (the launcher)")
+  container = containers[0]
+  chips = _get(container, "resources", "limits", TPU_RESOURCE)
+  if chips != s.chips_per_host:
+    raise LaunchError(f"manifest: {TPU_RESOURCE} limit is {chips!r}, not the "
+                      f"{s.chips_per_host} chips per host")
+  if not _get(container, "image"):
+    raise LaunchError("manifest: the container has no image")
+  env = {e.get("name"): e.get("value") for e in _get(container, "env") or []}
+  for var, value in job.env.items():
+    if env.get(var) != value:
+      raise LaunchError(f"manifest: env {var} is {env.get(var)!r}, not {value!r}")
+  if _get(container, "command") != job.command.argv():
+    raise LaunchError(f"manifest: the command is not {job.command.shell()!r}")
+  return doc
+
+
+def xpk_command(job: PodJob, cluster: str, project: str | None = None,
+                zone: str | None = None) -> list[str]:
+  """`xpk workload create` for the same job (xpk writes and applies the JobSet itself)."""
+  if not cluster:
+    raise LaunchError("--cluster: xpk needs the GKE cluster's name")
+  run = job.command.shell()
+  if job.working_dir:
+    run = f"cd {shlex.quote(job.working_dir)} && {run}"
+  argv = ["xpk", "workload", "create", f"--cluster={cluster}", f"--workload={job.name}",
+          f"--tpu-type={job.slices.xpk_type}", f"--num-slices={job.slices.num_slices}",
+          f"--docker-image={job.image}", f"--max-restarts={job.max_restarts}",
+          f"--termination-grace-period-seconds={job.grace_period_s}"]
+  argv += [f"--project={project}"] * bool(project) + [f"--zone={zone}"] * bool(zone)
+  argv += [f"--env={k}={v}" for k, v in job.env.items()]
+  return argv + [f"--command={run}"]
+
+
+# --- SLURM GPU clusters ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmJob:
+  name: str
+  nodes: int
+  gpus_per_node: int
+  processes: Processes
+  command: Command
+  env: Mapping[str, str]
+  partition: str | None = None
+  account: str | None = None
+  time: str | None = None  # sbatch --time, e.g. 7-00:00:00
+
+  @property
+  def tasks_per_node(self) -> int:
+    return self.gpus_per_node if self.processes is Processes.PER_GPU else 1
+
+  @property
+  def devices(self) -> int:
+    return self.nodes * self.gpus_per_node
+
+  def describe(self) -> str:
+    return (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs, {self.tasks_per_node} "
+            f"process(es) per node ({self.processes.value}), {self.devices} devices in all")
+
+
+def check_slurm(nodes: int, gpus_per_node: int) -> None:
+  if nodes < 1:
+    raise LaunchError(f"--nodes={nodes}: must be >= 1")
+  if gpus_per_node < 1:
+    raise LaunchError(f"--gpus_per_node={gpus_per_node}: must be >= 1")
+
+
+def _export(var: str, value: str) -> str:
+  if var == "XLA_FLAGS":  # appended, as the launcher appends: flags set outside the job stay
+    return f'export XLA_FLAGS="${{XLA_FLAGS:+$XLA_FLAGS }}"{shlex.quote(value)}'
+  return f"export {var}={shlex.quote(value)}"
+
+
+def slurm_script(job: SlurmJob) -> str:
+  """An sbatch script: `srun` starts the tasks on the allocated nodes, each task the launcher;
+  JAX's SLURM detection joins them (the coordinator is the first node of SLURM_STEP_NODELIST,
+  its port derived from SLURM_JOB_ID)."""
+  check_slurm(job.nodes, job.gpus_per_node)
+  header = [f"--job-name={job.name}", f"--nodes={job.nodes}",
+            f"--ntasks-per-node={job.tasks_per_node}", f"--gpus-per-node={job.gpus_per_node}",
+            "--exclusive", f"--output={job.name}-%j.out"]
+  header += [f"--{k}={v}" for k, v in (("partition", job.partition), ("account", job.account),
+                                        ("time", job.time)) if v]
+  lines = ["#!/bin/bash", f"# {job.describe()}", *(f"#SBATCH {h}" for h in header),
+           "set -euo pipefail", *(_export(k, v) for k, v in job.env.items())]
+  if job.processes is Processes.PER_NODE:
+    # JAX's SLURM detection would give each process the one GPU of its SLURM_LOCALID (0 for
+    # every node's only task): name all of the node's GPUs instead.
+    ids = ",".join(map(str, range(job.gpus_per_node)))
+    lines.append(f"export JAX_LOCAL_DEVICE_IDS={ids}")
+  # Every task sees all of its node's GPUs (no per-task GPU binding): JAX picks each task's.
+  # --kill-on-bad-exit: a task that dies stops the step instead of leaving the others waiting
+  # in a collective; --label prefixes each output line with its task's rank.
+  srun = ["srun", f"--nodes={job.nodes}", f"--ntasks={job.nodes * job.tasks_per_node}",
+          f"--ntasks-per-node={job.tasks_per_node}", "--kill-on-bad-exit=1", "--label"]
+  lines.append(shlex.join(srun) + " " + job.command.shell())
+  return "\n".join(lines) + "\n"
+
+
+def command_from_args(args: Sequence[str], python: str = "python") -> Command:
+  """The Command for launcher arguments as a user types them (--fdl_config=..., --fdl_set=...,
+  --fiddler=..., --workdir=...; anything else is passed through)."""
+  fields: dict[str, list[str]] = {"fdl_config": [], "fdl_set": [], "fiddler": [], "workdir": []}
+  flags = []
+  for arg in args:
+    name, sep, value = arg.partition("=")
+    if sep and name.lstrip("-") in fields:
+      fields[name.lstrip("-")].append(value)
+    else:
+      flags.append(arg)
+  if len(fields["fdl_config"]) != 1 or len(fields["workdir"]) > 1:
+    raise LaunchError(f"launcher arguments {list(args)}: expected one --fdl_config and at most "
+                      "one --workdir")
+  return Command(fields["fdl_config"][0], tuple(fields["fdl_set"]), tuple(fields["fiddler"]),
+                 (fields["workdir"] or [None])[0], tuple(flags), python)

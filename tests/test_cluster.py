@@ -1,0 +1,266 @@
+"""Cluster jobs (launch/jobs.py, launch/cluster.py): the GKE JobSet, the xpk command and the
+SLURM script, rendered in-process; the command line through real processes. The SLURM script
+running end to end (srun stand-in, jax.distributed): tests/test_reliability.py's 2-process
+runs are launched that way."""
+
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+
+import fiddle as fdl
+import jax
+import pytest
+import yaml
+
+from launch import configs, jobs
+from olmo3 import sharding
+from olmo3.config import MeshConfig
+from olmo3.perf.flags import FLAG_SETS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER = os.path.join(ROOT, "launch", "cluster.py")
+STAGE1 = "experiments.olmo3_7b:stage1"
+DATA_ROOT = "--fdl_set=data.root='\"http://olmo-data.org\"'"
+
+
+def _exp(ref=STAGE1, sets=(), fiddlers=()):
+  return fdl.build(configs.resolve(ref, list(sets), list(fiddlers)))
+
+
+def _command(*fiddlers):
+  return jobs.Command(STAGE1, ("data.root='http://olmo-data.org'",), fiddlers, "gs://b/s1")
+
+
+def _pod_job(topology="4x4x8", num_slices=2):
+  exp = _exp()
+  slices = jobs.tpu_slices("tpu7x", topology, num_slices)
+  jobs.check_experiment(exp, jobs.Target.GKE, slices.devices, slices.num_slices)
+  return jobs.PodJob("olmo3-7b-stage1", slices, "img:1", _command(), jobs.job_env(exp),
+                     max_restarts=2, queue="multislice-queue")
+
+
+def test_jobset_manifest_for_a_multislice_tpu7x_job():
+  job = _pod_job()
+  doc = yaml.safe_load(jobs.render_jobset(job))
+  assert (doc["apiVersion"], doc["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+  assert doc["metadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "multislice-queue"}
+  assert doc["spec"]["failurePolicy"] == {"maxRestarts": 2}
+  (rjob,) = doc["spec"]["replicatedJobs"]
+  assert rjob["replicas"] == 2  # slices
+  spec = rjob["template"]["spec"]
+  # 4x4x8 = 128 chips per slice, 4 per TPU VM: 32 hosts, one launcher process each.
+  assert spec["parallelism"] == spec["completions"] == 32
+  pod = spec["template"]["spec"]
+  assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu7x",
+                                 "cloud.google.com/gke-tpu-topology": "4x4x8"}
+  (container,) = pod["containers"]
+  assert container["resources"]["limits"] == {"google.com/tpu": 4}
+  assert container["env"] == [{"name": "LIBTPU_INIT_ARGS",
+                               "value": " ".join(FLAG_SETS["tpu7x"].libtpu)}]
+  assert container["command"] == [
+      "python", "launch/main.py", f"--fdl_config={STAGE1}",
+      "--fdl_set=data.root='http://olmo-data.org'", "--workdir=gs://b/s1"]
+
+
+@pytest.mark.parametrize("path, value, complaint", [
+    (("spec", "replicatedJobs", 0, "replicas"), 3, "spec.replicatedJobs.0.replicas is 3, not 2"),
+    (("spec", "replicatedJobs", 0, "template", "spec", "parallelism"), 16, "parallelism is 16"),
+    (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "nodeSelector",
+      "cloud.google.com/gke-tpu-topology"), "4x8x8", "gke-tpu-topology is '4x8x8'"),
+    (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
+      "resources", "limits", "google.com/tpu"), 8, "google.com/tpu limit is 8"),
+    (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
+      "env"), [], "env LIBTPU_INIT_ARGS is None"),
+    (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
+      "command", 3), "--fdl_set=data.root=''", "the command is not"),
+    (("metadata",), {}, "missing metadata.name"),
+])
+def test_a_manifest_that_would_run_another_job_is_refused(path, value, complaint):
+  job = _pod_job()
+  doc = jobs.jobset(job)
+  node = doc
+  for key in path[:-1]:
+    node = node[key]
+  node[path[-1]] = value
+  with pytest.raises(jobs.LaunchError, match="manifest: .*" + re.escape(complaint)):
+    jobs.validate_jobset(yaml.safe_dump(doc), job)
+  with pytest.raises(jobs.LaunchError, match="manifest: not YAML"):
+    jobs.validate_jobset("spec: [", job)
+
+
+def test_hosts_chips_and_devices_come_from_the_topology():
+  cases = {("tpu7x", "4x8x8"): (64, 4, 512), ("tpu7x", "2x2x1"): (1, 4, 8),
+           ("tpu7x", "8x8x8"): (128, 4, 1024), ("v5p", "2x2x1"): (1, 4, 4),
+           ("v5p", "2x2x2"): (2, 4, 8), ("v6e", "2x4"): (1, 8, 8), ("v6e", "16x16"): (64, 4, 256)}
+  for (kind, topology), want in cases.items():
+    s = jobs.tpu_slices(kind, topology, 1)
+    assert (s.hosts, s.chips_per_host, s.devices) == want, (kind, topology)
+  assert jobs.tpu_slices("v5p", "4x4x8", 2).xpk_type == "v5p-4x4x8"
+
+
+@pytest.mark.parametrize("args, complaint", [
+    (("v9", "2x2x1", 1), "--accelerator='v9': unknown TPU kind (known: tpu7x, v5p, v6e)"),
+    (("tpu7x", "4x8", 1), "--topology='4x8': tpu7x topologies are AxBxC"),
+    (("v6e", "4x4x4", 1), "--topology='4x4x4': v6e topologies are AxB"),
+    (("tpu7x", "4x4x6", 1), "--topology='4x4x6' is not a tpu7x slice"),
+    (("tpu7x", "8x4x4", 1), "--topology='8x4x4' is not a tpu7x slice"),  # A <= B <= C
+    (("v6e", "4x2", 1), "--topology='4x2' is not a v6e slice"),
+    (("tpu7x", "4x8x8", 0), "--num_slices=0: must be >= 1"),
+    (("tpu7x", "2x2x1", 2), "--num_slices=2: multislice needs multi-host slices"),
+])
+def test_a_slice_that_does_not_exist_is_refused_naming_the_flag(args, complaint):
+  with pytest.raises(jobs.LaunchError) as e:
+    jobs.tpu_slices(*args)
+  assert str(e.value).startswith(complaint) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("shape", [
+    {"fsdp": -1}, {"data": 2, "fsdp": -1}, {"data": 3, "fsdp": -1}, {"fsdp": 8},
+    {"fsdp": 4}, {"data": 2, "fsdp": 4}, {"data": 2, "tensor": 2, "fsdp": 2}, {"tensor": 16}])
+def test_the_mesh_check_agrees_with_make_mesh(shape):
+  """mesh_problem does make_mesh's arithmetic without devices; on this machine's 8 it must
+  accept exactly the shapes make_mesh builds."""
+  devices = jax.devices()
+  assert len(devices) == 8
+  try:
+    sharding.make_mesh(shape, devices)
+    built = True
+  except ValueError:
+    built = False
+  problem = jobs.mesh_problem(MeshConfig(shape=tuple(shape.items())), len(devices), 1)
+  assert (problem is None) == built, problem
+
+
+def test_the_experiment_must_fit_the_job():
+  stage1 = _exp()
+  jobs.check_experiment(stage1, jobs.Target.GKE, 256, 2)  # fsdp -1, the slices on data
+  with pytest.raises(jobs.LaunchError, match=r"^--topology/--num_slices: mesh.dcn=\{'data': 4\}"):
+    jobs.check_experiment(_exp(sets=["mesh.dcn=(('data', 4),)"]), jobs.Target.GKE, 256, 2)
+  with pytest.raises(jobs.LaunchError, match=r"^--nodes/--gpus_per_node: mesh.shape=.* needs 16 "
+                                             "devices per slice; the job has 8"):
+    jobs.check_experiment(_exp(sets=["mesh.shape=(('fsdp', 16),)"], fiddlers=["gpu"]),
+                          jobs.Target.SLURM, 8, 1)
+  with pytest.raises(jobs.LaunchError, match="^--target=slurm: model.attention=splash .* add "
+                                             "--fiddler=gpu"):
+    jobs.check_experiment(stage1, jobs.Target.SLURM, 512, 1)
+  with pytest.raises(jobs.LaunchError, match="^--target=xpk: model.attention=cudnn needs GPUs"):
+    jobs.check_experiment(_exp(fiddlers=["gpu"]), jobs.Target.XPK, 512, 1)
+  with pytest.raises(jobs.LaunchError, match="^--nodes=0: must be >= 1"):
+    jobs.check_slurm(0, 8)
+  with pytest.raises(jobs.LaunchError, match="^--name='Stage_1': must be a DNS label"):
+    jobs.check_name("Stage_1")
+  assert jobs.default_name("experiments.olmo3_7b:stage1") == "olmo3-7b-stage1"
+  assert jobs.default_name("experiments.olmo3_tiny.stage2") == "olmo3-tiny-stage2"
+
+
+def test_xpk_command_runs_the_same_job():
+  job = _pod_job()
+  argv = jobs.xpk_command(job, "my-cluster", zone="us-central1-c")
+  assert argv[:3] == ["xpk", "workload", "create"]
+  opts = dict(a.split("=", 1) for a in argv[3:-1] if not a.startswith("--env="))
+  assert opts == {"--cluster": "my-cluster", "--workload": "olmo3-7b-stage1",
+                  "--tpu-type": "tpu7x-4x4x8", "--num-slices": "2", "--docker-image": "img:1",
+                  "--max-restarts": "2", "--termination-grace-period-seconds": "600",
+                  "--zone": "us-central1-c"}
+  assert [a for a in argv if a.startswith("--env=")] == [
+      "--env=LIBTPU_INIT_ARGS=" + " ".join(FLAG_SETS["tpu7x"].libtpu)]
+  # xpk runs --command with bash: its words are the launcher's argv.
+  assert argv[-1].startswith("--command=")
+  assert shlex.split(argv[-1].removeprefix("--command=")) == job.command.argv()
+  with pytest.raises(jobs.LaunchError, match="^--cluster: xpk needs"):
+    jobs.xpk_command(job, "")
+
+
+def _slurm_job(processes, nodes=2):
+  exp = _exp(fiddlers=["gpu"])
+  return jobs.SlurmJob("olmo3-7b-stage1", nodes, 8, processes, _command("gpu"),
+                       jobs.job_env(exp), partition="h100", time="7-00:00:00")
+
+
+def test_slurm_script_one_task_per_gpu(tmp_path):
+  """The script's #SBATCH header and srun line, and what each task receives: bash runs it with
+  an `srun` that prints its arguments and the flag environment."""
+  job = _slurm_job(jobs.Processes.PER_GPU)
+  script = jobs.slurm_script(job)
+  header = [line.removeprefix("#SBATCH ") for line in script.splitlines()
+            if line.startswith("#SBATCH")]
+  assert header == ["--job-name=olmo3-7b-stage1", "--nodes=2", "--ntasks-per-node=8",
+                    "--gpus-per-node=8", "--exclusive", "--output=olmo3-7b-stage1-%j.out",
+                    "--partition=h100", "--time=7-00:00:00"]
+  assert "JAX_LOCAL_DEVICE_IDS" not in script  # JAX gives each task GPU SLURM_LOCALID
+  fake = tmp_path / "bin" / "srun"
+  fake.parent.mkdir()
+  fake.write_text('#!/bin/bash\nprintf "%s\\n" "$XLA_FLAGS" "$CUDA_DEVICE_MAX_CONNECTIONS" '
+                  '"${JAX_LOCAL_DEVICE_IDS-unset}" "$@"\n')
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  (tmp_path / "job.sh").write_text(script)
+  done = subprocess.run(["bash", str(tmp_path / "job.sh")], capture_output=True, text=True,
+                        env=dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}",
+                                 XLA_FLAGS="--xla_dump_to=/tmp/x"), check=True)
+  xla, connections, local_ids, *srun = done.stdout.splitlines()
+  # The flag set is appended to what the environment had, as the launcher appends it.
+  assert xla == " ".join(("--xla_dump_to=/tmp/x", *FLAG_SETS["gpu_hopper"].xla))
+  assert (connections, local_ids) == ("1", "unset")
+  assert srun == ["--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--kill-on-bad-exit=1",
+                  "--label", *job.command.argv()]
+
+
+def test_slurm_script_one_task_per_node():
+  script = jobs.slurm_script(_slurm_job(jobs.Processes.PER_NODE, nodes=64))
+  assert "#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --gpus-per-node=8\n" in script
+  assert "\nexport JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7\n" in script
+  assert "\nsrun --nodes=64 --ntasks=64 --ntasks-per-node=1 " in script
+
+
+def test_command_from_launcher_arguments():
+  cmd = jobs.command_from_args(["--fdl_config=a.b:c", "--fdl_set=x=1", "--fiddler=f",
+                                "--workdir=/w", "--force_workdir"], python="/py")
+  assert cmd == jobs.Command("a.b:c", ("x=1",), ("f",), "/w", ("--force_workdir",), "/py")
+  with pytest.raises(jobs.LaunchError, match="expected one --fdl_config"):
+    jobs.command_from_args(["--workdir=/w"])
+
+
+def _cluster(*args, path=None):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  if path is not None:
+    env["PATH"] = path
+  return subprocess.run([sys.executable, CLUSTER, f"--fdl_config={STAGE1}", *args],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_cli_dry_run_prints_a_valid_manifest():
+  done = _cluster("--target=gke", "--accelerator=tpu7x", "--topology=4x8x8", "--image=img:1",
+                  "--workdir=gs://b/s1", DATA_ROOT, "--dry_run")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.startswith("# 1 x tpu7x 4x8x8 slice(s): 64 host(s) x 4 chips each, 512 "
+                                "devices in all\n")
+  slices = jobs.tpu_slices("tpu7x", "4x8x8", 1)
+  command = jobs.Command(STAGE1, ("data.root='\"http://olmo-data.org\"'",), (), "gs://b/s1")
+  job = jobs.PodJob("olmo3-7b-stage1", slices, "img:1", command, jobs.job_env(_exp()))
+  jobs.validate_jobset(done.stdout, job)
+
+
+def test_cli_submits_with_sbatch_and_names_a_missing_tool(tmp_path):
+  """Without --dry_run the job goes to the real tool (here an `sbatch` that keeps what it is
+  given); a tool that is not on PATH is a one-line error naming it."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "sbatch").write_text(f'#!/bin/bash\ncat > {tmp_path}/submitted\n'
+                                  'echo "Submitted batch job 42"\n')
+  (bin_dir / "sbatch").chmod(0o755)
+  args = ["--fiddler=gpu", "--target=slurm", "--nodes=64", "--workdir=/shared/s1"]
+  done = _cluster(*args, path=f"{bin_dir}:{os.environ['PATH']}")
+  assert done.returncode == 0 and done.stdout == "Submitted batch job 42\n", done.stderr[-3000:]
+  job = jobs.SlurmJob("olmo3-7b-stage1", 64, 8, jobs.Processes.PER_GPU,
+                      jobs.Command(STAGE1, (), ("gpu",), "/shared/s1"),
+                      jobs.job_env(_exp(fiddlers=["gpu"])))
+  assert (tmp_path / "submitted").read_text() == jobs.slurm_script(job)
+  done = _cluster("--target=gke", "--accelerator=tpu7x", "--topology=4x8x8", "--image=img:1",
+                  "--workdir=gs://b/s1", path=os.path.dirname(sys.executable))
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines()[-1] == (
+      "error: --target=gke submits with kubectl, which is not on PATH (--dry_run prints the job "
+      "instead)")
