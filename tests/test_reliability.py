@@ -10,14 +10,21 @@ import subprocess
 import sys
 import time
 
+import fiddle as fdl
 import numpy as np
 import pytest
 
+from launch import configs, jobs
 from olmo3 import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "launch", "main.py")
-BASE = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+SRUN_STANDIN = os.path.join(ROOT, "tests", "slurm_standin")
+# No XLA_FLAGS (each test sets its devices), and nothing that would join the processes other
+# than the SLURM environment the srun stand-in gives them.
+BASE = {k: v for k, v in os.environ.items()
+        if k != "XLA_FLAGS" and not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES",
+                                                  "JAX_PROCESS_ID", "SLURM_"))}
 # Half-length instances: these tests are about stopping and resuming, and cheap steps let the
 # SIGKILL test land its 20 kills sooner.
 TINY = ["--fdl_config=experiments.olmo3_tiny:stage1", "--fdl_set=data.global_batch_size=8",
@@ -31,25 +38,32 @@ def _env(devices):
 
 
 def _run(workdir, steps, devices=1, processes=1, extra=()):
-  """The launcher on `processes` local processes of `devices` CPU devices each."""
-  args = [sys.executable, MAIN, *TINY, f"--fdl_set=train.steps={steps}", f"--workdir={workdir}",
-          "--force_workdir", *extra]
+  """The launcher on `processes` local processes of `devices` CPU devices each. Several
+  processes run as a SLURM job would: the batch script `launch/cluster.py --target=slurm`
+  renders (one node per process, its `devices` as the node's GPUs), run by bash with the srun
+  stand-in (tests/slurm_standin/srun) first on PATH; JAX's own SLURM detection joins them."""
+  args = [*TINY, f"--fdl_set=train.steps={steps}", f"--workdir={workdir}", "--force_workdir",
+          *extra]
   if processes == 1:
-    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=_env(devices),
-                          timeout=600)
+    done = subprocess.run([sys.executable, MAIN, *args], capture_output=True, text=True,
+                          cwd=ROOT, env=_env(devices), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-  procs = [subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(_env(devices), JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
-                                                JAX_NUM_PROCESSES=str(processes),
-                                                JAX_PROCESS_ID=str(i)))
-           for i in range(processes)]
-  logs = [p.communicate(timeout=600)[0] for p in procs]
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+  command = jobs.command_from_args(args, python=sys.executable)
+  exp = fdl.build(configs.resolve(command.fdl_config, command.fdl_sets, command.fiddlers))
+  job = jobs.SlurmJob("reliability", nodes=processes, gpus_per_node=devices,
+                      processes=jobs.Processes.PER_NODE, command=command, env=jobs.job_env(exp))
+  jobs.check_experiment(exp, jobs.Target.SLURM, job.devices, 1)
+  script = workdir.parent / f"{workdir.name}.{steps}.sbatch"
+  script.write_text(jobs.slurm_script(job))
+  env = dict(_env(devices), PATH=os.pathsep.join([SRUN_STANDIN, os.environ["PATH"]]))
+  done = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=ROOT, env=env,
+                        timeout=600)
+  assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+  # Every task trained on all the job's devices: jax.distributed joined them.
+  for rank in range(processes):
+    assert re.search(rf"^{rank}: .* on {processes * devices} cpu devices$", done.stderr,
+                     re.MULTILINE), done.stderr[-3000:]
 
 
 def _losses(workdir):
