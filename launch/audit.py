@@ -10,6 +10,8 @@ finds a duplicate, a gap or a mismatch.
 
 from __future__ import annotations
 
+import sys
+
 import fiddle as fdl
 from absl import app, flags
 
@@ -37,12 +39,13 @@ def audit_argv() -> list[str]:
 
 def main(argv: list[str]) -> int:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    sys.exit(f"error: unexpected arguments: {argv[1:]}\n"
+             "Run 'python launch/audit.py --help' for the flags.")
   configs.make_cwd_importable()
   try:
     exp = fdl.build(configs.resolve(CONFIG.value, SETS.value))
-  except (configs.ConfigRefError, ValueError, TypeError) as e:
-    raise app.UsageError(str(e)) from None
+  except (configs.ConfigRefError, ValueError, TypeError) as e:  # one line, not the usage text
+    sys.exit(f"error: {configs.message(e)}\nRun 'python launch/audit.py --help' for the flags.")
   return audit.main(audit_argv(), data=exp.data)
 
 

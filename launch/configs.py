@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import datetime
+import difflib
 import enum
 import importlib
+import inspect
 import json
 import os
+import pkgutil
 import re
 import sys
 from typing import Any
 
 import fiddle as fdl
+from etils import epath
 from fiddle import daglish, diffing, printing
 from fiddle._src import config as config_lib
 from fiddle.experimental import serialization
@@ -36,7 +41,9 @@ from fiddle.experimental import serialization
 # installed package (not an `experiments` directory in the working directory) is the one a
 # config.json's references resolve in; `olmo3` is imported just below for the same reason.
 import experiments  # noqa: F401
+from olmo3.checkpoint import run_steps
 from olmo3.config import resumable_fields
+from olmo3.eval import revisions
 
 # What a config.json may name: the config classes and enums of these modules (an experiment is
 # a tree of them; a function, which building would call, is never needed)...
@@ -78,11 +85,62 @@ def make_cwd_importable() -> None:
     sys.path.append(cwd)
 
 
+def experiment_modules() -> list[str]:
+  """The modules of the `experiments` package that define experiments (what a misspelt
+  reference is told exists)."""
+  names = [f"experiments.{m.name}" for m in pkgutil.iter_modules(experiments.__path__)]
+  return sorted(n for n in names if module_functions(importlib.import_module(n), Kind.EXPERIMENT))
+
+
+class Kind(enum.Enum):
+  """What a function named on the command line must be."""
+
+  EXPERIMENT = "experiment"  # no arguments -> fdl.Config[Experiment]
+  FIDDLER = "fiddler"  # (cfg, **options) -> the config
+  SWEEP = "sweep"  # no arguments -> list of override dicts
+
+
+def module_functions(module: Any, kind: Kind) -> list[str]:
+  """The functions of `module` that can serve as `kind` (what a misspelt name is told exists):
+  public, defined there, taking the arguments `kind` passes and, where annotated, returning
+  what it needs (a config, or a list for a sweep)."""
+  found = []
+  for name, fn in vars(module).items():
+    if name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__:
+      continue
+    try:
+      params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+      continue
+    required = [p for p in params if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    returns = str(fn.__annotations__.get("return", ""))
+    if kind is Kind.FIDDLER:
+      fits = len(required) == 1
+    else:
+      fits = not required and (not returns or (returns.startswith("list") == (
+          kind is Kind.SWEEP)))
+    if fits:
+      found.append(name)
+  return sorted(found)
+
+
+def _suggest(name: str, valid: list[str], what: str) -> str:
+  """'did you mean X? <what>: A, B' (the closest valid name, and all of them)."""
+  close = difflib.get_close_matches(name, valid, n=1)
+  return (f"did you mean {close[0]!r}? " if close else "") + (
+      f"{what}: {', '.join(valid)}" if valid else f"it defines no {what}")
+
+
 def import_module(module: str, what: str):
   try:
     return importlib.import_module(module)
   except ModuleNotFoundError as e:
-    raise ConfigRefError(f"{what}: cannot import module {module!r} ({e})") from None
+    if e.name is not None and module != e.name and not module.startswith(f"{e.name}."):
+      # The module exists but imports something missing: that is its own error.
+      raise ConfigRefError(f"{what}: importing {module!r} failed: {e}") from None
+    raise ConfigRefError(f"{what}: no module {module!r}; "
+                         + _suggest(module, experiment_modules(), "experiment modules")) from None
 
 
 def load(ref: str) -> fdl.Config:
@@ -91,7 +149,8 @@ def load(ref: str) -> fdl.Config:
   module = import_module(module_name, f"--fdl_config={ref!r}")
   fn = getattr(module, name, None)
   if not callable(fn):
-    raise ConfigRefError(f"--fdl_config={ref!r}: {module_name} has no function {name!r}")
+    raise ConfigRefError(f"--fdl_config={ref!r}: {module_name} has no experiment {name!r}; "
+                         + _suggest(name, module_functions(module, Kind.EXPERIMENT), "experiments"))
   cfg = fn()
   if not isinstance(cfg, fdl.Buildable):
     raise ConfigRefError(f"--fdl_config={ref!r}: {name}() returned {type(cfg).__name__}, "
@@ -106,9 +165,11 @@ def apply_fiddler(cfg: fdl.Config, spec: str, default_module: str) -> fdl.Config
     raise ConfigRefError(f"--fiddler={spec!r}: expected 'name' or 'name(key=value, ...)'")
   target, args = match.groups()
   module_name, name = target.split(":") if ":" in target else (default_module, target)
-  fn = getattr(import_module(module_name, f"--fiddler={spec!r}"), name, None)
+  module = import_module(module_name, f"--fiddler={spec!r}")
+  fn = getattr(module, name, None)
   if not callable(fn):
-    raise ConfigRefError(f"--fiddler={spec!r}: {module_name} has no function {name!r}")
+    raise ConfigRefError(f"--fiddler={spec!r}: {module_name} has no fiddler {name!r}; "
+                         + _suggest(name, module_functions(module, Kind.FIDDLER), "fiddlers"))
   kwargs = {}
   if args:
     call = ast.parse(f"f({args})", mode="eval").body
@@ -174,9 +235,11 @@ def message(error: BaseException) -> str:
 def load_sweep(ref: str) -> list[dict[str, Any]]:
   """The variants a sweep reference (module:function) returns: a list of override dicts."""
   module, name = split_ref(ref)
-  fn = getattr(import_module(module, f"--sweep={ref!r}"), name, None)
+  found = import_module(module, f"--sweep={ref!r}")
+  fn = getattr(found, name, None)
   if not callable(fn):
-    raise ConfigRefError(f"--sweep={ref!r}: {module} has no function {name!r}")
+    raise ConfigRefError(f"--sweep={ref!r}: {module} has no sweep {name!r}; "
+                         + _suggest(name, module_functions(found, Kind.SWEEP), "sweeps"))
   return list(fn())
 
 
@@ -262,28 +325,131 @@ def loads(text: str, where: str = "config.json") -> fdl.Config:
     raise ConfigRefError(f"{where}: not a loadable config ({type(e).__name__}: {e})") from None
 
 
-def write_run_record(workdir: str, cfg: fdl.Config, argv: list[str]) -> None:
-  os.makedirs(workdir, exist_ok=True)
-  for name, text in (("config.json", dump(cfg)), ("config.txt", printing.as_str_flattened(cfg)),
-                     ("command.txt", " ".join(argv))):
-    tmp = os.path.join(workdir, f".{name}.tmp")
-    with open(tmp, "w") as f:
-      f.write(text + "\n")
-    os.replace(tmp, os.path.join(workdir, name))
+def _write(path: epath.Path, text: str) -> None:
+  """Writes a record file whole or not at all: a temporary beside it, then renamed."""
+  tmp = path.parent / f".{path.name}.tmp"
+  tmp.write_text(text)
+  tmp.replace(path)
 
 
-def from_workdir(workdir: str) -> fdl.Config:
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+class RunRecord:
+  """A workdir's run record (olmo3.eval.revisions has the layout and the rule): `begin` writes
+  this launch's revision (if its config is new) and history line, `undo` removes exactly what
+  `begin` wrote (a launch that stops before its first step leaves nothing behind)."""
+
+  def __init__(self, workdir: str | os.PathLike):
+    self.workdir = epath.Path(workdir)
+    self._written: list[epath.Path] = []
+    self._history_before: str | None = None
+
+  def history(self) -> list[revisions.Launch]:
+    """The recorded launches; a run recorded before history.jsonl existed reads as one launch
+    of revision 0 from step 0 (its command.txt)."""
+    try:
+      history = revisions.read_history(self.workdir)
+    except revisions.RecordError as e:
+      raise ConfigRefError(str(e)) from None
+    if history or not (self.workdir / "config.json").exists():
+      return history
+    command = self.workdir / "command.txt"
+    config, _, experiment = revisions.revision_files(0)
+    return [revisions.Launch(1, 0, 0, config, experiment,
+                             tuple(command.read_text().split()) if command.exists() else (), "")]
+
+  def latest(self) -> fdl.Config | None:
+    """The config of the latest revision (None: no run recorded here)."""
+    history = self.history()
+    return read_config(self.workdir / history[-1].config) if history else None
+
+  def begin(self, cfg: fdl.Config, experiment: dict[str, Any], argv: list[str],
+            start_step: int) -> revisions.Launch:
+    """Records a launch that is about to train from `start_step`: a new revision when `cfg`
+    differs from the latest one (never rewriting an earlier revision), and its history line.
+    `experiment` is the plain Experiment (Experiment.to_dict) the run executes."""
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    history = self.history()
+    previous = self.latest()
+    revision = history[-1].revision if history else 0
+    if previous is None or diff(previous, cfg):
+      revision = (max(h.revision for h in history) + 1) if history else 0
+      config, text, exp_file = revisions.revision_files(revision)
+      files = [(config, dump(cfg)), (text, printing.as_str_flattened(cfg)),
+               (exp_file, json.dumps(experiment, indent=1))]
+      if revision == 0:
+        files.append(("command.txt", " ".join(argv)))
+      for name, body in files:
+        # experiment.json as olmo3.train.loop writes it (no newline): one set of bytes.
+        _write(self.workdir / name, body if name == exp_file else body + "\n")
+        self._written.append(self.workdir / name)
+    config, _, exp_file = revisions.revision_files(revision)
+    launch = revisions.Launch(
+        len(history) + 1, revision, start_step, config, exp_file, tuple(argv),
+        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    path = self.workdir / revisions.HISTORY
+    self._history_before = path.read_text() if path.exists() else None
+    # Object stores cannot append: the file is rewritten with every earlier line as it was.
+    lines = "".join(h.to_json() + "\n" for h in history)
+    _write(path, lines + launch.to_json() + "\n")
+    self._written.append(path)
+    return launch
+
+  def undo(self) -> None:
+    """Removes what `begin` wrote (the history as it was before)."""
+    path = self.workdir / revisions.HISTORY
+    for written in reversed(self._written):
+      if written == path and self._history_before is not None:
+        _write(path, self._history_before)
+      else:
+        written.unlink(missing_ok=True)
+    self._written, self._history_before = [], None
+
+
+def read_config(path: epath.Path) -> fdl.Config:
+  """A run record's config file (checked as `loads` checks it)."""
+  if not path.exists():
+    raise ConfigRefError(f"{path}: missing (the run's history.jsonl names it)")
+  return loads(path.read_text(), os.fspath(path))
+
+
+def split_step(ref_or_workdir: str) -> tuple[str, int | None]:
+  """`WORKDIR@STEP` -> (WORKDIR, STEP); anything else -> (it, None)."""
+  head, sep, step = ref_or_workdir.rpartition("@")
+  return (head, int(step)) if sep and head and step.isdigit() else (ref_or_workdir, None)
+
+
+def from_workdir(workdir: str | os.PathLike, step: int | None = None) -> fdl.Config:
+  """A run's config: the revision that produced checkpoint `step` (None: its newest
+  checkpoint, or the latest revision when there is none), by olmo3.eval.revisions' rule."""
+  directory = epath.Path(workdir)
+  if not directory.is_dir():
+    raise ConfigRefError(f"{workdir}: no such run directory")
+  record = RunRecord(directory)
+  history = record.history()
+  if not history:
     raise ConfigRefError(f"{workdir}: no config.json (not a run workdir)")
-  with open(path) as f:
-    return loads(f.read(), path)
+  if step is None:
+    steps = run_steps(directory / "checkpoints")
+    step = steps[-1] if steps else None
+  launch = history[-1] if step is None else revisions.producer(history, step)
+  if launch is None:
+    raise ConfigRefError(f"{workdir}@{step}: no launch of this run wrote step {step} (the first "
+                         f"started at step {history[0].start_step})")
+  return read_config(directory / launch.config)
+
+
+def is_workdir_like(ref_or_workdir: str) -> bool:
+  """A path (it has a '/', or exists here) rather than an experiment reference (which never
+  has a '/')."""
+  return "/" in ref_or_workdir or os.sep in ref_or_workdir or epath.Path(
+      ref_or_workdir).exists()
 
 
 def load_any(ref_or_workdir: str) -> fdl.Config:
-  """An experiment reference, or a run workdir (its config.json)."""
-  if os.path.isdir(ref_or_workdir):
-    return from_workdir(ref_or_workdir)
+  """An experiment reference, or a run workdir (`WORKDIR@STEP`: the revision that produced
+  that checkpoint; see from_workdir)."""
+  path, step = split_step(ref_or_workdir)
+  if is_workdir_like(path):
+    return from_workdir(path, step)
   return load(ref_or_workdir)
 
 

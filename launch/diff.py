@@ -2,9 +2,12 @@
 
   python launch/diff.py experiments.olmo3_7b:stage1 experiments.olmo3_7b:stage2
   python launch/diff.py runs/olmo3_tiny.stage1 runs/olmo3_tiny.stage2 --json
+  python launch/diff.py runs/olmo3_tiny.stage1@100 runs/olmo3_tiny.stage1@200
 
-Each side is an experiment reference (module:function) or a run workdir (its config.json).
-Programmatic use: `launch.configs.diff(configs.load_any(a), configs.load_any(b))`.
+Each side is an experiment reference (module:function) or a run workdir: the config revision
+that produced its newest checkpoint, or with `WORKDIR@STEP` the one that produced checkpoint
+STEP (a run resumed with a resumable change holds several; olmo3/eval/revisions.py has the
+rule). Programmatic use: `launch.configs.diff(configs.load_any(a), configs.load_any(b))`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def format_table(changes: list[configs.Change], a: str, b: str) -> str:
 
 def main(argv: list[str]) -> None:
   if len(argv) != 3:
-    raise app.UsageError(f"expected two experiments or run workdirs (A B), got {argv[1:]}")
+    sys.exit(f"error: expected two experiments or run workdirs (A B), got {argv[1:]}\n"
+             "Run 'python launch/diff.py --help' for usage.")
   a, b = argv[1:]
   configs.make_cwd_importable()
   try:

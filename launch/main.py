@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import typing
 
 from olmo3.train.preemption import Preemption
 
@@ -27,6 +28,7 @@ PREEMPTION = Preemption() if __name__ == "__main__" else None
 
 import fiddle as fdl  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
+from etils import epath  # noqa: E402
 from fiddle import printing  # noqa: E402
 
 from launch import configs  # noqa: E402
@@ -120,6 +122,108 @@ def dry_run(cfg: fdl.Config, exp) -> None:
     print(f"-> does not fit the {jax.device_count()} local devices ({e})")
 
 
+HELP_LINE = "Run 'python launch/main.py --help' for the flags."
+
+
+def config_error(message: str) -> typing.NoReturn:
+  """A mistake on the command line: its one line, then where the flags are described (not
+  the whole --help, which would bury it)."""
+  sys.exit(f"error: {message}\n{HELP_LINE}")
+
+
+def check_workdir(workdir: str) -> None:
+  """The workdir is a directory or does not exist yet (it is created)."""
+  path = epath.Path(workdir)
+  if path.exists() and not path.is_dir():
+    sys.exit(f"error: --workdir={workdir} is a file, not a directory: give a directory (a new "
+             "one is created)")
+
+
+def check_data_root(exp) -> None:
+  """DataConfig.root, if given, exists and is used: only token files given as `paths` and the
+  files of a mix file are relative to it (also held-out mix files while eval.heldout_root is
+  None); a prepared directory, the built-in corpus included, names its own files. DataError
+  otherwise."""
+  from olmo3.data import sources
+  from olmo3.data.tokens import DataError
+
+  root = exp.data.root
+  if not root:
+    return
+  if not epath.Path(root).exists():
+    raise DataError(f"DataConfig.root={root!r} does not exist: give the directory (or URL) the "
+                    "token files are under")
+  mixes = [exp.data.mix] if exp.data.mix else []
+  if exp.eval.heldout_root is None:
+    mixes += list(exp.eval.heldout or ())
+  uses_root = bool(exp.data.paths) or any(sources.prepared(m) is None for m in mixes)
+  if not uses_root:
+    raise DataError(f"DataConfig.root={root!r} is not used: DataConfig.mix={exp.data.mix!r} is "
+                    "a prepared directory (or the built-in corpus), which names its own files. "
+                    "Drop data.root, or give data.paths or a mix file relative to it")
+
+
+def check_init_from(exp, workdir: str) -> None:
+  """checkpoint.init_from holds a checkpoint when this run has none of its own to resume:
+  typically stage 2 launched before stage 1 has trained."""
+  from olmo3.checkpoint import CheckpointError, resolve_step_dir, run_steps
+
+  source = exp.checkpoint.init_from
+  if not source or run_steps(epath.Path(workdir) / "checkpoints"):
+    return
+  try:
+    resolve_step_dir(source)
+  except CheckpointError:
+    module, _, fn = epath.Path(source).name.rpartition(".")
+    hint = "train the run that writes it first"
+    if module and fn:  # a default workdir, runs/<module>.<function>: name its command
+      try:
+        configs.load(f"experiments.{module}:{fn}")
+        hint = (f"train it first: python launch/main.py "
+                f"--fdl_config=experiments.{module}:{fn}")
+      except (configs.ConfigRefError, ValueError, TypeError):
+        pass
+    sys.exit(f"error: CheckpointConfig.init_from={source!r} holds no checkpoint yet: {hint} "
+             "(or point checkpoint.init_from at a checkpoint that exists)")
+
+
+def complete_at(exp, workdir: str, source) -> int | None:
+  """The step the run in `workdir` is complete at, or None when there is something to train.
+  Decided as the trainer decides (olmo3.train.state.restore_or_init: the newest checkpoint
+  that reads back verified, falling back past damaged ones), but only when the newest
+  committed step already reaches the stage's end; nothing is written unless a damaged
+  checkpoint is quarantined (then there is something to train)."""
+  from olmo3.checkpoint import run_steps
+  from olmo3.sharded import ShardedModel
+  from olmo3.train import state as state_lib
+  from olmo3.train.checkpoints import RunCheckpoints
+  from olmo3.train.loop import stage_end
+
+  directory = epath.Path(workdir) / "checkpoints"
+  steps = run_steps(directory)
+  end = stage_end(exp, source)
+  if not steps or steps[-1] < end:
+    return None
+  model = ShardedModel.for_experiment(exp)
+  with model.context():
+    layout = state_lib.StateLayout(exp, model)
+    checkpoints = RunCheckpoints(directory, exp.checkpoint.keep, async_save=False)
+    state, _ = state_lib.restore_or_init(layout, checkpoints, source)
+  step = int(state.step)
+  return step if step >= end else None
+
+
+def probe_lease(workdir: str) -> None:
+  """Refuses (LeaseHeld) a workdir another live run holds, before this launch records
+  anything in it; train() then takes the lease for the run."""
+  from olmo3.train.lease import Lease
+
+  if (epath.Path(workdir) / "lease.json").exists():
+    lease = Lease(workdir)
+    lease.acquire()
+    lease.release()
+
+
 def _stop_catching_signals() -> None:
   if PREEMPTION is not None:
     PREEMPTION.restore()
@@ -127,15 +231,15 @@ def _stop_catching_signals() -> None:
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config_error(f"unexpected arguments: {argv[1:]} (every option is a --flag)")
   configs.make_cwd_importable()
   if not FLAGS.value:
-    raise app.UsageError("--fdl_config is required, e.g. experiments.olmo3_tiny:stage1")
+    config_error("--fdl_config is required, e.g. experiments.olmo3_tiny:stage1")
   try:
     cfg = configs.resolve(FLAGS.value, SETS.value, FIDDLERS.value)
     exp = fdl.build(cfg)
   except (configs.ConfigRefError, ValueError, TypeError) as e:  # a bad config: one line
-    sys.exit(f"error: {configs.message(e)}")
+    config_error(configs.message(e))
   flags_lib.apply_to_environ(exp.xla_flags, exp.libtpu_flags, exp.env)
   if DRY_RUN.value or COMPILE_ONLY.value:
     _stop_catching_signals()  # nothing to save: Ctrl-C stops these at once
@@ -152,21 +256,38 @@ def main(argv: list[str]) -> None:
       print(f"DOES NOT FIT: {e}")
       sys.exit(1)
     except ValueError as e:
-      raise app.UsageError(str(e)) from None
+      config_error(str(e))
     return
   workdir = WORKDIR.value or default_workdir(FLAGS.value)
-  if os.path.exists(os.path.join(workdir, "config.json")) and not FORCE.value:
+  # Everything a launch can find wrong is found before anything is written: a launch that stops
+  # early leaves no workdir, record, lease or event file behind.
+  check_workdir(workdir)
+  record = configs.RunRecord(workdir)
+  try:
+    previous = record.latest()  # the config of the latest revision recorded here
+  except configs.ConfigRefError as e:  # unreadable, or naming code it may not import
+    sys.exit(f"error: {e}")
+  if previous is not None and not FORCE.value:
     # Only fields marked resumable in olmo3.config may change (a longer run, another slice).
-    try:
-      previous = configs.from_workdir(workdir)
-    except configs.ConfigRefError as e:  # unreadable, or naming code it may not import
-      sys.exit(f"error: {e}")
     changed = configs.unresumable_changes(previous, cfg)
     if changed:
-      raise app.UsageError(
+      config_error(
           f"{workdir} holds a run of a different config (" + "; ".join(
               f"{c.path}: {c.a!r} -> {c.b!r}" for c in changed[:5])
           + "). Use another --workdir, or --force_workdir to continue it anyway.")
+  from olmo3.checkpoint import CheckpointError, run_steps
+  from olmo3.data import sources
+  from olmo3.data.tokens import DataError
+  from olmo3.eval.tasks import TaskError
+  from olmo3.train.lease import LeaseHeld
+
+  check_init_from(exp, workdir)
+  try:  # the token files exist (their contents are checked when the run starts)
+    check_data_root(exp)
+    source = sources.token_files(dataclasses.replace(exp.data, validate_tokens=False),
+                                 exp.model.vocab_size)
+  except DataError as e:
+    sys.exit(f"error: {e}")
   maybe_initialize_distributed()
   import jax
 
@@ -175,17 +296,35 @@ def main(argv: list[str]) -> None:
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(CACHE.value))
 
+  checkpoints = epath.Path(workdir) / "checkpoints"
+  try:
+    done = complete_at(exp, workdir, source)
+  except (DataError, CheckpointError) as e:  # changed data, a checkpoint that does not fit
+    sys.exit(f"error: {e}")
+  if done is not None:
+    print(f"{workdir}: the run is complete at step {done} (train.steps={exp.train.steps}); "
+          "nothing to train, nothing written")
+    return
+  created = not epath.Path(workdir).exists()
+  start = (run_steps(checkpoints) or [0])[-1]
   if jax.process_index() == 0:
-    configs.write_run_record(workdir, cfg, sys.argv)
+    try:
+      probe_lease(workdir)
+      record.begin(cfg, sources.resolve(exp).to_dict(), sys.argv, start)
+    except (LeaseHeld, DataError) as e:
+      sys.exit(f"error: {e}")
   logging.info("training %s in %s on %d %s devices", FLAGS.value, workdir, jax.device_count(),
                jax.default_backend())
-  from olmo3.data.tokens import DataError
-  from olmo3.eval.tasks import TaskError
-
   try:
     last = train(exp, workdir, name=FLAGS.value, preemption=PREEMPTION)
-  except (DataError, TaskError) as e:  # bad input, found before the first step: one line
+  except (DataError, TaskError, CheckpointError, LeaseHeld) as e:  # bad input: one line
     logging.error("%s", e)
+    if jax.process_index() == 0 and (run_steps(checkpoints) or [0])[-1] == start:
+      # Nothing trained: take back what this launch wrote.
+      if created:
+        epath.Path(workdir).rmtree()
+      else:
+        record.undo()
     sys.exit(f"error: {e}")
   if jax.process_index() == 0 and last:
     shown = {k: v for k, v in last.items() if not k.startswith("downstream/")}

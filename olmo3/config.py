@@ -91,6 +91,11 @@ def _type_name(tp: Any) -> str:
   return tp.__name__ if isinstance(tp, type) and not typing.get_args(tp) else str(tp)
 
 
+def _kind(value: Any) -> str:
+  """The type a mismatched value has, as the error names it ('str', 'float', ...)."""
+  return type(value).__name__
+
+
 def _conform(value: Any, tp: Any) -> Any:
   """`value` as annotation `tp` says, in its canonical form: JSON and command-line forms are
   accepted (lists for tuples, a mapping for a tuple of pairs, strings for enums, dicts for
@@ -127,11 +132,11 @@ def _conform(value: Any, tp: Any) -> Any:
   if tp is bool:
     if isinstance(value, bool):
       return value
-    raise _Mismatch("must be True or False")
+    raise _Mismatch(f"must be True or False (bool), not {_kind(value)}")
   if tp is int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
       return int(value)
-    raise _Mismatch("must be an integer")
+    raise _Mismatch(f"must be an integer (int), not {_kind(value)}")
   if tp is float:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
       try:
@@ -141,13 +146,13 @@ def _conform(value: Any, tp: Any) -> Any:
       if math.isfinite(value):
         return value
       raise _Mismatch("must be a finite number")
-    raise _Mismatch("must be a number")
+    raise _Mismatch(f"must be a number (float), not {_kind(value)}")
   if tp is str:
     if isinstance(value, os.PathLike):  # a pathlib.Path for a file name: its text
       value = os.fspath(value)
     if isinstance(value, str):
       return value
-    raise _Mismatch("must be a string")
+    raise _Mismatch(f"must be a string (str), not {_kind(value)}")
   if isinstance(tp, type) and issubclass(tp, enum.Enum):
     try:
       return tp(value)

@@ -233,3 +233,16 @@ def test_the_new_opt_in_fields_default_off_and_may_change_on_resume():
   assert config.DataConfig(paths=("a",)).allow_changed_data is False
   assert {"checkpoint.allow_restart_from_scratch", "data.allow_changed_data"} <= set(
       config.resumable_fields())
+
+
+@pytest.mark.parametrize("cls, f", [(c, f) for c, f in FIELDS if set(
+    _arms(_annotation(c, f.name))) & {int, float}], ids=lambda x: getattr(x, "name", None))
+def test_a_wrong_type_is_named_with_the_expected_type_before_any_bound_is_compared(cls, f):
+  """`train.steps='"ten"'` is a type error naming the field and the type it takes (never the
+  comparison with its bound that a string would fail), as is a float for an int."""
+  is_int = int in _arms(_annotation(cls, f.name))
+  expected = r"an integer \(int\)" if is_int else r"a number \(float\)"
+  for value, kind in [("ten", "str")] + ([(2.5, "float")] if is_int else []):
+    with pytest.raises(ConfigError, match=rf"^{cls.__name__}\.{f.name}={value!r}: must be "
+                                          rf"{expected}, not {kind}"):
+      cls(**{**BASE.get(cls, {}), f.name: value})

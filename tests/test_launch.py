@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from launch import configs
 from olmo3 import metrics as metrics_lib
+from tests.test_reliability import straight  # noqa: F401  (the trained run, shared)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "launch", "main.py")
@@ -25,6 +27,11 @@ def _main(*args, timeout=600, check=True):
   if check:
     assert done.returncode == 0, done.stderr[-3000:]
   return done
+
+
+def _record(workdir, cfg):
+  """A run record as the launcher's first launch writes it."""
+  configs.RunRecord(str(workdir)).begin(cfg, fdl.build(cfg).to_dict(), ["x"], 0)
 
 
 def test_7b_stage2_dry_run():
@@ -64,7 +71,8 @@ def test_7b_dry_run_lists_ai2_s_held_out_sets_and_tasks():
 
 def test_a_bad_task_stops_the_launch_in_one_line(tmp_path):
   """Before any step: a task in the old `task:variant` form is a config error; an unknown
-  label is refused when the evaluator is built, as one line naming it."""
+  label is refused when the evaluator is built, as one line naming it, and the new workdir is
+  removed again."""
   done = _main("--fdl_config=experiments.olmo3_tiny:stage1",
                "--fdl_set=eval.tasks=('nosuch:rc_0shot',)", f"--workdir={tmp_path / 'a'}",
                check=False)
@@ -75,15 +83,15 @@ def test_a_bad_task_stops_the_launch_in_one_line(tmp_path):
   assert done.returncode == 1
   assert done.stderr.strip().splitlines()[-1].startswith(
       "error: EvalConfig.tasks: unknown task 'nosuch_rc_0shot'")
-  assert not (tmp_path / "b" / "checkpoints").exists() or not any(
-      (tmp_path / "b" / "checkpoints").iterdir())
+  # Found when the run starts (inside train()): the workdir this launch created is taken back.
+  assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("flag, message", [
     ("--fdl_set=train.stepz=3", "TrainConfig has no field 'stepz'"),
     ("--fdl_set=train.steps=abc", "'abc' is not a Python literal"),
     ("--fdl_set=data.seq_len=100000", "data.seq_len=100000: exceeds model.max_seq_len"),
-    ("--fiddler=nope", "has no function 'nope'"),
+    ("--fiddler=nope", "has no fiddler 'nope'; fiddlers: flag_set, gpu, single_cosine"),
 ])
 def test_bad_overrides_fail_clearly(flag, message):
   done = _main("--fdl_config=experiments.olmo3_7b:stage1", "--dry_run", flag, check=False)
@@ -126,7 +134,8 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
 
 @pytest.mark.parametrize("args, message", [
     (["experiments.olmo3_7b:stage1"], "expected two experiments or run workdirs"),
-    (["experiments.olmo3_7b:stage1", "experiments.olmo3_7b:nope"], "has no function 'nope'"),
+    (["experiments.olmo3_7b:stage1", "experiments.olmo3_7b:nope"],
+     "has no experiment 'nope'; experiments: stage1, stage2"),
 ])
 def test_diff_bad_arguments_fail_clearly(args, message):
   done = subprocess.run([sys.executable, "launch/diff.py", *args], capture_output=True,
@@ -287,7 +296,7 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
 
 
 def test_workdir_of_another_experiment_is_refused(tmp_path):
-  configs.write_run_record(str(tmp_path), configs.load("experiments.olmo3_tiny:stage1"), ["x"])
+  _record(tmp_path, configs.load("experiments.olmo3_tiny:stage1"))
   done = _main("--fdl_config=experiments.olmo3_tiny:stage2", f"--workdir={tmp_path}", *TINY_FAST,
                "--fdl_set=train.steps=1", check=False)
   assert done.returncode != 0 and "holds a run of a different config" in done.stderr
@@ -311,8 +320,9 @@ def test_a_non_finite_hyperparameter_stops_the_launch_in_one_line(tmp_path):
   done = _main("--fdl_config=experiments.olmo3_tiny:stage1", "--fdl_set=optimizer.peak_lr=1e999",
                f"--workdir={tmp_path / 'run'}", check=False)
   assert done.returncode == 1
-  assert done.stderr.strip().splitlines()[-1] == (
-      "error: OptimizerConfig.peak_lr=inf: must be a finite number")
+  assert done.stderr.strip().splitlines()[-2:] == [
+      "error: OptimizerConfig.peak_lr=inf: must be a finite number",
+      "Run 'python launch/main.py --help' for the flags."]
   assert "Fiddle context" not in done.stderr and "Traceback" not in done.stderr
   assert not (tmp_path / "run").exists()
 
@@ -385,7 +395,7 @@ def test_a_config_json_reaching_other_code_through_an_allowed_module_is_refused(
 
 def test_a_run_record_loads_back_and_builds_the_same_experiment(tmp_path):
   cfg = configs.load("experiments.olmo3_7b:stage1")
-  configs.write_run_record(str(tmp_path), cfg, ["x"])
+  _record(tmp_path, cfg)
   assert fdl.build(configs.from_workdir(str(tmp_path))) == fdl.build(cfg)
   (tmp_path / "config.json").write_text("{not json")
   with pytest.raises(configs.ConfigRefError, match=r"config\.json: not JSON"):
@@ -410,3 +420,63 @@ def test_the_working_directory_goes_last_on_the_import_path(tmp_path, monkeypatc
   monkeypatch.chdir(tmp_path)
   configs.make_cwd_importable()
   assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1
+
+
+def _snapshot(root):
+  """Every path under `root` with its kind, bytes and modification time."""
+  out = {}
+  for path in sorted(root.rglob("*")):
+    stat = path.stat()
+    out[os.fspath(path.relative_to(root))] = (
+        "dir" if path.is_dir() else path.read_bytes(), stat.st_mtime_ns)
+  return out
+
+
+@pytest.mark.slow(seconds=30)
+def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revision(
+    straight, tmp_path_factory, tmp_path):
+  """Rerunning a finished run (here with a shorter train.steps) trains nothing and leaves the
+  workdir byte-identical, mtimes included; a resume with a resumable change appends revision 1
+  (config.1.json, experiment.1.json, a history line) without touching revision 0, and diff
+  and eval read each checkpoint's own revision."""
+  from tests import test_reliability as reliability
+  from olmo3.eval import revisions
+  from olmo3.eval.__main__ import load_experiment
+
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    shared = shared.parent  # where the `straight` fixture trained its run (9 steps)
+  workdir = tmp_path / "run"
+  shutil.copytree(shared / "straight", workdir, ignore=shutil.ignore_patterns("lease.json"))
+  args = [*reliability.TINY, f"--workdir={workdir}", "--fdl_set=checkpoint.every=100"]
+
+  def launch(*extra):
+    return subprocess.run([sys.executable, MAIN, *args, *extra], capture_output=True,
+                          text=True, cwd=ROOT, env=reliability._env(1), timeout=600)
+
+  before = _snapshot(workdir)
+  # An override on the finished run (the rerun of its own command takes the same path: the
+  # newest verified checkpoint already reaches the end, so nothing is opened for writing).
+  done = launch("--fdl_set=train.steps=5")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip() == (f"{workdir}: the run is complete at step 9 (train.steps=5); "
+                                 "nothing to train, nothing written")
+  assert _snapshot(workdir) == before
+  done = launch("--fdl_set=train.steps=10")
+  assert done.returncode == 0, done.stderr[-3000:]
+  history = revisions.read_history(workdir)
+  assert [(h.launch, h.revision, h.start_step, h.config, h.experiment) for h in history] == [
+      (1, 0, 0, "config.json", "experiment.json"),
+      (2, 1, 9, "config.1.json", "experiment.1.json")]
+  assert "--fdl_set=train.steps=10" in history[1].command
+  after = _snapshot(workdir)
+  for name in ("config.json", "config.txt", "command.txt", "experiment.json"):
+    assert after[name] == before[name], f"{name} of revision 0 was rewritten"
+  # diff: a workdir means its newest checkpoint's revision; WORKDIR@STEP a given one.
+  assert [(c.path, c.a, c.b) for c in configs.diff(configs.load_any(f"{workdir}@9"),
+                                                   configs.load_any(f"{workdir}@10"))] == [
+      ("train.steps", 9, 10)]
+  assert fdl.build(configs.load_any(str(workdir))).train.steps == 10
+  # eval: each checkpoint with the experiment that wrote it.
+  assert load_experiment(str(workdir), 9).train.steps == 9
+  assert load_experiment(str(workdir), 10).train.steps == 10

@@ -1,6 +1,8 @@
 """python -m olmo3.eval --workdir RUN [--step S | --all_steps] [--tasks T ...] [--out FILE]
 
-Evaluates a run's checkpoint(s) with the run's own experiment (WORKDIR/experiment.json):
+Evaluates a run's checkpoint(s), each with the experiment of the config revision that wrote it
+(WORKDIR/experiment.json, or experiment.<n>.json after a resume with a changed config: the
+rule is olmo3/eval/revisions.py's):
 held-out LM loss per set (CE, PPL) and downstream tasks (every metric OLMo-core logs, and the
 documents scored), on a mesh that fills this machine's devices. Writes one JSON report (default
 WORKDIR/eval_report.json):
@@ -15,15 +17,22 @@ import json
 import os
 import sys
 
+from etils import epath
+
 from olmo3.config import Experiment, MeshConfig
+from olmo3.eval import revisions
 
 
-def load_experiment(workdir: str) -> Experiment:
-  path = os.path.join(workdir, "experiment.json")
-  if not os.path.exists(path):
+def load_experiment(workdir: str, step: int | None = None) -> Experiment:
+  """The run's experiment as it was when it wrote checkpoint `step` (None: its latest launch):
+  the revision olmo3.eval.revisions attributes the step to."""
+  try:
+    path = revisions.experiment_file(workdir, step)
+  except revisions.RecordError as e:
+    raise SystemExit(f"error: {e}") from None
+  if not path.exists():
     raise SystemExit(f"error: {path} not found (not a run workdir of olmo3's launcher)")
-  with open(path) as f:
-    return Experiment.from_dict(json.load(f))
+  return Experiment.from_dict(json.loads(path.read_text()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,23 +46,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--task_limit", type=int, default=None)
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
-  exp = load_experiment(args.workdir)
-  eval_cfg = exp.eval
-  if args.tasks is not None:
-    eval_cfg = dataclasses.replace(eval_cfg, tasks=tuple(args.tasks))
-  if args.task_limit is not None:
-    eval_cfg = dataclasses.replace(eval_cfg, task_limit=args.task_limit)
-  exp = dataclasses.replace(exp, eval=eval_cfg, mesh=MeshConfig())
+  if not epath.Path(args.workdir).is_dir():
+    print(f"error: --workdir {args.workdir}: no such run directory", file=sys.stderr)
+    return 2
 
   from olmo3.checkpoint import restore_params, run_steps
   from olmo3.eval.evaluator import Evaluator
   from olmo3.sharded import ShardedModel
 
-  evaluator = Evaluator(exp, ShardedModel.for_experiment(exp))
-  if not exp.eval.heldout and not evaluator.tasks:
-    print("nothing to evaluate: the run has no held-out sets and no downstream tasks "
-          "available", file=sys.stderr)
-    return 2
   directory = os.path.join(args.workdir, "checkpoints")
   steps = run_steps(directory)
   if not steps:
@@ -66,8 +66,30 @@ def main(argv: list[str] | None = None) -> int:
     steps = [args.step]
   elif not args.all_steps:
     steps = steps[-1:]
+
+  evaluators: dict[str, Evaluator] = {}
+
+  def evaluator_for(step: int) -> Evaluator:
+    """The evaluator of the revision that wrote `step`: its held-out sets, tasks and model."""
+    key = os.fspath(revisions.experiment_file(args.workdir, step))
+    if key not in evaluators:
+      exp = load_experiment(args.workdir, step)
+      eval_cfg = exp.eval
+      if args.tasks is not None:
+        eval_cfg = dataclasses.replace(eval_cfg, tasks=tuple(args.tasks))
+      if args.task_limit is not None:
+        eval_cfg = dataclasses.replace(eval_cfg, task_limit=args.task_limit)
+      exp = dataclasses.replace(exp, eval=eval_cfg, mesh=MeshConfig())
+      evaluators[key] = Evaluator(exp, ShardedModel.for_experiment(exp))
+    return evaluators[key]
+
   report = {"workdir": os.path.abspath(args.workdir), "steps": {}}
   for step in steps:
+    evaluator = evaluator_for(step)
+    if not evaluator.exp.eval.heldout and not evaluator.tasks:
+      print(f"nothing to evaluate at step {step}: the run has no held-out sets and no "
+            "downstream tasks available", file=sys.stderr)
+      return 2
     params = restore_params(os.path.join(directory, str(step)), evaluator.model.param_target)
     heldout = evaluator.heldout_metrics(params)
     tasks = evaluator.task_metrics(params)

@@ -1,0 +1,79 @@
+"""A run's record as history: which revision produced each checkpoint (olmo3.eval.revisions),
+and the launcher's writer of it (launch.configs.RunRecord)."""
+
+import json
+
+import fiddle as fdl
+import pytest
+
+from launch import configs
+from olmo3.eval import revisions
+
+
+def _launch(n, revision, start):
+  config, _, experiment = revisions.revision_files(revision)
+  return revisions.Launch(n, revision, start, config, experiment, ("x",), "")
+
+
+def test_each_checkpoint_belongs_to_the_last_launch_that_started_before_it():
+  # Revision 0 trained 0 -> 10; revision 1 resumed at 10 and reached 20; a fallback to 15
+  # (after 20 was damaged) rewrote 16..20 with revision 2.
+  history = [_launch(1, 0, 0), _launch(2, 1, 10), _launch(3, 2, 15)]
+  assert [revisions.producer(history, s).revision for s in (5, 10, 11, 15, 16, 20)] == [
+      0, 0, 1, 1, 2, 2]
+  assert revisions.producer([_launch(1, 0, 10)], 10) is None  # nothing recorded wrote it
+  assert revisions.producer([], 3) is None
+
+
+def test_a_broken_history_line_is_named(tmp_path):
+  (tmp_path / "history.jsonl").write_text(_launch(1, 0, 0).to_json() + "\n{\"launch\": 2}\n")
+  with pytest.raises(revisions.RecordError, match=r"history\.jsonl:2: not a launch record"):
+    revisions.read_history(tmp_path)
+
+
+def test_the_record_appends_revisions_never_rewrites_them_and_undo_takes_a_launch_back(
+    tmp_path):
+  cfg = configs.load("experiments.olmo3_tiny:stage1")
+  longer = configs.load("experiments.olmo3_tiny:stage1")
+  longer.train.steps = cfg.train.steps + 10
+  record = configs.RunRecord(tmp_path)
+  record.begin(cfg, {"steps": 1}, ["first"], 0)
+  files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+  assert set(files) == {"config.json", "config.txt", "command.txt", "experiment.json",
+                        "history.jsonl"}
+  configs.RunRecord(tmp_path).begin(cfg, {"steps": 1}, ["same"], 4)  # same config: same revision
+  configs.RunRecord(tmp_path).begin(longer, {"steps": 2}, ["longer"], 8)
+  configs.RunRecord(tmp_path).begin(cfg, {"steps": 1}, ["back"], 12)  # back again: a new one
+  history = revisions.read_history(tmp_path)
+  assert [(h.launch, h.revision, h.start_step, h.command) for h in history] == [
+      (1, 0, 0, ("first",)), (2, 0, 4, ("same",)), (3, 1, 8, ("longer",)),
+      (4, 2, 12, ("back",))]
+  for name, data in files.items():
+    if name != "history.jsonl":
+      assert (tmp_path / name).read_bytes() == data, name
+  assert json.loads((tmp_path / "experiment.1.json").read_text()) == {"steps": 2}
+  assert fdl.build(configs.from_workdir(tmp_path, 10)).train.steps == cfg.train.steps + 10
+  assert fdl.build(configs.from_workdir(tmp_path, 13)) == fdl.build(cfg)
+  # A launch that stopped before its first step takes back exactly what it wrote.
+  history_before = (tmp_path / "history.jsonl").read_bytes()
+  again = configs.RunRecord(tmp_path)
+  again.begin(longer, {"steps": 2}, ["failed"], 12)
+  assert (tmp_path / "config.3.json").exists()
+  again.undo()
+  assert (tmp_path / "history.jsonl").read_bytes() == history_before
+  assert not (tmp_path / "config.3.json").exists()
+  assert not (tmp_path / "experiment.3.json").exists()
+
+
+def test_a_workdir_recorded_before_history_existed_is_revision_0(tmp_path):
+  cfg = configs.load("experiments.olmo3_tiny:stage1")
+  (tmp_path / "config.json").write_text(configs.dump(cfg))
+  (tmp_path / "command.txt").write_text("launch/main.py --fdl_config=x\n")
+  record = configs.RunRecord(tmp_path)
+  assert [(h.revision, h.start_step, h.command) for h in record.history()] == [
+      (0, 0, ("launch/main.py", "--fdl_config=x"))]
+  longer = configs.load("experiments.olmo3_tiny:stage1")
+  longer.train.steps = 7
+  record.begin(longer, {}, ["resume"], 5)
+  assert [(h.launch, h.revision, h.config) for h in revisions.read_history(tmp_path)] == [
+      (1, 0, "config.json"), (2, 1, "config.1.json")]

@@ -1,0 +1,196 @@
+"""Every user mistake through the real launch programs ends in one line that names the field,
+file or experiment and says what to do; no traceback, nothing half-created.
+
+One driver process (this file run as a script) imports the programs' dependencies once and, for
+each case, forks a child that runs the program as the interpreter would (launch/main.py,
+launch/diff.py, launch/audit.py as __main__, or `python -m olmo3.eval`) with its own argv,
+working directory and captured output. Every case stops before JAX starts a backend, so
+forking is safe, and the cases cost one interpreter start instead of one each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELP = "Run 'python launch/main.py --help' for the flags."
+SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/audit.py"}
+TINY = "--fdl_config=experiments.olmo3_tiny:stage1"
+
+
+def _child(program: str, argv: list[str], cwd: str, out: str) -> None:
+  """Runs one program in this (forked) process as Python would run it (`python launch/X.py`,
+  `python -m olmo3.eval`): as __main__, with its argv and sys.path; never returns."""
+  code = 70
+  try:
+    os.chdir(cwd)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    if program in SCRIPTS:
+      path = os.path.join(ROOT, SCRIPTS[program])
+      sys.argv, sys.path[0] = [path, *argv], os.path.dirname(path)
+      runpy.run_path(path, run_name="__main__")
+    else:
+      sys.argv = [program, *argv]
+      runpy.run_module(program, run_name="__main__", alter_sys=True)
+    code = 0
+  except SystemExit as e:
+    if isinstance(e.code, str):  # as the interpreter reports sys.exit("message")
+      print(e.code, file=sys.stderr)
+      code = 1
+    else:
+      code = e.code or 0
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def drive(cases: list[dict], out_dir: str) -> list[dict]:
+  """Forks one child per case; returns each case's exit code and output."""
+  results = []
+  for i, case in enumerate(cases):
+    out = os.path.join(out_dir, f"{i}.out")
+    pid = os.fork()
+    if pid == 0:
+      _child(case["program"], case["argv"], case["cwd"], out)
+    _, status = os.waitpid(pid, 0)
+    with open(out) as f:
+      results.append({"rc": os.waitstatus_to_exitcode(status), "output": f.read()})
+  return results
+
+
+def _cases(tmp) -> list[dict]:
+  """(program, argv, what the output must hold, exit code, paths that must not exist)."""
+  afile = tmp / "afile"
+  afile.write_text("")
+  (tmp / "root").mkdir()
+  (tmp / "fresh").mkdir()  # stage 2's cwd: no runs/ below it
+  new = lambda name: os.fspath(tmp / name)  # a workdir no case may leave behind
+  config_error = lambda message: {"last_two": [message, HELP]}
+  return [
+      dict(name="workdir is a file", program="main", argv=[TINY, f"--workdir={afile}"],
+           expect={"last": f"error: --workdir={afile} is a file, not a directory: give a "
+                           "directory (a new one is created)"}),
+      dict(name="stage 2 before stage 1", program="main", cwd=new("fresh"),
+           argv=["--fdl_config=experiments.olmo3_tiny:stage2"], absent=[new("fresh/runs")],
+           expect={"last": "error: CheckpointConfig.init_from='runs/olmo3_tiny.stage1' holds no "
+                           "checkpoint yet: train it first: python launch/main.py "
+                           "--fdl_config=experiments.olmo3_tiny:stage1 (or point "
+                           "checkpoint.init_from at a checkpoint that exists)"}),
+      dict(name="missing token file", program="main", absent=[new("w_tokens")],
+           argv=[TINY, f"--workdir={new('w_tokens')}", "--fdl_set=data.mix=None",
+                 f"--fdl_set=data.paths=('{tmp / 'nope.npy'}',)"],
+           expect={"last": f"error: token file {tmp / 'nope.npy'} does not exist"}),
+      dict(name="data.root missing", program="main", absent=[new("w_root")],
+           argv=[TINY, f"--workdir={new('w_root')}", f"--fdl_set=data.root='{tmp / 'nope'}'"],
+           expect={"last": f"error: DataConfig.root='{tmp / 'nope'}' does not exist: give the "
+                           "directory (or URL) the token files are under"}),
+      dict(name="data.root unused", program="main", absent=[new("w_unused")],
+           argv=[TINY, f"--workdir={new('w_unused')}", f"--fdl_set=data.root='{tmp / 'root'}'"],
+           expect={"last": f"error: DataConfig.root='{tmp / 'root'}' is not used: "
+                           "DataConfig.mix='embedded' is a prepared directory (or the built-in "
+                           "corpus), which names its own files. Drop data.root, or give "
+                           "data.paths or a mix file relative to it"}),
+      dict(name="steps a string", program="main", argv=[TINY, "--fdl_set=train.steps='ten'"],
+           expect=config_error("error: TrainConfig.steps='ten': must be an integer (int), "
+                               "not str")),
+      dict(name="steps a float", program="main", argv=[TINY, "--fdl_set=train.steps=2.5"],
+           expect=config_error("error: TrainConfig.steps=2.5: must be an integer (int), "
+                               "not float")),
+      dict(name="misspelt experiment", program="main",
+           argv=["--fdl_config=experiments.olmo3_tiny:stagee1"],
+           expect=config_error("error: --fdl_config='experiments.olmo3_tiny:stagee1': "
+                               "experiments.olmo3_tiny has no experiment 'stagee1'; did you "
+                               "mean 'stage1'? experiments: memorize, stage1, stage2")),
+      dict(name="misspelt module", program="main",
+           argv=["--fdl_config=experiments.olmo3_tin:stage1"],
+           expect=config_error("error: --fdl_config='experiments.olmo3_tin:stage1': no module "
+                               "'experiments.olmo3_tin'; did you mean 'experiments.olmo3_tiny'? "
+                               "experiment modules: experiments.olmo3_7b, "
+                               "experiments.olmo3_tiny")),
+      dict(name="misspelt fiddler", program="main",
+           argv=["--fdl_config=experiments.olmo3_7b:stage1", "--fiddler=single_cosin"],
+           expect=config_error("error: --fiddler='single_cosin': experiments.olmo3_7b has no "
+                               "fiddler 'single_cosin'; did you mean 'single_cosine'? fiddlers: "
+                               "flag_set, gpu, single_cosine")),
+      dict(name="no experiment", program="main", argv=[],
+           expect=config_error("error: --fdl_config is required, e.g. "
+                               "experiments.olmo3_tiny:stage1")),
+      dict(name="stray argument", program="main", argv=[TINY, "stage1"],
+           expect=config_error("error: unexpected arguments: ['stage1'] (every option is a "
+                               "--flag)")),
+      dict(name="diff of a missing run", program="diff",
+           argv=[new("no_run"), "experiments.olmo3_tiny:stage1"],
+           expect={"last": f"error: {tmp / 'no_run'}: no such run directory"}),
+      dict(name="diff of one side", program="diff", argv=["experiments.olmo3_tiny:stage1"],
+           expect={"last_two": ["error: expected two experiments or run workdirs (A B), got "
+                                "['experiments.olmo3_tiny:stage1']",
+                                "Run 'python launch/diff.py --help' for usage."]}),
+      dict(name="eval of a missing run", program="olmo3.eval", argv=["--workdir", new("no_run")],
+           rc=2, expect={"last": f"error: --workdir {tmp / 'no_run'}: no such run directory"}),
+      # absl's --help exits 1 after printing the usage (its convention for every absl program).
+      dict(name="audit's help", program="audit", argv=["--help"],
+           expect={"contains": ["Audit an experiment's own input pipeline", "--processes:",
+                                "--fdl_config:"]}),
+      dict(name="the launcher's help", program="main", argv=["--help"],
+           expect={"contains": ["Train an experiment.", "--fdl_set:", "--workdir:"]}),
+  ]
+
+
+@pytest.mark.slow(seconds=15)
+def test_every_mistake_ends_in_one_line_and_leaves_nothing_behind(tmp_path):
+  cases = _cases(tmp_path)
+  for case in cases:
+    case.setdefault("cwd", ROOT)
+  spec = tmp_path / "cases.json"
+  spec.write_text(json.dumps([{k: case[k] for k in ("program", "argv", "cwd")}
+                              for case in cases]))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, __file__, os.fspath(spec), os.fspath(tmp_path)],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads(done.stdout)
+  failures = []
+  for case, result in zip(cases, results):
+    output, lines = result["output"], result["output"].strip().splitlines()
+    expect, problems = case["expect"], []
+    if result["rc"] != case.get("rc", 1):
+      problems.append(f"exit code {result['rc']}, expected {case.get('rc', 1)}")
+    if "Traceback" in output:
+      problems.append("a traceback")
+    if "last" in expect and lines[-1:] != [expect["last"]]:
+      problems.append(f"last line {lines[-1:]}, expected {expect['last']!r}")
+    if "last_two" in expect and lines[-2:] != expect["last_two"]:
+      problems.append(f"last lines {lines[-2:]}, expected {expect['last_two']}")
+    if "last_two" in expect and len(lines) > 2:  # the help pointer, not the help
+      problems.append(f"{len(lines)} lines: {lines[:3]}...")
+    problems += [f"missing {text!r}" for text in expect.get("contains", ()) if text not in output]
+    problems += [f"left {path} behind" for path in case.get("absent", ()) if os.path.exists(path)]
+    if problems:
+      failures.append(f"{case['name']}: {'; '.join(problems)}\n{output[-1500:]}")
+  assert (tmp_path / "afile").read_text() == ""  # the file given as a workdir is untouched
+  assert not failures, "\n\n".join(failures)
+
+
+if __name__ == "__main__":
+  # The driver: what every program imports anyway, imported once (JAX starts no backend).
+  import fiddle  # noqa: F401
+
+  import launch.configs  # noqa: F401
+  import olmo3.checkpoint  # noqa: F401
+  import olmo3.data.sources  # noqa: F401
+  import olmo3.train.lease  # noqa: F401
+
+  with open(sys.argv[1]) as f:
+    print(json.dumps(drive(json.load(f), sys.argv[2])))
