@@ -39,6 +39,9 @@ REPLICATED_JOB = "slice"
 # xpk caps workload names at 40 for the same reason.
 MAX_NAME = 40
 CHIPS_PER_HOST = 4  # every multi-host slice of these kinds: 4 chips per TPU VM
+# A SLURM job with a time limit has its tasks sent SIGTERM this long before it (sbatch
+# --signal), time for the step in flight and a checkpoint save.
+SIGNAL_BEFORE_LIMIT_S = 600
 
 
 class Target(enum.Enum):
@@ -284,8 +287,8 @@ def jobset(job: PodJob) -> dict[str, Any]:
 
 
 def render_jobset(job: PodJob) -> str:
-  text = f"# {job.slices.describe()}\n" + yaml.safe_dump(jobset(job), sort_keys=False,
-                                                                width=1 << 16)
+  body = yaml.safe_dump(jobset(job), sort_keys=False, width=1 << 16)  # flags on one line
+  text = f"# {job.slices.describe()}\n{body}"
   validate_jobset(text, job)
   return text
 
@@ -414,6 +417,8 @@ def slurm_script(job: SlurmJob) -> str:
             "--exclusive", f"--output={job.name}-%j.out"]
   header += [f"--{k}={v}" for k, v in (("partition", job.partition), ("account", job.account),
                                         ("time", job.time)) if v]
+  if job.time:  # SIGTERM to the tasks before the limit: the run saves a step and exits 0
+    header.append(f"--signal=TERM@{SIGNAL_BEFORE_LIMIT_S}")
   lines = ["#!/bin/bash", f"# {job.describe()}", *(f"#SBATCH {h}" for h in header),
            "set -euo pipefail", *(_export(k, v) for k, v in job.env.items())]
   if job.processes is Processes.PER_NODE:

@@ -189,7 +189,7 @@ def test_slurm_script_one_task_per_gpu(tmp_path):
             if line.startswith("#SBATCH")]
   assert header == ["--job-name=olmo3-7b-stage1", "--nodes=2", "--ntasks-per-node=8",
                     "--gpus-per-node=8", "--exclusive", "--output=olmo3-7b-stage1-%j.out",
-                    "--partition=h100", "--time=7-00:00:00"]
+                    "--partition=h100", "--time=7-00:00:00", "--signal=TERM@600"]
   assert "JAX_LOCAL_DEVICE_IDS" not in script  # JAX gives each task GPU SLURM_LOCALID
   fake = tmp_path / "bin" / "srun"
   fake.parent.mkdir()
