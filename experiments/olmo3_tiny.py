@@ -1,6 +1,6 @@
 """The OLMo 3 7B recipe shrunk to a laptop CPU: the embedded default. No download.
 
-  python launch/main.py --fdl_config=experiments.olmo3_tiny:stage1   # ≈ 3 minutes on 2 cores
+  python launch/main.py --fdl_config=experiments.olmo3_tiny:stage1   # ≈ 2 minutes on 2 cores
   python launch/main.py --fdl_config=experiments.olmo3_tiny:stage2   # anneals from stage 1
   python launch/diff.py experiments.olmo3_7b:stage2 experiments.olmo3_tiny:stage2
 
@@ -46,12 +46,14 @@ def cpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
 def shrink(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | None = None
            ) -> fdl.Config[Experiment]:
   """Fiddler: a 7B stage at laptop size, `steps` long, on the embedded corpus, evaluating the
-  embedded held-out split and 20 documents of each TASKS task."""
+  training data's held-out split (the embedded corpus's, or that of a prepared directory set as
+  data.mix) and 20 documents of each TASKS task, tokenized with the data's tokenizer."""
   shrink_model(cfg, steps)
   if workdir_of_stage1 is not None:
     cfg.checkpoint.init_from = workdir_of_stage1
-  cfg.eval.heldout = ("embedded-heldout",)
-  cfg.eval.tokenizer = "embedded"
+  # The training data's own held-out split and tokenizer (olmo3.data.sources.resolve): the
+  # embedded corpus's, or those of the directory --fdl_set=data.mix='"DIR"' names.
+  cfg.eval.heldout, cfg.eval.tokenizer = None, None
   cfg.eval.batch_size, cfg.eval.max_documents = 16, 32
   cfg.eval.tasks, cfg.eval.task_limit = TASKS, 20
   return cfg

@@ -34,6 +34,7 @@ from fiddle import printing  # noqa: E402
 from launch import configs  # noqa: E402
 from olmo3.config import Schedule  # noqa: E402
 from olmo3.perf import flags as flags_lib  # noqa: E402
+from olmo3.train import logs  # noqa: E402
 
 FLAGS = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function (or the dotted form)")
@@ -86,6 +87,8 @@ def dry_run(cfg: fdl.Config, exp) -> None:
   print(f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})")
   from olmo3.data import pipeline, sources
 
+  exp, resolved = sources.resolved_view(exp)  # held-out sets and tokenizer as the run takes them
+  print("\n".join(resolved))
   try:  # the epoch, when the configured files are reachable from here
     source = sources.token_files(dataclasses.replace(d, validate_tokens=False), None)
     per_epoch = pipeline.steps_per_epoch(d, source)
@@ -232,6 +235,8 @@ def _stop_catching_signals() -> None:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     config_error(f"unexpected arguments: {argv[1:]} (every option is a --flag)")
+  # Libraries' INFO lines off (absl's -v 1 brings them back); no TPU probing on a CPU machine.
+  logs.configure(logging.get_verbosity())
   configs.make_cwd_importable()
   if not FLAGS.value:
     config_error("--fdl_config is required, e.g. experiments.olmo3_tiny:stage1")

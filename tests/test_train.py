@@ -1,4 +1,5 @@
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -355,3 +356,54 @@ def test_per_source_sums_match_a_direct_computation(microbatches):
   assert float(loss) == float(loss_one)
   for a, g in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_one)):
     np.testing.assert_array_equal(a, g)
+
+
+def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(monkeypatch):
+  import logging as py_logging
+
+  from absl import logging as absl_logging
+
+  from olmo3.train import logs
+
+  def record(path, level=py_logging.INFO):
+    return py_logging.LogRecord("absl", level, path, 1, "msg", (), None)
+
+  library = "/venv/lib/python3.11/site-packages/orbax/checkpoint/checkpoint_manager.py"
+  ours = logs.__file__
+  handler = absl_logging.get_absl_handler()
+  try:
+    logs.configure(0)
+    assert not handler.filter(record(library))  # a library's INFO: dropped
+    assert handler.filter(record(library, py_logging.WARNING))  # its warnings: kept
+    assert handler.filter(record(ours)) and handler.filter(record("/work/my_experiment.py"))
+    logs.configure(1)  # -v 1: everything again
+    assert handler.filter(record(library))
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(logs, "has_accelerator", lambda: True)
+    logs.configure(0)
+    assert "JAX_PLATFORMS" not in os.environ  # a TPU or GPU machine: JAX chooses
+    monkeypatch.setattr(logs, "has_accelerator", lambda: False)
+    logs.configure(0)
+    assert os.environ["JAX_PLATFORMS"] == "cpu"  # no accelerator: libtpu is never loaded
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    logs.configure(0)
+    assert os.environ["JAX_PLATFORMS"] == "cuda"  # the user's choice stands
+  finally:  # nothing leaks into other tests' logging
+    handler.removeFilter(logs._FILTER)  # pylint: disable=protected-access
+
+
+def test_heartbeat_reports_a_long_phase_while_it_runs(caplog):
+  import logging as py_logging
+  import time
+
+  from olmo3.train import logs
+
+  with caplog.at_level(py_logging.INFO):
+    with logs.Heartbeat("compiling the thing", every=0.05) as beat:
+      time.sleep(0.3)
+  messages = [r.getMessage() for r in caplog.records]
+  assert messages[0] == "compiling the thing ..."
+  assert sum(m.startswith("compiling the thing: ") and m.endswith("so far")
+             for m in messages) >= 2
+  assert messages[-1] == "compiling the thing: done in 0 s" and beat.seconds >= 0.3
+  assert [logs.duration(s) for s in (4.4, 247, 7500)] == ["4 s", "4 min 07 s", "2 h 05 min"]

@@ -2,6 +2,8 @@
 
   import-hf --hf_dir DIR --out CKPT          HF OLMo 3 directory -> Orbax checkpoint
   export-hf --ckpt CKPT --out DIR [--dtype]  Orbax checkpoint -> directory transformers loads
+                                             (CKPT: a step directory, or a run's workdir:
+                                             its latest step; a run's tokenizer comes along)
   parity --hf_dir DIR --ckpt CKPT [--dtype float32|bfloat16] [--max_kl X] [--seq_len T]
                                              exits 1 when max per-token KL exceeds --max_kl
 """
@@ -9,9 +11,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
+
+from etils import epath
 
 from olmo3 import model as model_lib
 from olmo3.convert import hf, parity
@@ -39,16 +44,37 @@ def import_hf(args: argparse.Namespace) -> int:
   return 0
 
 
+def run_tokenizer(step_dir: epath.Path) -> str | None:
+  """The tokenizer the run that wrote RUN/checkpoints/<step> used (its experiment.json, as
+  resolved when it trained), or None when the checkpoint is not a run's (an import)."""
+  record = step_dir.parent.parent / "experiment.json"
+  if step_dir.parent.name != "checkpoints" or not record.exists():
+    return None
+  from olmo3.config import Experiment  # pylint: disable=import-outside-toplevel
+  from olmo3.data import sources  # pylint: disable=import-outside-toplevel
+
+  tokenizer = Experiment.from_dict(json.loads(record.read_text())).eval.tokenizer
+  return None if tokenizer is None else sources.tokenizer_file(tokenizer)
+
+
 def export_hf(args: argparse.Namespace) -> int:
-  cfg, params = _restore_host(args.ckpt)
-  dtype = args.dtype or checkpoint.load_meta(args.ckpt).get("hf_dtype", "float32")
-  hf.write_hf_dir(args.out, cfg, params, dtype=dtype)
-  print(f"exported {args.ckpt} -> {args.out} ({dtype}, vocabulary cut to {cfg.vocab_size})")
+  ckpt = checkpoint.resolve_step_dir(args.ckpt)
+  cfg, params = _restore_host(ckpt)
+  dtype = args.dtype or checkpoint.load_meta(ckpt).get("hf_dtype", "float32")
+  tokenizer = run_tokenizer(ckpt)
+  local = tokenizer is not None and os.path.isfile(tokenizer)
+  hf.write_hf_dir(args.out, cfg, params, dtype=dtype,
+                  extra_files=hf.tokenizer_files(tokenizer, cfg) if local else None)
+  print(f"exported {ckpt} -> {args.out} ({dtype}, vocabulary cut to {cfg.vocab_size})")
+  if local:
+    print(f"tokenizer: {tokenizer} (tokenizer.json, tokenizer_config.json)")
+  elif tokenizer is not None:  # a hub name: AutoTokenizer loads it from there
+    print(f"tokenizer: not copied; the run's is the hub's {tokenizer!r}")
   return 0
 
 
 def check_parity(args: argparse.Namespace) -> int:
-  cfg, params = _restore_host(args.ckpt)
+  cfg, params = _restore_host(checkpoint.resolve_step_dir(args.ckpt))
   ref_cfg = hf.read_hf_config(args.hf_dir)
   shape_fields = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads",
                   "n_kv_heads", "mlp_hidden", "sliding_window", "global_every", "rope_theta",
@@ -78,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--out", required=True)
   p.set_defaults(run=import_hf)
   p = sub.add_parser("export-hf", help="Orbax checkpoint -> HF directory")
-  p.add_argument("--ckpt", required=True)
+  p.add_argument("--ckpt", required=True,
+                 help="a checkpoint step directory, or a run's workdir (its latest step)")
   p.add_argument("--out", required=True)
   p.add_argument("--dtype", choices=sorted(hf.DTYPES),
                  help="tensor dtype (default: the dtype the checkpoint was imported from)")

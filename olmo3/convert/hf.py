@@ -125,8 +125,13 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
 
 def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
   """An Olmo3Config dict. RoPE theta is written both flat (transformers 5.0-5.3 read
-  rope_parameters["rope_theta"]) and per layer type (later 5.x, where a bare `rope_theta`
-  reaches only the full-attention layers, docs/architecture.md#hugging-face-parity-settings)."""
+  rope_parameters["rope_type"] / ["rope_theta"]) and per layer type (later 5.x read
+  rope_parameters[layer_type], where a bare `rope_theta` reaches only the full-attention
+  layers, docs/architecture.md#hugging-face-parity-settings). No one spelling serves both: 5.3
+  fails without the flat keys, later 5.x would give the sliding layers theta 10,000 without
+  the nested ones. So 5.0-5.3 warn "Unrecognized keys in `rope_parameters`" naming the two
+  layer types, and load the right theta; its `ignore_keys_at_rope_validation` cannot come from
+  a config.json (a JSON list, where 5.3 subtracts a set)."""
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   return {
       "architectures": ["Olmo3ForCausalLM"],
@@ -284,9 +289,10 @@ def params_to_hf(cfg: ModelConfig, params: Params, dtype: str = "float32"
 
 
 def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
-                 dtype: str = "float32") -> None:
-  """Writes config.json + safetensors (sharded past 5 GiB, with an index) atomically: into a
-  temporary sibling directory, renamed into place when complete."""
+                 dtype: str = "float32", extra_files: dict[str, str] | None = None) -> None:
+  """Writes config.json + safetensors (sharded past 5 GiB, with an index) and `extra_files`
+  (name -> text: the tokenizer's) atomically: into a temporary sibling directory, renamed
+  into place when complete, with a normal directory's permissions (mkdtemp's are 0700)."""
   out = os.fspath(out)
   if os.path.exists(out):
     raise ConversionError(f"{out} already exists; refusing to overwrite")
@@ -321,10 +327,33 @@ def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(model_config_to_hf(cfg, dtype), f, indent=2)
+    for name, text in (extra_files or {}).items():
+      with open(os.path.join(tmp, name), "w") as f:
+        f.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
     os.rename(tmp, out)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+
+
+def tokenizer_files(tokenizer_json: str, cfg: ModelConfig) -> dict[str, str]:
+  """tokenizer.json and the tokenizer_config.json with which transformers' AutoTokenizer loads
+  it (PreTrainedTokenizerFast, EOS and PAD named as the model's ids)."""
+  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+
+  tok = Tokenizer.from_file(tokenizer_json)
+  special = {}
+  for key, token_id in (("eos_token", cfg.eos_token_id), ("pad_token", cfg.pad_token_id)):
+    token = tok.id_to_token(token_id) if token_id is not None else None
+    if token is None:
+      raise ConversionError(f"{tokenizer_json}: no token with the model's {key} id {token_id}")
+    special[key] = token
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
+            "add_bos_token": False, "add_eos_token": False, **special}
+  return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:

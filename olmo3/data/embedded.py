@@ -92,13 +92,12 @@ def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: 
       return out
     docs = documents()
     train_texts = [t for _, t in docs if not prepare_lib.is_heldout(t, heldout_fraction)]
-    tokenizer = train_tokenizer(train_texts, vocab_size)
-    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer = train_tokenizer(train_texts, vocab_size)  # prepare saves it beside the tokens
     with tempfile.TemporaryDirectory(dir=out) as staging:
       jsonl = os.path.join(staging, "documents.jsonl")
       with open(jsonl, "w") as f:
         for name, text in docs:
           f.write(json.dumps({"id": name, "text": text}) + "\n")
       prepare_lib.prepare([jsonl], tokenizer, str(out), heldout_fraction, workers=1,
-                          progress=progress)
+                          progress=progress, tokenizer_name="embedded")
   return out

@@ -9,8 +9,10 @@ allenai/dolma2-tokenizer). Every document gets EOS appended. Documents, never in
 split between train and held-out, by a hash of the document's text: deterministic, independent
 of the worker count, and exact duplicates always land in the same split.
 
-Output: DIR/train/part-NNNNN.npy and DIR/heldout/part-NNNNN.npy (raw uint32 tokens) and
-DIR/manifest.json. Files are written into a staging directory and moved into place before the
+Output: DIR/train/part-NNNNN.npy and DIR/heldout/part-NNNNN.npy (raw uint32 tokens), the
+tokenizer they were made with (DIR/tokenizer.json) and DIR/manifest.json. DIR is a data source
+in its own right: `--fdl_set=data.mix='"DIR"'` trains on its train split, evaluates its held-out
+split and prepares tasks with its tokenizer (olmo3.data.sources). Files are written into a staging directory and moved into place before the
 manifest is written (atomically, last): an interrupted run never leaves a manifest that points
 at partial files. Rerunning on the same input reproduces the same bytes.
 """
@@ -32,12 +34,14 @@ import tempfile
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+from etils import epath
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
 
 SPLITS = ("train", "heldout")
+TOKENIZER_FILE = "tokenizer.json"  # beside manifest.json: the tokenizer of the token files
 TOKENS_PER_FILE = 1 << 27  # 512 MB per token file
 _DOCS_PER_CHUNK = 256
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
@@ -178,12 +182,11 @@ class Manifest:
 
   @classmethod
   def load(cls, directory: str | os.PathLike) -> Manifest:
-    path = os.path.join(os.fspath(directory), "manifest.json")
-    if not os.path.exists(path):
+    path = epath.Path(directory) / "manifest.json"
+    if not path.exists():
       raise DataError(f"{directory}: no manifest.json (run python -m olmo3.data.prepare)")
     try:
-      with open(path) as f:
-        manifest = cls(**json.load(f))
+      manifest = cls(**json.loads(path.read_text()))
       manifest.splits["train"]["tokens"]  # a manifest has at least the training split
     except (ValueError, TypeError, KeyError) as e:  # malformed JSON, missing or unknown keys
       raise DataError(f"{path} is not a readable manifest ({type(e).__name__}: {e}); prepare "
@@ -191,13 +194,13 @@ class Manifest:
     manifest._check_files(directory, path)
     return manifest
 
-  def _check_files(self, directory: str | os.PathLike, path: str) -> None:
+  def _check_files(self, directory: str | os.PathLike, path: epath.Path) -> None:
     for split, info in self.splits.items():
       files = self.files(directory, split)
       for file in files:
-        if not os.path.exists(file):
+        if not file.exists():
           raise DataError(f"token file {file} is missing (listed in {path})")
-      have = [os.path.getsize(f) // TOKEN_DTYPE.itemsize for f in files]
+      have = [file.stat().length // TOKEN_DTYPE.itemsize for file in files]
       for file, tokens, want in zip(files, have, info.get("file_tokens", ())):
         if tokens != want:
           raise DataError(f"token file {file} holds {tokens} tokens; {path} says {want}: the "
@@ -205,16 +208,17 @@ class Manifest:
       if sum(have) != info["tokens"]:
         raise DataError(f"the {split} files of {path} hold {sum(have)} tokens; it says "
                         f"{info['tokens']}: a file was changed or cut short since it was prepared "
-                        f"({files})")
+                        f"({list(map(os.fspath, files))})")
 
-  def files(self, directory: str | os.PathLike, split: str) -> list[str]:
-    return [os.path.join(os.fspath(directory), f) for f in self.splits[split]["files"]]
+  def files(self, directory: str | os.PathLike, split: str) -> list[epath.Path]:
+    return [epath.Path(directory) / f for f in self.splits[split]["files"]]
 
 
 def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
             heldout_fraction: float = 0.0, workers: int = 1, eos: str | None = None,
-            progress: bool = True) -> Manifest:
-  """Tokenises `inputs` into `out` (see the module docstring). Returns the manifest."""
+            progress: bool = True, tokenizer_name: str | None = None) -> Manifest:
+  """Tokenises `inputs` into `out` (see the module docstring). Returns the manifest, whose
+  `tokenizer` is `tokenizer_name`, else the name or path `tokenizer` was given as."""
   if not 0 <= heldout_fraction < 1:
     raise DataError(f"--heldout_fraction={heldout_fraction}: must be in [0, 1)")
   files = expand_inputs(inputs)
@@ -249,10 +253,14 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
                     "tokens": w.tokens}
                 for s, w in writers.items()},
         vocab_size=tok.get_vocab_size(), eos_id=eos_token,
-        tokenizer=tokenizer if isinstance(tokenizer, str) else "<in memory>",
+        tokenizer=tokenizer_name or (tokenizer if isinstance(tokenizer, str) else "<in memory>"),
         heldout_fraction=heldout_fraction)
     if manifest.splits["train"]["tokens"] == 0:
       raise DataError(f"{inputs}: no training tokens (all documents empty or held out)")
+    # The tokenizer travels with its tokens: whoever reads DIR tokenizes tasks and compares
+    # tokenizers with this very file, whatever the name it was loaded by points at later.
+    with open(os.path.join(staging, TOKENIZER_FILE), "w") as f:
+      f.write(tok.to_str())
     # Publish: old manifest out first, files into place, new manifest in last (atomically).
     manifest_path = os.path.join(out, "manifest.json")
     if os.path.exists(manifest_path):
@@ -260,6 +268,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
     for split in SPLITS:
       shutil.rmtree(os.path.join(out, split), ignore_errors=True)
       os.replace(os.path.join(staging, split), os.path.join(out, split))
+    os.replace(os.path.join(staging, TOKENIZER_FILE), os.path.join(out, TOKENIZER_FILE))
     tmp = manifest_path + ".tmp"
     with open(tmp, "w") as f:
       json.dump(dataclasses.asdict(manifest), f, indent=2, sort_keys=True)

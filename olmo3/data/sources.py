@@ -1,23 +1,32 @@
 """The data package's one entrance: a mix name (or file list) -> labelled token files; a
-tokenizer name -> the file or hub name it loads from. The built-in corpus (`embedded`,
-`embedded-heldout`, tokenizer `embedded`) is prepared here on first use, so nothing below this
-module needs to know it exists.
+tokenizer name -> the file or hub name it loads from; an Experiment -> the same Experiment with
+its held-out sets and task tokenizer resolved (`resolve`).
+
+A mix is one of: a directory written by `python -m olmo3.data.prepare` (its train split; as a
+held-out set, its heldout split; `DIR/train` and `DIR/heldout` name a split explicitly), the
+built-in corpus (`embedded`, `embedded-heldout`: such a directory, prepared here on first use,
+so nothing below this module needs to know it exists), a mix file (`label,path` lines), or the
+name of a mix shipped by ai2-olmo-core.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import importlib.resources
 import os
 from typing import NamedTuple
 
 from etils import epath
 
-from olmo3.config import DataConfig
+from olmo3.config import DataConfig, Experiment
 from olmo3.data import embedded, prepare
 from olmo3.data.tokens import DataError, TokenFiles
 
 EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout"}  # the built-in corpus's splits
 EMBEDDED_LABEL = "embedded"  # the built-in corpus is one source; both splits carry its label
+_MANIFEST = "manifest.json"
 
 
 class MixFile(NamedTuple):
@@ -25,28 +34,85 @@ class MixFile(NamedTuple):
   path: epath.Path
 
 
-def read_mix(mix: str, root: str = "", tokenizer_id: str = "") -> list[MixFile]:
-  """The token files a mix lists, in order, with their source labels. `mix` is `embedded` /
-  `embedded-heldout` (the built-in corpus, prepared on first use), a mix file (`label,path`
-  lines, `#` comments, `{TOKENIZER}` in paths) or the name of a mix shipped by ai2-olmo-core.
-  Paths are relative to `root` (a directory or URL) or, without one, to the mix file."""
-  if mix in EMBEDDED:
-    directory = embedded.corpus_dir()
-    return [MixFile(EMBEDDED_LABEL, epath.Path(p))
-            for p in prepare.Manifest.load(directory).files(directory, EMBEDDED[mix])]
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+  """One split of a prepared directory named as a mix."""
+
+  directory: epath.Path
+  split: str
+  label: str  # the source / held-out set name: the directory's name ("embedded" built in)
+  manifest: prepare.Manifest
+  builtin: bool  # the embedded corpus, named by its mix names
+
+  @property
+  def tokenizer(self) -> str:
+    """What tasks load the tokenizer from: the copy beside the tokens, else (directories
+    prepared before the copy was written) the name the manifest records."""
+    if self.builtin:
+      return "embedded"
+    copy = self.directory / prepare.TOKENIZER_FILE
+    return os.fspath(copy) if copy.exists() else self.manifest.tokenizer
+
+  def mix(self, split: str) -> str:
+    """The mix name of a split of this directory."""
+    if self.builtin:
+      return {s: name for name, s in EMBEDDED.items()}[split]
+    return os.fspath(self.directory / split)
+
+
+def prepared(mix: str, split: str = "train") -> Prepared | None:
+  """The prepared directory (and split) `mix` names, or None when it names none. A bare
+  directory means `split`; `DIR/<split>` names that split whatever `split` says."""
+  builtin = mix in EMBEDDED
+  if builtin:
+    directory, split, label = epath.Path(embedded.corpus_dir()), EMBEDDED[mix], EMBEDDED_LABEL
+  else:
+    directory = epath.Path(mix)
+    if (directory.name in prepare.SPLITS and not (directory / _MANIFEST).exists()
+        and (directory.parent / _MANIFEST).exists()):
+      directory, split = directory.parent, directory.name
+    elif not (directory / _MANIFEST).exists():
+      return None
+    label = directory.name
+  manifest = prepare.Manifest.load(directory)
+  if split not in manifest.splits:
+    raise DataError(f"{directory / _MANIFEST} has no {split!r} split")
+  return Prepared(directory, split, label, manifest, builtin)
+
+
+def read_mix(mix: str, root: str = "", tokenizer_id: str = "", field: str = "DataConfig.mix"
+             ) -> list[MixFile]:
+  """The token files a mix lists (see the module docstring), in order, with their source
+  labels. A mix file's paths are relative to `root` (a directory or URL) or, without one, to
+  the mix file; `{TOKENIZER}` in them becomes `tokenizer_id`. `field` names the config field in
+  errors."""
+  split = prepared(mix)
+  if split is not None:
+    return [MixFile(split.label, p) for p in split.manifest.files(split.directory, split.split)]
   mix_path = epath.Path(mix)
+  if mix_path.is_dir():
+    raise DataError(f"{field}={mix!r} is a directory without {_MANIFEST}: expected a directory "
+                    "written by python -m olmo3.data.prepare (or a mix file)")
   if not mix_path.exists():
     try:
       packaged = importlib.resources.files("olmo_core").joinpath(f"data/mixes/{mix}.txt")
     except ModuleNotFoundError:
       packaged = None
     if packaged is None or not packaged.is_file():
-      raise DataError(f"DataConfig.mix={mix!r}: no such mix file, and no mix of that name in "
-                      "ai2-olmo-core (pip install ai2-olmo-core to use AI2's named mixes)")
+      raise DataError(f"{field}={mix!r}: no such mix file or prepared directory, and no mix of "
+                      "that name in ai2-olmo-core (pip install ai2-olmo-core to use AI2's named "
+                      "mixes)")
     mix_path = epath.Path(os.fspath(packaged))
+  try:
+    text = mix_path.read_bytes().decode("utf-8")
+  except UnicodeDecodeError:
+    text = None
+  if text is None or "\0" in text:
+    raise DataError(f"{field}={mix!r} is a binary file (a token file?): expected a mix file of "
+                    "'label,path' lines or a directory written by python -m olmo3.data.prepare")
   base = epath.Path(root) if root else mix_path.parent
   paths = []
-  for number, line in enumerate(mix_path.read_text().splitlines(), start=1):
+  for number, line in enumerate(text.splitlines(), start=1):
     line = line.strip()
     if not line or line.startswith("#"):
       continue
@@ -76,5 +142,110 @@ def token_files(cfg: DataConfig, vocab_size: int | None) -> TokenFiles:
 def tokenizer_file(name: str) -> str:
   """What a tokenizer name is loaded from: "embedded" is the built-in corpus's tokenizer.json;
   any other name (a tokenizer.json path or a Hugging Face hub name) is itself."""
-  return os.fspath(embedded.corpus_dir() / "tokenizer.json") if name == "embedded" else name
+  if name == "embedded":
+    return os.fspath(embedded.corpus_dir() / prepare.TOKENIZER_FILE)
+  return name
 
+
+@functools.lru_cache(maxsize=16)
+def _file_digest(path: str) -> str:
+  # The canonical serialisation, so a pretty-printed copy of the same tokenizer matches.
+  return hashlib.sha256(prepare.load_tokenizer(path).to_str().encode()).hexdigest()
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+  """Whether two tokenizer names (files, "embedded" or hub names) are the same tokenizer:
+  equal names, or local files with equal contents. A hub name is never downloaded to compare:
+  it matches only itself."""
+  if a == b:
+    return True
+  a, b = tokenizer_file(a), tokenizer_file(b)
+  local = [epath.Path(n).is_file() for n in (a, b)]
+  return all(local) and _file_digest(a) == _file_digest(b)
+
+
+def resolve(exp: Experiment) -> Experiment:
+  """The experiment a run executes: `eval.heldout=None` becomes the held-out split of the
+  training data (`data.mix` a prepared directory; `()` when it has none or the data is no
+  prepared directory), a prepared directory named in `eval.heldout` becomes its heldout split,
+  and `eval.tokenizer=None` the training data's tokenizer. Explicit values are kept. Refuses
+  (DataError, one line naming both) a held-out set or task tokenizer whose tokenizer differs
+  from the training data's, a held-out set that lists a training file, and a tokenizer whose
+  EOS or vocabulary the model does not share. Idempotent: resolving twice changes nothing."""
+  data, ev, model = exp.data, exp.eval, exp.model
+  train = prepared(data.mix) if data.mix else None
+  if ev.heldout is None:
+    has_docs = (train is not None
+                and train.manifest.splits.get("heldout", {}).get("documents", 0) > 0)
+    heldout = (train.mix("heldout"),) if has_docs else ()
+  else:
+    # A directory named bare means its held-out split: spelled out, so that read_mix, which
+    # reads a bare directory as training data, reads the right files.
+    heldout = tuple(p.mix("heldout") if (p := prepared(m, "heldout")) and p.split == "heldout"
+                    else m for m in ev.heldout)
+  tokenizer = ev.tokenizer
+  if tokenizer is None and train is not None:
+    tokenizer = train.tokenizer
+  if tokenizer is None and ev.tasks:
+    raise DataError(f"EvalConfig.tokenizer=None takes the tokenizer of the training data's "
+                    f"prepared directory, but DataConfig.mix={data.mix!r} is none: set "
+                    "eval.tokenizer for the tasks")
+  if train is not None:
+    _check_model(train, model)
+    if ev.tokenizer is not None and ev.tasks and not _same_tokenizer(ev.tokenizer,
+                                                                     train.tokenizer):
+      raise DataError(f"EvalConfig.tokenizer={ev.tokenizer!r} is not the tokenizer of the "
+                      f"training data ({train.tokenizer}, {train.directory}): drop the "
+                      "override (None uses the data's) or prepare the data with it")
+  training = ({p for _, p in read_mix(data.mix, data.root, data.tokenizer_id)} if data.mix
+              else set())
+  root = data.root if ev.heldout_root is None else ev.heldout_root
+  for mix in heldout:
+    files = read_mix(mix, root, ev.heldout_tokenizer_id, field="EvalConfig.heldout")
+    overlap = [p for _, p in files if p in training]
+    if overlap:
+      raise DataError(f"EvalConfig.heldout={mix!r} lists a training file ({overlap[0]}): "
+                      "held-out documents must never be trained on")
+    split = prepared(mix, "heldout")
+    if split is None:
+      continue  # a mix file: its tokenizer is not recorded anywhere to compare
+    _check_model(split, model)
+    if train is not None and not _same_tokenizer(split.tokenizer, train.tokenizer):
+      raise DataError(f"EvalConfig.heldout={mix!r} was tokenized with {split.tokenizer}, the "
+                      f"training data ({data.mix}) with {train.tokenizer}: a held-out loss "
+                      "is only comparable on the training tokenizer")
+  return dataclasses.replace(exp, eval=dataclasses.replace(ev, heldout=heldout,
+                                                           tokenizer=tokenizer))
+
+
+def _check_model(split: Prepared, model) -> None:
+  """A prepared directory's tokens fit the model: its EOS ends the model's documents (held-out
+  sets are cut at it) and its vocabulary fits the embedding."""
+  m = split.manifest
+  where = split.directory / _MANIFEST
+  if m.eos_id != model.eos_token_id:
+    raise DataError(f"{where}: its documents end with EOS id {m.eos_id} ({split.tokenizer}), "
+                    f"but ModelConfig.eos_token_id={model.eos_token_id}")
+  if m.vocab_size > model.vocab_size:
+    raise DataError(f"{where}: its tokenizer has {m.vocab_size} tokens, more than "
+                    f"ModelConfig.vocab_size={model.vocab_size}")
+
+
+def resolved_view(exp: Experiment) -> tuple[Experiment, list[str]]:
+  """For the dry run: the resolved experiment and lines saying what it reads, or, where the
+  data cannot be read from here (AI2's files on a laptop), the experiment with nothing
+  resolved (no held-out sets) and a line saying why."""
+  try:
+    exp = resolve(exp)
+  except DataError as e:
+    return (dataclasses.replace(exp, eval=dataclasses.replace(exp.eval, heldout=exp.eval.heldout or ())),
+            [f"data                cannot be resolved here: {e}"])
+  data, ev = exp.data, exp.eval
+  split = prepared(data.mix) if data.mix else None
+  if split is not None:
+    files = split.manifest.splits[split.split]["files"]
+    where = f"{split.directory}: {split.split} split, {len(files)} files"
+  else:
+    where = data.mix or f"{len(data.paths)} token files (data.paths)"
+  return exp, [f"training data       {where}",
+               f"task tokenizer      {ev.tokenizer if ev.tokenizer is not None else 'none'}"]

