@@ -579,6 +579,32 @@ class EvalConfig(_Validated):
              "(olmo_eval.list_tasks() lists them)")
 
 
+class WandbMode(enum.StrEnum):
+  OFF = "off"  # TensorBoard and metrics.jsonl only (the default)
+  ONLINE = "online"  # streams to the W&B server (needs `wandb login` or WANDB_API_KEY)
+  OFFLINE = "offline"  # the W&B run written locally (WANDB_DIR, else ./wandb); `wandb sync` uploads
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbConfig(_Validated):
+  """Weights & Biases metrics (the `wandb` extra) beside TensorBoard: process 0 logs the scalars
+  TensorBoard gets, at the same steps, with the experiment as the run's config. The run id is
+  kept in WORKDIR/wandb_run_id, so a resumed run continues the same W&B run. Every field is
+  resumable: W&B may be turned on (or its names changed) for a run already under way."""
+
+  mode: WandbMode = resumable(WandbMode.OFF)
+  project: str = resumable("olmo3")
+  entity: str | None = resumable(None)  # a team or user (None: the API key's default entity)
+  name: str | None = resumable(None)  # the run's display name (None: the workdir's name)
+
+  def _check(self) -> None:
+    _nonempty(self, "project", "entity", "name")
+
+  @property
+  def enabled(self) -> bool:
+    return self.mode is not WandbMode.OFF
+
+
 @dataclasses.dataclass(frozen=True)
 class Experiment(_Validated):
   """Everything a run is: what Fiddle builds and the launcher runs."""
@@ -590,6 +616,7 @@ class Experiment(_Validated):
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+  wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
   # Flags ('--name=value') appended to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX starts. Both
   # variables are split at whitespace, so a flag holding any would silently become two.
   xla_flags: tuple[str, ...] = ()

@@ -193,3 +193,93 @@ def create_writer(workdir: str | os.PathLike, is_main_process: bool, resumed_at:
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+# --- Weights & Biases (the `wandb` extra) --------------------------------------------------------
+
+WANDB_RUN_ID = "wandb_run_id"  # in the workdir: the W&B run a resumed run continues
+_RUN_ID_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"  # W&B's own ids: 8 of these
+
+
+class MetricsError(Exception):
+  """A metric writer that cannot start (a missing extra); the message says what to install."""
+
+
+class WandbWriter(interface.MetricWriter):
+  """CLU MetricWriter -> a W&B run: the scalars at the steps the other writers get (the loop
+  writes scalars only; hyperparameters go into the run's config)."""
+
+  def __init__(self, run: Any):
+    self._run = run
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    # W&B merges the writes of one step (a training row, then its evaluation) into one row.
+    self._run.log({k: float(np.asarray(v)) for k, v in scalars.items()}, step=int(step))
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def write_hparams(self, hparams: Mapping[str, Any]):
+    self._run.config.update(dict(hparams), allow_val_change=True)
+
+  def flush(self):
+    pass  # the run streams as it logs
+
+  def close(self):
+    self._run.finish()
+
+
+def wandb_run_id(workdir: str | os.PathLike) -> str:
+  """The W&B run id of the run in `workdir`: the one stored there, else a new one, stored
+  before W&B starts (a run that dies while starting still resumes into the same W&B run)."""
+  import secrets
+
+  from etils import epath
+
+  path = epath.Path(workdir) / WANDB_RUN_ID
+  if path.exists():
+    return path.read_text().strip()
+  run_id = "".join(secrets.choice(_RUN_ID_CHARS) for _ in range(8))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(run_id + "\n")
+  return run_id
+
+
+def create_wandb_writer(workdir: str | os.PathLike, *, mode: str, project: str,
+                        entity: str | None, name: str | None, config: Mapping[str, Any]
+                        ) -> WandbWriter:
+  """A W&B run for the run in `workdir` (mode "online" or "offline"), resuming the W&B run a
+  previous launch in `workdir` started, with `config` as its config. Call on process 0 only.
+  wandb is imported here (≈2 s), only when W&B is on."""
+  try:
+    import wandb
+  except ImportError:
+    raise MetricsError(f"W&B logging (wandb.mode={mode!r}) needs the wandb extra: "
+                       "pip install -e '.[wandb]' (or set wandb.mode='off')") from None
+  # The config as experiment.json holds it (W&B would store an enum by its member's name).
+  plain = json.loads(json.dumps(dict(config), default=str))
+  run = wandb.init(project=project, entity=entity, name=name or _run_name(workdir),
+                   id=wandb_run_id(workdir), resume="allow", mode=mode, config=plain,
+                   allow_val_change=True)
+  return WandbWriter(run)
+
+
+def _run_name(workdir: str | os.PathLike) -> str:
+  from etils import epath
+
+  return epath.Path(workdir).name

@@ -71,7 +71,7 @@ def test_resumable_fields_are_the_marked_ones():
       "train.microbatches", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
       "data.num_workers", "data.prefetch", "mesh.shape", "mesh.dcn",
       "checkpoint.allow_restart_from_scratch", "data.allow_changed_data", "model.vocab_chunk",
-      "data.device_prefetch"}
+      "data.device_prefetch", "wandb.mode", "wandb.project", "wandb.entity", "wandb.name"}
   old, new = olmo3_tiny.stage1(), olmo3_tiny.stage1()
   new.train.steps, new.mesh.shape = 200, (("data", 2), ("fsdp", -1))
   assert configs.unresumable_changes(old, new) == []
