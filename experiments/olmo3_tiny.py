@@ -115,9 +115,13 @@ def memorize() -> fdl.Config[Experiment]:
 
 
 def mfu_sweep() -> list[dict[str, object]]:
-  """A CPU-sized sweep (12 variants): remat policy x batch x attention kernel. Run:
+  """A CPU-sized sweep (12 variants): remat policy x batch x attention kernel. Compiled (memory)
+  or timed in steady state (16 steps: 4 untimed, the compile among them, then 3 timed repeats
+  of 4; ranked by their median tokens/s):
   python launch/sweep.py --fdl_config=experiments.olmo3_tiny:stage1
-  --sweep=experiments.olmo3_tiny:mfu_sweep --compile_only=local --out sweeps/tiny"""
+  --sweep=experiments.olmo3_tiny:mfu_sweep --compile_only=local --out sweeps/tiny
+  python launch/sweep.py --fdl_config=experiments.olmo3_tiny:stage1
+  --sweep=experiments.olmo3_tiny:mfu_sweep --steps 16 --out sweeps/tiny"""
   return [{"model.remat": remat, "data.global_batch_size": batch, "model.attention": kernel}
           for remat in ("none", "full", "minimal")
           for batch in (8, 16)
