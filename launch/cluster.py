@@ -27,6 +27,7 @@ import fiddle as fdl
 from absl import app, flags
 
 from launch import configs, jobs
+from olmo3.config import Experiment
 
 FDL_CONFIG = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function (or the dotted form)")
@@ -76,11 +77,11 @@ def _require(flag: flags.FlagHolder, why: str) -> None:
     raise jobs.LaunchError(f"--{flag.name} is required {why}")
 
 
-def render(target: jobs.Target, exp) -> tuple[str, list[str], str | None]:
+def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | None]:
   """The job's text, the command that submits it and that command's stdin."""
+  cache = (f"--compilation_cache={CACHE.value}",) if CACHE.value else ()
   command = jobs.Command(FDL_CONFIG.value, tuple(SETS.value), tuple(FIDDLERS.value),
-                         WORKDIR.value, (f"--compilation_cache={CACHE.value}",) * bool(CACHE.value),
-                         PYTHON.value)
+                         WORKDIR.value, cache, PYTHON.value)
   name = jobs.check_name(NAME.value or jobs.default_name(FDL_CONFIG.value))
   env = jobs.job_env(exp)
   if target is jobs.Target.SLURM:
@@ -91,9 +92,9 @@ def render(target: jobs.Target, exp) -> tuple[str, list[str], str | None]:
                                              PROCESSES.value, command, env, PARTITION.value,
                                              ACCOUNT.value, TIME.value))
     return script, ["sbatch"], script
-  for flag in (ACCELERATOR, TOPOLOGY, IMAGE, WORKDIR):
-    _require(flag, f"with --target={target.value} (a pod's own disk does not outlive it)"
-             if flag is WORKDIR else f"with --target={target.value}")
+  for flag in (ACCELERATOR, TOPOLOGY, IMAGE):
+    _require(flag, f"with --target={target.value}")
+  _require(WORKDIR, f"with --target={target.value} (a pod's own disk does not outlive it)")
   slices = jobs.tpu_slices(ACCELERATOR.value, TOPOLOGY.value, NUM_SLICES.value)
   jobs.check_experiment(exp, target, slices.devices, slices.num_slices)
   job = jobs.PodJob(name, slices, IMAGE.value, command, env, MAX_RESTARTS.value, GRACE.value,

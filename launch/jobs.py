@@ -123,7 +123,7 @@ def tpu_slices(accelerator: str, topology: str, num_slices: int) -> TpuSlices:
   if len(dims) != kind.dims or not all(d.isdigit() and int(d) > 0 for d in dims):
     raise LaunchError(f"--topology={topology!r}: {accelerator} topologies are "
                       + ("AxBxC" if kind.dims == 3 else "AxB") + " chip counts, e.g. "
-                      + (kind.small[-1]))
+                      + kind.small[-1])
   sizes = [int(d) for d in dims]
   whole_cubes = (kind.dims == 3 and all(n % 4 == 0 for n in sizes)
                  and sizes == sorted(sizes) and math.prod(sizes) // 64 <= kind.max_cubes)
@@ -361,7 +361,7 @@ def xpk_command(job: PodJob, cluster: str, project: str | None = None,
           f"--tpu-type={job.slices.xpk_type}", f"--num-slices={job.slices.num_slices}",
           f"--docker-image={job.image}", f"--max-restarts={job.max_restarts}",
           f"--termination-grace-period-seconds={job.grace_period_s}"]
-  argv += [f"--project={project}"] * bool(project) + [f"--zone={zone}"] * bool(zone)
+  argv += [f"--{name}={value}" for name, value in (("project", project), ("zone", zone)) if value]
   argv += [f"--env={k}={v}" for k, v in job.env.items()]
   return argv + [f"--command={run}"]
 
