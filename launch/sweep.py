@@ -256,8 +256,8 @@ def _chart(path: epath.Path, rows: list[dict[str, Any]], rank_by: str) -> None:
     # Variants differ by hundredths of a nat: bars from zero would all look the same length.
     ax.set_xlim(0.98 * min(v for v in values if v), 1.01 * max(values))
     metric += ", lower is better"
-  timed = " median of the repeats, min-max bars;" if any(map(any, spread)) else ""
-  ax.set_xlabel(f"{metric} ({timed} green: fits, red: does not)")
+  timed = "median of the repeats, min-max bars; " if any(map(any, spread)) else ""
+  ax.set_xlabel(f"{metric} ({timed}green: fits, red: does not)")
   fig.tight_layout()
   try:
     with path.open("wb") as f:
