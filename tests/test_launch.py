@@ -480,3 +480,24 @@ def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revi
   # eval: each checkpoint with the experiment that wrote it.
   assert load_experiment(str(workdir), 9).train.steps == 9
   assert load_experiment(str(workdir), 10).train.steps == 10
+
+
+def test_readme_first_command_installs_what_later_commands_use():
+  """The README's first command (`pip install -e .`, no extras) brings every program its later
+  commands call: TensorBoard is a main dependency, pinned, and installs the `tensorboard`
+  command."""
+  import importlib.metadata
+  import re
+  import tomllib
+
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  first = re.search(r"```bash\n(.*?)```", readme, re.DOTALL).group(1)
+  assert "pip install -q -e . &&" in first
+  assert "tensorboard --logdir runs" in readme
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    main_deps = tomllib.load(f)["project"]["dependencies"]
+  pins = [d for d in main_deps if d.startswith("tensorboard==")]
+  assert pins == [f"tensorboard=={importlib.metadata.version('tensorboard')}"]
+  scripts = importlib.metadata.distribution("tensorboard").entry_points.select(
+      group="console_scripts")
+  assert "tensorboard" in scripts.names

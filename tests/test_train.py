@@ -376,6 +376,10 @@ def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(mo
     assert not handler.filter(record(library))  # a library's INFO: dropped
     assert handler.filter(record(library, py_logging.WARNING))  # its warnings: kept
     assert handler.filter(record(ours)) and handler.filter(record("/work/my_experiment.py"))
+    installed = "/venv/lib/python3.11/site-packages/"  # this project installed without -e
+    monkeypatch.setattr(logs, "_OURS", (installed + "olmo3/", installed + "launch/"))
+    assert handler.filter(record(installed + "launch/main.py"))
+    assert not handler.filter(record(installed + "orbax/checkpoint/checkpoint_manager.py"))
     logs.configure(1)  # -v 1: everything again
     assert handler.filter(record(library))
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)

@@ -15,7 +15,10 @@ import json
 import os
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
+
+from absl import logging
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -90,6 +93,8 @@ def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: 
     fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer at a time; the others wait, then reuse it
     if (out / "manifest.json").exists():
       return out
+    started = time.perf_counter()
+    logging.info("preparing the embedded corpus in %s (once per machine: about a minute)", out)
     docs = documents()
     train_texts = [t for _, t in docs if not prepare_lib.is_heldout(t, heldout_fraction)]
     tokenizer = train_tokenizer(train_texts, vocab_size)  # prepare saves it beside the tokens
@@ -100,4 +105,6 @@ def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: 
           f.write(json.dumps({"id": name, "text": text}) + "\n")
       prepare_lib.prepare([jsonl], tokenizer, str(out), heldout_fraction, workers=1,
                           progress=progress, tokenizer_name="embedded")
+    logging.info("prepared the embedded corpus (%d documents) in %.0f s", len(docs),
+                 time.perf_counter() - started)
   return out

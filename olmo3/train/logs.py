@@ -24,7 +24,10 @@ import time
 
 from absl import logging
 
-_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the olmo3 package
+# This project's packages: beside each other in the repository or, installed without -e, in
+# site-packages among the libraries.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OURS = tuple(os.path.join(_ROOT, name) + os.sep for name in ("olmo3", "launch", "experiments"))
 _INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips attach through PCI with Google's vendor id (as JAX)
 _GPU_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA, AMD
@@ -33,7 +36,7 @@ _GPU_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA, AMD
 def third_party(record: py_logging.LogRecord) -> bool:
   """Whether a record comes from an installed library (not olmo3, launch/ or an experiment)."""
   path = os.path.abspath(record.pathname)
-  return any(part in path for part in _INSTALLED) and not path.startswith(_OURS + os.sep)
+  return any(part in path for part in _INSTALLED) and not path.startswith(_OURS)
 
 
 class _QuietThirdParty(py_logging.Filter):

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 
 import jax
 import numpy as np
 from absl import logging
+from etils import epath
 
 from olmo3.config import Experiment
 from olmo3.data import pipeline, sources
@@ -29,6 +29,7 @@ from olmo3.eval.evaluator import Evaluator
 from olmo3.flops import peak_flops_per_device
 from olmo3.sharded import ShardedModel
 from olmo3 import metrics as metrics_lib
+from olmo3 import storage
 from olmo3.train import state as state_lib
 from olmo3.train import logs
 from olmo3.train.checkpoints import RunCheckpoints
@@ -36,16 +37,19 @@ from olmo3.train.lease import Lease, LeaseHeld
 from olmo3.train.preemption import EXCHANGE_EVERY, Preemption
 from olmo3.train.step import jit_train_step
 
+FILE_SIZES = "file_sizes.json"  # in the workdir: remote token files' sizes, looked up once
+
 
 class TrainingStopped(RuntimeError):
   """The run cannot continue (too many consecutive skipped steps). The message says why."""
 
 
 def _write_experiment(exp: Experiment, workdir: str) -> None:
-  """WORKDIR/experiment.json: plain JSON, so tools read a run without Fiddle."""
-  if jax.process_index() == 0:
-    with open(f"{workdir}/experiment.json", "w") as f:
-      json.dump(exp.to_dict(), f, indent=1)
+  """WORKDIR/experiment.json (plain JSON, so tools read a run without Fiddle), unless the
+  launcher's run record wrote it (with each config revision's own file: never rewritten)."""
+  path = epath.Path(workdir) / "experiment.json"
+  if jax.process_index() == 0 and not path.exists():
+    path.write_text(json.dumps(exp.to_dict(), indent=1))
 
 
 def stage_end(exp: Experiment, source) -> int:
@@ -79,7 +83,7 @@ def train(exp: Experiment, workdir: str, name: str = "",
   `preemption` (default: installed here) lets a launcher catch SIGTERM / SIGINT from its own
   start. Holds the workdir's lease (olmo3.train.lease) while it runs."""
   preemption = preemption or Preemption()
-  os.makedirs(workdir, exist_ok=True)
+  epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   lease = Lease(workdir)
   _hold(lease)
   try:
@@ -210,7 +214,8 @@ def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
   _write_experiment(exp, workdir)
   with model.context():
     with logs.Heartbeat(f"reading the training data ({exp.data.mix or 'data.paths'})"):
-      source = sources.token_files(exp.data, exp.model.vocab_size)
+      source = sources.token_files(exp.data, exp.model.vocab_size, size_cache=storage.SizeCache(
+          storage.join(workdir, FILE_SIZES)))
     logging.info("training data: %d files, sources %s, %d instances of %d tokens",
                  len(source.paths), list(source.source_names), len(source), exp.data.seq_len)
     step_fn = jit_train_step(exp, model, layout, len(source.source_names))
