@@ -187,11 +187,14 @@ def test_a_prepared_directory_is_a_mix_with_its_heldout_split_and_tokenizer(tmp_
   manifest = prepare.prepare(inputs, tokenizer_file, str(mine), 0.3, progress=False)
   assert (prepare.load_tokenizer(str(mine / "tokenizer.json")).to_str()
           == prepare.load_tokenizer(tokenizer_file).to_str())  # the tokenizer travels along
+  def paths(files):
+    return [os.fspath(p) for p in files]
+
   train = sources.read_mix(str(mine))
-  assert [f.path for f in train] == manifest.files(mine, "train")
+  assert paths(f.path for f in train) == paths(manifest.files(mine, "train"))
   assert {f.label for f in train} == {"mine"}  # the directory's name labels the source
-  assert [f.path for f in sources.read_mix(str(mine / "heldout"))] == manifest.files(mine,
-                                                                                      "heldout")
+  assert paths(f.path for f in sources.read_mix(str(mine / "heldout"))) == paths(
+      manifest.files(mine, "heldout"))
   exp = sources.resolve(_tiny(mine))  # eval.heldout / eval.tokenizer None: from the data
   assert exp.eval.heldout == (str(mine / "heldout"),)
   assert exp.eval.tokenizer == str(mine / "tokenizer.json")
