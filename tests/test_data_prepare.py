@@ -286,7 +286,8 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
                "compiling the train step", "step 2/2: loss", "evaluating at step 2",
                "step 2 held-out: mine CE", "saving the checkpoint of step 2"):
     assert line in log, line
-  ours = {p.name for d in ("olmo3", "launch", "experiments") for p in (ROOT_PATH / d).rglob("*.py")}
+  ours = {p.name for d in ("olmo3", "launch", "experiments")
+          for p in (ROOT_PATH / d).rglob("*.py")}
   info = re.findall(r"^I\d{4} [\d:.]+ +\d+ ([\w.]+):\d+\]", log, re.MULTILINE)
   assert info and set(info) <= ours, sorted(set(info) - ours)
   for noise in ("orbax", "checkpoint_manager", "xla_bridge", "libtpu", "TPU", "PyTorch version"):

@@ -12,9 +12,10 @@ of the worker count, and exact duplicates always land in the same split.
 Output: DIR/train/part-NNNNN.npy and DIR/heldout/part-NNNNN.npy (raw uint32 tokens), the
 tokenizer they were made with (DIR/tokenizer.json) and DIR/manifest.json. DIR is a data source
 in its own right: `--fdl_set=data.mix='"DIR"'` trains on its train split, evaluates its held-out
-split and prepares tasks with its tokenizer (olmo3.data.sources). Files are written into a staging directory and moved into place before the
-manifest is written (atomically, last): an interrupted run never leaves a manifest that points
-at partial files. Rerunning on the same input reproduces the same bytes.
+split and prepares tasks with its tokenizer (olmo3.data.sources). Files are written into a
+staging directory and moved into place before the manifest is written (atomically, last): an
+interrupted run never leaves a manifest that points at partial files. Rerunning on the same
+input reproduces the same bytes.
 """
 
 from __future__ import annotations

@@ -238,7 +238,8 @@ def resolved_view(exp: Experiment) -> tuple[Experiment, list[str]]:
   try:
     exp = resolve(exp)
   except DataError as e:
-    return (dataclasses.replace(exp, eval=dataclasses.replace(exp.eval, heldout=exp.eval.heldout or ())),
+    unresolved = dataclasses.replace(exp.eval, heldout=exp.eval.heldout or ())
+    return (dataclasses.replace(exp, eval=unresolved),
             [f"data                cannot be resolved here: {e}"])
   data, ev = exp.data, exp.eval
   split = prepared(data.mix) if data.mix else None
