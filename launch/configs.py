@@ -41,7 +41,6 @@ from fiddle.experimental import serialization
 # installed package (not an `experiments` directory in the working directory) is the one a
 # config.json's references resolve in; `olmo3` is imported just below for the same reason.
 import experiments  # noqa: F401
-from olmo3.checkpoint import run_steps
 from olmo3.config import resumable_fields
 from olmo3.eval import revisions
 
@@ -428,6 +427,8 @@ def from_workdir(workdir: str | os.PathLike, step: int | None = None) -> fdl.Con
   if not history:
     raise ConfigRefError(f"{workdir}: no config.json (not a run workdir)")
   if step is None:
+    from olmo3.checkpoint import run_steps  # JAX: only for a workdir named without a step
+
     steps = run_steps(directory / "checkpoints")
     step = steps[-1] if steps else None
   launch = history[-1] if step is None else revisions.producer(history, step)

@@ -6,11 +6,14 @@
       --fiddler=single_cosine --workdir=/tmp/run
 
 The workdir (default runs/<module>.<function>) receives config.json (loads back with
-launch/diff.py or launch.configs.from_workdir), config.txt, command.txt, metrics.jsonl,
-TensorBoard events and checkpoints; rerunning the same command resumes from the latest
-checkpoint. The experiment's flag set is applied to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX
-starts, and a job that spans several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-JAX_PROCESS_ID, or SLURM / TPU pod environments) joins with jax.distributed.initialize().
+launch/diff.py or launch.configs.from_workdir), config.txt, command.txt, experiment.json,
+history.jsonl, metrics.jsonl, TensorBoard events and checkpoints; rerunning the same command
+resumes from the latest checkpoint, and a resume with a changed config adds revision n
+(config.<n>.json, experiment.<n>.json) without rewriting earlier ones. A rerun with nothing to
+train writes nothing; a mistake is one line, found before anything is written. The
+experiment's flag set is applied to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX starts, and a job
+that spans several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or
+SLURM / TPU pod environments) joins with jax.distributed.initialize().
 """
 
 from __future__ import annotations
@@ -135,11 +138,19 @@ def config_error(message: str) -> typing.NoReturn:
 
 
 def check_workdir(workdir: str) -> None:
-  """The workdir is a directory or does not exist yet (it is created)."""
+  """The workdir is a directory or can be created as one (no file where a directory goes)."""
   path = epath.Path(workdir)
   if path.exists() and not path.is_dir():
     sys.exit(f"error: --workdir={workdir} is a file, not a directory: give a directory (a new "
              "one is created)")
+  # On a local disk the nearest existing parent must be a directory (object stores have no
+  # directories to be in the way).
+  for parent in path.absolute().parents if "://" not in workdir else ():
+    if parent.exists():
+      if not parent.is_dir():
+        sys.exit(f"error: --workdir={workdir}: {parent} is a file, so the directory cannot be "
+                 "created there")
+      break
 
 
 def check_data_root(exp) -> None:

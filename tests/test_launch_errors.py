@@ -82,6 +82,9 @@ def _cases(tmp) -> list[dict]:
       dict(name="workdir is a file", program="main", argv=[TINY, f"--workdir={afile}"],
            expect={"last": f"error: --workdir={afile} is a file, not a directory: give a "
                            "directory (a new one is created)"}),
+      dict(name="workdir below a file", program="main", argv=[TINY, f"--workdir={afile}/run"],
+           expect={"last": f"error: --workdir={afile}/run: {afile} is a file, so the directory "
+                           "cannot be created there"}),
       dict(name="stage 2 before stage 1", program="main", cwd=new("fresh"),
            argv=["--fdl_config=experiments.olmo3_tiny:stage2"], absent=[new("fresh/runs")],
            expect={"last": "error: CheckpointConfig.init_from='runs/olmo3_tiny.stage1' holds no "
