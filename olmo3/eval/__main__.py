@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
   from olmo3.eval.evaluator import Evaluator
   from olmo3.sharded import ShardedModel
 
-  directory = os.path.join(args.workdir, "checkpoints")
+  workdir = epath.Path(args.workdir)  # a local path or an object-store URL alike
+  directory = workdir / "checkpoints"
   steps = run_steps(directory)
   if not steps:
     print(f"error: {args.workdir} has no checkpoint", file=sys.stderr)
@@ -83,14 +84,14 @@ def main(argv: list[str] | None = None) -> int:
       evaluators[key] = Evaluator(exp, ShardedModel.for_experiment(exp))
     return evaluators[key]
 
-  report = {"workdir": os.path.abspath(args.workdir), "steps": {}}
+  report = {"workdir": os.fspath(workdir.absolute()), "steps": {}}
   for step in steps:
     evaluator = evaluator_for(step)
     if not evaluator.exp.eval.heldout and not evaluator.tasks:
       print(f"nothing to evaluate at step {step}: the run has no held-out sets and no "
             "downstream tasks available", file=sys.stderr)
       return 2
-    params = restore_params(os.path.join(directory, str(step)), evaluator.model.param_target)
+    params = restore_params(directory / str(step), evaluator.model.param_target)
     heldout = evaluator.heldout_metrics(params)
     tasks = evaluator.task_metrics(params)
     report["steps"][str(step)] = {"heldout": heldout, "tasks": tasks}
@@ -98,11 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         [f"{n} ce {r['ce_loss']:.4f} ppl {r['ppl']:.1f}" for n, r in heldout.items()]
         + [f"{t.name} {t.headline} {tasks[t.name][t.headline]:.4f} ({t.docs} docs)"
            for t in evaluator.tasks]))
-  out = args.out or os.path.join(args.workdir, "eval_report.json")
-  tmp = out + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(report, f, indent=1)
-  os.replace(tmp, out)
+  out = epath.Path(args.out) if args.out else workdir / "eval_report.json"
+  tmp = out.parent / f"{out.name}.tmp"  # whole or not at all
+  tmp.write_text(json.dumps(report, indent=1))
+  tmp.replace(out)
   print(f"wrote {out}")
   return 0
 
