@@ -133,6 +133,10 @@ def _cases(tmp) -> list[dict]:
       dict(name="stray argument", program="main", argv=[TINY, "stage1"],
            expect=config_error("error: unexpected arguments: ['stage1'] (every option is a "
                                "--flag)")),
+      dict(name="misspelt flag", program="main", argv=[TINY, "--fdl_sett=train.steps=3"],
+           expect={"last_two": ["FATAL Flags parsing error: Unknown command line flag "
+                                "'fdl_sett'. Did you mean: fdl_set ?",
+                                "Pass --helpshort or --helpfull to see help on flags."]}),
       dict(name="diff of a missing run", program="diff",
            argv=[new("no_run"), "experiments.olmo3_tiny:stage1"],
            expect={"last": f"error: {tmp / 'no_run'}: no such run directory"}),
