@@ -432,7 +432,7 @@ def _snapshot(root):
   return out
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=20)
 def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revision(
     straight, tmp_path_factory, tmp_path):
   """Rerunning a finished run (here with a shorter train.steps) trains nothing and leaves the

@@ -155,7 +155,7 @@ def _cases(tmp) -> list[dict]:
   ]
 
 
-@pytest.mark.slow(seconds=15)
+@pytest.mark.slow(seconds=6)
 def test_every_mistake_ends_in_one_line_and_leaves_nothing_behind(tmp_path):
   cases = _cases(tmp_path)
   for case in cases:
