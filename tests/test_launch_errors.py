@@ -158,8 +158,9 @@ def _cases(tmp) -> list[dict]:
 @pytest.mark.slow(seconds=6)
 def test_every_mistake_ends_in_one_line_and_leaves_nothing_behind(tmp_path):
   cases = _cases(tmp_path)
-  for case in cases:
-    case.setdefault("cwd", ROOT)
+  (tmp_path / "cwd").mkdir()
+  for case in cases:  # never the repository: a default workdir (runs/...) would land there
+    case.setdefault("cwd", os.fspath(tmp_path / "cwd"))
   spec = tmp_path / "cases.json"
   spec.write_text(json.dumps([{k: case[k] for k in ("program", "argv", "cwd")}
                               for case in cases]))
@@ -187,6 +188,7 @@ def test_every_mistake_ends_in_one_line_and_leaves_nothing_behind(tmp_path):
     if problems:
       failures.append(f"{case['name']}: {'; '.join(problems)}\n{output[-1500:]}")
   assert (tmp_path / "afile").read_text() == ""  # the file given as a workdir is untouched
+  assert not any((tmp_path / "cwd").iterdir())  # no default workdir either
   assert not failures, "\n\n".join(failures)
 
 
