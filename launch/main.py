@@ -321,7 +321,7 @@ def main(argv: list[str]) -> None:
     print(f"{workdir}: the run is complete at step {done} (train.steps={exp.train.steps}); "
           "nothing to train, nothing written")
     return
-  created = not epath.Path(workdir).exists()
+  created, had_checkpoints = not epath.Path(workdir).exists(), checkpoints.exists()
   start = (run_steps(checkpoints) or [0])[-1]
   if jax.process_index() == 0:
     try:
@@ -341,6 +341,8 @@ def main(argv: list[str]) -> None:
         epath.Path(workdir).rmtree()
       else:
         record.undo()
+        if not had_checkpoints and checkpoints.exists() and not any(checkpoints.iterdir()):
+          checkpoints.rmdir()  # made by this launch's checkpoint manager, still empty
     sys.exit(f"error: {e}")
   if jax.process_index() == 0 and last:
     shown = {k: v for k, v in last.items() if not k.startswith("downstream/")}
