@@ -451,6 +451,11 @@ def load_any(ref_or_workdir: str) -> fdl.Config:
   path, step = split_step(ref_or_workdir)
   if is_workdir_like(path):
     return from_workdir(path, step)
+  try:
+    split_ref(ref_or_workdir)
+  except ConfigRefError:
+    raise ConfigRefError(f"{ref_or_workdir!r} is neither a run directory (none is there) nor an "
+                         "experiment reference (package.module:function)") from None
   return load(ref_or_workdir)
 
 
