@@ -140,7 +140,8 @@ def _cases(tmp) -> list[dict]:
       dict(name="diff of a missing run", program="diff",
            argv=[new("no_run"), "experiments.olmo3_tiny:stage1"],
            expect={"last": f"error: {tmp / 'no_run'}: no such run directory"}),
-      dict(name="diff of a bare name", program="diff", argv=["norun", "experiments.olmo3_tiny:stage1"],
+      dict(name="diff of a bare name", program="diff",
+           argv=["norun", "experiments.olmo3_tiny:stage1"],
            expect={"last": "error: 'norun' is neither a run directory (none is there) nor an "
                            "experiment reference (package.module:function)"}),
       dict(name="diff of one side", program="diff", argv=["experiments.olmo3_tiny:stage1"],
