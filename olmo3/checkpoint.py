@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from olmo3 import orbax_s3, storage
 from olmo3.config import ModelConfig
 
 PARAMS, META = "params", "meta"
@@ -196,12 +197,13 @@ def sealed(meta: dict[str, Any]) -> dict[str, Any]:
 def save_model(path: str | os.PathLike, cfg: ModelConfig, params: Any,
                meta: dict[str, Any] | None = None) -> None:
   """Saves a parameter tree (nested dict of arrays) and its model config; refuses to overwrite."""
-  path = epath.Path(path).absolute()
+  path = storage.absolute(path)
   if path.exists():
     raise CheckpointError(f"{path} already exists; refusing to overwrite")
   meta = sealed({"model_config": dataclasses.asdict(cfg), **(meta or {}),
                  ARRAYS: array_records(path, {PARAMS: params})})
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
+                                 temporary_path_class=orbax_s3.temporary_path_class(path))
   checkpointer.save(path, args=ocp.args.Composite(**{
       PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}))
 
@@ -214,7 +216,7 @@ def is_environmental(error: BaseException) -> bool:
 
 def load_meta(path: str | os.PathLike) -> dict[str, Any]:
   """A checkpoint's meta, its digest checked (CheckpointDamaged when it does not match)."""
-  path = epath.Path(path).absolute()
+  path = storage.absolute(path)
   if not (path / META).exists():
     raise CheckpointError(f"{path}: not a model checkpoint (no '{META}' item)")
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
@@ -287,7 +289,7 @@ def restore_items(path: str | os.PathLike, targets: dict[str, Any]
   """(items, meta): each item of `targets` restored onto its target (a tree of
   jax.ShapeDtypeStruct with the shardings wanted; any mesh: Orbax reshards), checked and
   verified as the module docstring says."""
-  path = epath.Path(path).absolute()
+  path = storage.absolute(path)
   meta = load_meta(path)
   records = meta.get(ARRAYS, {})
   for item, target in targets.items():
@@ -344,17 +346,22 @@ def host_target(params_shapes: Any) -> Any:
 
 
 def run_steps(directory: str | os.PathLike) -> list[int]:
-  """The committed steps of a run's checkpoints directory, oldest first (Orbax names a step's
-  directory by its number only once it is complete)."""
-  directory = epath.Path(directory).absolute()
-  return sorted(int(p.name) for p in directory.glob("*") if p.name.isdigit()) if (
-      directory.exists()) else []
+  """The committed steps of a run's checkpoints directory, oldest first (on disks Orbax names a
+  step's directory by its number only once it is complete; on object stores it names it at once
+  and commits it with a file written last)."""
+  directory = storage.absolute(directory)
+  if not directory.exists():
+    return []
+  steps = [p for p in directory.glob("*") if p.name.isdigit()]
+  if storage.is_url(os.fspath(directory)):  # named before complete there: the commit file says
+    steps = [p for p in steps if orbax_s3.is_committed(p)]
+  return sorted(int(p.name) for p in steps)
 
 
 def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
   """A checkpoint step directory from a step directory, a run's checkpoints directory or a run
   workdir (their latest step)."""
-  path = epath.Path(path).absolute()
+  path = storage.absolute(path)
   if (path / PARAMS).exists():
     return path
   directory = path / "checkpoints" if (path / "checkpoints").exists() else path

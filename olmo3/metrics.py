@@ -13,11 +13,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
+import tempfile
 import types
 from typing import Any, Mapping
 
 import numpy as np
+
+from olmo3 import storage
+
+METRICS_JSONL = "metrics.jsonl"
 
 
 def _import_tensorboardx():
@@ -181,18 +187,77 @@ def _drop_after(path: str | os.PathLike, step: int) -> None:
 def create_writer(workdir: str | os.PathLike, is_main_process: bool, resumed_at: int = 0
                   ) -> interface.MetricWriter:
   """Logs everywhere; TensorBoard events and metrics.jsonl from the main process only (resumed
-  at step `resumed_at`: see JsonlWriter)."""
+  at step `resumed_at`: see JsonlWriter). A workdir in an object store gets both through a
+  local mirror (`MirroredWriter`)."""
   if not is_main_process:
     return metric_writers.create_default_writer(just_logging=True, asynchronous=False)
-  default = metric_writers.create_default_writer(os.path.join(os.fspath(workdir), "tensorboard"),
+  workdir = os.fspath(workdir)
+  local = tempfile.mkdtemp(prefix="olmo3-metrics-") if storage.is_url(workdir) else workdir
+  if local != workdir and storage.exists(storage.join(workdir, METRICS_JSONL)):
+    with open(os.path.join(local, METRICS_JSONL), "wb") as f:  # continued, then uploaded whole
+      f.write(storage.read_bytes(storage.join(workdir, METRICS_JSONL)))
+  default = metric_writers.create_default_writer(os.path.join(local, "tensorboard"),
                                                  asynchronous=False)
-  return metric_writers.MultiWriter([
-      default, JsonlWriter(os.path.join(workdir, "metrics.jsonl"), resumed_at)])
+  writer = metric_writers.MultiWriter([
+      default, JsonlWriter(os.path.join(local, METRICS_JSONL), resumed_at)])
+  return writer if local == workdir else MirroredWriter(writer, local, workdir)
+
+
+class MirroredWriter(interface.MetricWriter):
+  """Writes through `inner` into a local directory and uploads the files that changed to
+  `remote` (an object-store URL) at each flush: an object store cannot append, so each file
+  is uploaded whole and replaces the previous upload at once. The loop flushes before every
+  checkpoint and at the end, so the bucket's metrics are never behind its checkpoints."""
+
+  def __init__(self, inner: interface.MetricWriter, local: str, remote: str):
+    self.inner, self.local, self.remote = inner, local, remote
+    self._uploaded: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns)
+
+  def write_scalars(self, step, scalars):
+    self.inner.write_scalars(step, scalars)
+
+  def write_summaries(self, step, values, metadata=None):
+    self.inner.write_summaries(step, values, metadata)
+
+  def write_images(self, step, images):
+    self.inner.write_images(step, images)
+
+  def write_videos(self, step, videos):
+    self.inner.write_videos(step, videos)
+
+  def write_audios(self, step, audios, *, sample_rate):
+    self.inner.write_audios(step, audios, sample_rate=sample_rate)
+
+  def write_texts(self, step, texts):
+    self.inner.write_texts(step, texts)
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    self.inner.write_histograms(step, arrays, num_buckets)
+
+  def write_hparams(self, hparams):
+    self.inner.write_hparams(hparams)
+
+  def flush(self):
+    self.inner.flush()
+    for root, _, files in os.walk(self.local):
+      for name in files:
+        path = os.path.join(root, name)
+        rel = os.path.relpath(path, self.local)
+        stat = os.stat(path)
+        if self._uploaded.get(rel) != (stat.st_size, stat.st_mtime_ns):
+          with open(path, "rb") as f:
+            storage.write_bytes_atomic(storage.join(self.remote, *rel.split(os.sep)), f.read())
+          self._uploaded[rel] = (stat.st_size, stat.st_mtime_ns)
+
+  def close(self):
+    self.inner.close()
+    self.flush()
+    shutil.rmtree(self.local, ignore_errors=True)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The rows of a metrics.jsonl (a local path or a URL)."""
+  return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
 
 
 # --- Weights & Biases (the `wandb` extra) --------------------------------------------------------

@@ -1,8 +1,8 @@
 """Held-out LM sets, as OLMo's perplexity sets (OLMo-core's NumpyPaddedFSLDataset): one
 document per instance, truncated to seq_len, right-padded with PAD, padding masked. Documents
 end with EOS in the token files. The files (validation sets: small) are read whole when the set
-is opened, from local disk or any etils.epath URL, and checked there, so a missing file or a
-token the model cannot embed stops a run before its first step."""
+is opened, from local disk or a URL (olmo3.storage: gs://, s3://, http(s)://), and checked
+there, so a missing file or a token the model cannot embed stops a run before its first step."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from olmo3.loss import IGNORE
-from etils import epath
-
+from olmo3 import storage
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, is_local, token_count
+from olmo3.loss import IGNORE
 
 
 class HeldoutDocs:
@@ -25,7 +24,7 @@ class HeldoutDocs:
     self.seq_len, self.pad_id = seq_len, pad_id
     self._tokens = []
     self._docs: list[tuple[int, int, int]] = []  # (file, start, end)
-    for f, path in enumerate(map(epath.Path, paths)):
+    for f, path in enumerate(map(os.fspath, paths)):
       tokens = _read_tokens(path)
       if vocab_size is not None and tokens.max(initial=0) >= vocab_size:
         at = int(np.argmax(tokens >= vocab_size))
@@ -64,8 +63,8 @@ class HeldoutDocs:
       yield {"input_ids": ids, "labels": labels}
 
 
-def _read_tokens(path: epath.Path) -> np.ndarray:
+def _read_tokens(path: str) -> np.ndarray:
   token_count(path, "held-out token file")  # missing, empty or torn: named
   if is_local(path):
-    return np.memmap(os.fspath(path), dtype=TOKEN_DTYPE, mode="r")
-  return np.frombuffer(path.read_bytes(), TOKEN_DTYPE)
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+  return np.frombuffer(storage.read_bytes(path), TOKEN_DTYPE)

@@ -96,7 +96,7 @@ class ReadStep(grain.transforms.Map):
 
   def map(self, step: int) -> dict[str, np.ndarray]:
     instance = self.order.batch(int(step))[self.rows].astype(np.int64)
-    tokens = np.stack([self.source[i] for i in instance])
+    tokens = self.source.read(instance)  # one batch of reads (concurrent when remote)
     labels = labels_for(tokens)
     filtered = np.zeros(len(tokens), bool)
     if self.repetition is not None:

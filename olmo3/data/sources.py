@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from etils import epath
 
+from olmo3 import storage
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import embedded, prepare
 from olmo3.data.tokens import DataError, TokenFiles
@@ -31,7 +32,7 @@ _MANIFEST = "manifest.json"
 
 class MixFile(NamedTuple):
   label: str  # the source it belongs to: a mix line's first column
-  path: epath.Path
+  path: str  # a local path or a URL (olmo3.storage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +89,8 @@ def read_mix(mix: str, root: str = "", tokenizer_id: str = "", field: str = "Dat
   errors."""
   split = prepared(mix)
   if split is not None:
-    return [MixFile(split.label, p) for p in split.manifest.files(split.directory, split.split)]
+    return [MixFile(split.label, os.fspath(p))
+            for p in split.manifest.files(split.directory, split.split)]
   mix_path = epath.Path(mix)
   if mix_path.is_dir():
     raise DataError(f"{field}={mix!r} is a directory without {_MANIFEST}: expected a directory "
@@ -110,7 +112,7 @@ def read_mix(mix: str, root: str = "", tokenizer_id: str = "", field: str = "Dat
   if text is None or "\0" in text:
     raise DataError(f"{field}={mix!r} is a binary file (a token file?): expected a mix file of "
                     "'label,path' lines or a directory written by python -m olmo3.data.prepare")
-  base = epath.Path(root) if root else mix_path.parent
+  base = root if root else os.fspath(mix_path.parent)  # a URL root stays a URL (storage.join)
   paths = []
   for number, line in enumerate(text.splitlines(), start=1):
     line = line.strip()
@@ -121,22 +123,23 @@ def read_mix(mix: str, root: str = "", tokenizer_id: str = "", field: str = "Dat
     label, rel = (part.strip() for part in line.split(","))
     if not label or not rel:
       raise DataError(f"{mix_path}:{number}: expected 'label,path', got {line!r}")
-    paths.append(MixFile(label, base / rel.replace("{TOKENIZER}", tokenizer_id)))
+    paths.append(MixFile(label, storage.join(base, rel.replace("{TOKENIZER}", tokenizer_id))))
   if not paths:
     raise DataError(f"{mix_path}: the mix lists no token files")
   return paths
 
 
-def token_files(cfg: DataConfig, vocab_size: int | None) -> TokenFiles:
+def token_files(cfg: DataConfig, vocab_size: int | None,
+                size_cache: storage.SizeCache | None = None) -> TokenFiles:
   """The configured training token files, checked at startup: a mix's, each labelled with its
-  source, or `paths`, which form one source (`tokens.UNLABELLED`)."""
+  source, or `paths`, which form one source (`tokens.UNLABELLED`). Remote files' sizes go
+  through `size_cache` (a run keeps one in its workdir)."""
   if cfg.mix:
     labels, paths = zip(*read_mix(cfg.mix, cfg.root, cfg.tokenizer_id))
   else:
-    labels, paths = None, [epath.Path(cfg.root) / p if cfg.root else epath.Path(p)
-                           for p in cfg.paths]
+    labels, paths = None, [storage.join(cfg.root, p) if cfg.root else p for p in cfg.paths]
   return TokenFiles(paths, cfg.seq_len, vocab_size, validate_tokens=cfg.validate_tokens,
-                    labels=labels)
+                    labels=labels, size_cache=size_cache)
 
 
 def tokenizer_file(name: str) -> str:

@@ -3,8 +3,9 @@
 `TokenFiles` cuts each file into `tokens // seq_len` instances (the tail is dropped; instances
 never span files) and numbers them across files in mix order, as OLMo-core's fixed-length
 numpy dataset does. Each file belongs to a source (its mix label; files given without labels
-form one source, `UNLABELLED`), so every instance has one. Local files are memory-mapped; other
-etils.epath URLs are read by range.
+form one source, `UNLABELLED`), so every instance has one. Local files are memory-mapped; remote
+ones (gs://, s3://, http(s)://: olmo3.storage) are read by range, a whole step's rows in one
+concurrent batch (`read`), and their sizes are looked up once (concurrently) and cached.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
-from etils import epath
+
+from olmo3 import storage
 
 TOKEN_DTYPE = np.dtype("<u4")
 _SCAN_TOKENS = 1 << 24  # tokens per chunk when validating a file
@@ -25,16 +27,13 @@ class DataError(ValueError):
   """Bad data input. The message names the file or field."""
 
 
-def is_local(path: epath.Path) -> bool:
-  return "://" not in os.fspath(path)
+def is_local(path: str | os.PathLike) -> bool:
+  return not storage.is_url(path)
 
 
-def token_count(path: epath.Path, kind: str = "token file") -> int:
-  """The tokens a raw uint32 token file holds, or DataError naming it (`kind` says what the file
-  is for) when it is missing, empty or not a whole number of tokens."""
-  if not path.exists():
+def _count(path: str, size: int | None, kind: str) -> int:
+  if size is None:
     raise DataError(f"{kind} {path} does not exist")
-  size = path.stat().length
   if size == 0:
     raise DataError(f"{kind} {path} is empty")
   if size % TOKEN_DTYPE.itemsize:
@@ -43,23 +42,44 @@ def token_count(path: epath.Path, kind: str = "token file") -> int:
   return size // TOKEN_DTYPE.itemsize
 
 
+def token_counts(paths: Sequence[str | os.PathLike], kind: str = "token file",
+                 size_cache: storage.SizeCache | None = None) -> list[int]:
+  """The tokens each raw uint32 token file holds (remote sizes looked up concurrently, through
+  `size_cache` when given), or DataError naming the first file (`kind` says what the files are
+  for) that is missing, empty or not a whole number of tokens."""
+  texts = [os.fspath(p) for p in paths]
+  for text in texts:
+    try:
+      storage.check_supported(text, what=kind)
+    except ValueError as e:
+      raise DataError(str(e)) from None
+  found = (size_cache or storage.SizeCache(None)).sizes(texts)
+  return [_count(t, n, kind) for t, n in zip(texts, found)]
+
+
+def token_count(path: str | os.PathLike, kind: str = "token file") -> int:
+  """The tokens one raw uint32 token file holds (see `token_counts`)."""
+  return token_counts([path], kind)[0]
+
+
 class TokenFiles:
   """Fixed-length instances over token files. Random access; picklable (handles reopen)."""
 
   def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int,
                vocab_size: int | None = None, validate_tokens: bool = False,
-               labels: Sequence[str] | None = None):
+               labels: Sequence[str] | None = None,
+               size_cache: storage.SizeCache | None = None):
     if not paths:
       raise DataError("no token files given")
     if labels is not None and len(labels) != len(paths):
       raise ValueError(f"{len(labels)} source labels for {len(paths)} token files")
-    self.paths = [epath.Path(p) for p in paths]
+    self.paths = [os.fspath(p) for p in paths]
     labels = [UNLABELLED] * len(paths) if labels is None else list(labels)
     self.source_names = tuple(sorted(set(labels)))  # a source's index is its place here
     self.file_source = np.searchsorted(self.source_names, labels).astype(np.int32)
     self.seq_len = seq_len
     self.vocab_size = vocab_size
-    self.file_tokens = np.asarray([token_count(p) for p in self.paths], np.int64)
+    self.file_tokens = np.asarray(token_counts(self.paths, size_cache=size_cache), np.int64)
     self.file_instances = self.file_tokens // seq_len
     self.offsets = np.concatenate([[0], np.cumsum(self.file_instances)])
     if self.offsets[-1] == 0:
@@ -81,14 +101,27 @@ class TokenFiles:
     return state
 
   def _read(self, file: int, start: int, count: int) -> np.ndarray:
-    path = self.paths[file]
-    if is_local(path):
-      if file not in self._maps:
-        self._maps[file] = np.memmap(os.fspath(path), dtype=TOKEN_DTYPE, mode="r")
-      return np.asarray(self._maps[file][start:start + count])
-    with path.open("rb") as f:
-      f.seek(start * TOKEN_DTYPE.itemsize)
-      return np.frombuffer(f.read(count * TOKEN_DTYPE.itemsize), TOKEN_DTYPE)
+    return self._read_many([(file, start, count)])[0]
+
+  def _read_many(self, spans: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+    """Tokens [start, start + count) of each (file, start, count): local files from their
+    memory maps, remote ones in one concurrent batch of ranged reads."""
+    out: list[np.ndarray | None] = [None] * len(spans)
+    remote = []
+    for i, (file, start, count) in enumerate(spans):
+      path = self.paths[file]
+      if is_local(path):
+        if file not in self._maps:
+          self._maps[file] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+        out[i] = np.asarray(self._maps[file][start:start + count])
+      else:
+        remote.append(i)
+    size = TOKEN_DTYPE.itemsize
+    chunks = storage.read_ranges([(self.paths[spans[i][0]], spans[i][1] * size,
+                                   (spans[i][1] + spans[i][2]) * size) for i in remote])
+    for i, chunk in zip(remote, chunks):
+      out[i] = np.frombuffer(chunk, TOKEN_DTYPE)
+    return out  # type: ignore[return-value]
 
   def _check_file(self, file: int) -> None:
     for start in range(0, int(self.file_tokens[file]), _SCAN_TOKENS):
@@ -111,11 +144,18 @@ class TokenFiles:
 
   def __getitem__(self, index: int) -> np.ndarray:
     """Instance `index` as int32 token ids [seq_len]."""
-    file, start = self.locate(int(index))
-    tokens = self._read(file, start, self.seq_len)
-    if self.vocab_size is not None and tokens.max() >= self.vocab_size:
-      raise DataError(f"token file {self.paths[file]}: instance {index} holds token "
-                      f"{int(tokens.max())} >= the model's vocab_size {self.vocab_size}")
+    return self.read([index])[0]
+
+  def read(self, instances: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Instances as int32 token ids [len(instances), seq_len], remote ones read together."""
+    located = [self.locate(int(i)) for i in instances]
+    rows = self._read_many([(file, start, self.seq_len) for file, start in located])
+    tokens = np.stack(rows) if rows else np.zeros((0, self.seq_len), TOKEN_DTYPE)
+    if self.vocab_size is not None and len(tokens) and tokens.max() >= self.vocab_size:
+      r = int(np.argmax(tokens.max(axis=1) >= self.vocab_size))
+      raise DataError(f"token file {self.paths[located[r][0]]}: instance {int(instances[r])} "
+                      f"holds token {int(tokens[r].max())} >= the model's vocab_size "
+                      f"{self.vocab_size}")
     return tokens.astype(np.int32)
 
 

@@ -2,7 +2,8 @@
 
 Each step directory is a model checkpoint (olmo3.checkpoint) with the optimizer state beside
 the parameters, verified the same way (checksums, digest, no NaN/Inf). Orbax commits a step by
-renaming its temporary directory, so only complete steps are ever listed. Async saves overlap
+renaming its temporary directory (on object stores, where nothing renames atomically, by writing
+a `commit_success.txt` last: olmo3.orbax_s3), so only complete steps are ever listed. Async saves overlap
 training: a failed one is raised at the next step (`check`), with its cause, and is never
 listed; its temporary directory is removed when the run restarts.
 
@@ -25,6 +26,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from olmo3 import orbax_s3, storage
 from olmo3.checkpoint import (ARRAYS, META, PARAMS, CheckpointError, array_records,
                               restore_items, sealed)
 
@@ -45,7 +47,7 @@ class _KeepVerified:
 
 class RunCheckpoints:
   def __init__(self, directory: str | os.PathLike, keep: int, async_save: bool):
-    self.directory = epath.Path(directory).absolute()
+    self.directory = storage.absolute(directory)
     self._verified = _KeepVerified()
     self._saving: int | None = None  # the step of an async save not yet known to have landed
     policies = ocp.checkpoint_managers
@@ -54,7 +56,8 @@ class RunCheckpoints:
         options=ocp.CheckpointManagerOptions(
             preservation_policy=policies.AnyPreservationPolicy(
                 [policies.LatestN(n=keep), self._verified]),
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=True))
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
+            temporary_path_class=orbax_s3.temporary_path_class(self.directory)))
 
   def steps(self) -> list[int]:
     """The committed steps, oldest first."""

@@ -1,0 +1,84 @@
+"""Orbax checkpoints on S3: the one place this repo works around Orbax.
+
+Why: orbax-checkpoint 0.12.8 writes arrays through TensorStore, whose `s3` key-value driver is
+complete, but Orbax builds a TensorStore spec only for `gs://` URLs and local absolute paths: an
+`s3://` directory fails with "Checkpoint path should be absolute" (its `_normalize_path` also
+collapses `s3://` to `s3:/`). And only for `gs://` does it mark a finished save with a
+`commit_success.txt` file instead of a rename: an object store has no atomic directory rename,
+so on S3 a save must be committed the way it is on GCS.
+
+`install()` teaches Orbax's spec builder the `s3` driver (bucket and key prefix from the URL;
+`AWS_ENDPOINT_URL` / `AWS_REGION` into the spec, credentials from the `AWS_*` environment, as
+TensorStore reads them), and
+`temporary_path_class(directory)` is what every checkpoint manager and checkpointer here passes,
+so object-store saves are committed by that file everywhere (Orbax's own default for gs://).
+`is_committed` is the matching check for readers that list step directories themselves.
+tests/test_storage.py saves, lists and restores through a real S3 server (moto).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from etils import epath
+from orbax.checkpoint._src.path import atomicity, gcs_utils, step as step_lib
+from orbax.checkpoint._src.serialization import tensorstore_utils
+
+from olmo3 import storage
+
+_S3 = "s3://"
+
+
+def _s3_kvstore(path: str) -> dict[str, Any]:
+  bucket, _, key = path[len(_S3):].partition("/")
+  if not bucket:
+    raise ValueError(f"{path}: an s3:// URL needs a bucket name")
+  spec = {"driver": "s3", "bucket": bucket, "path": key}
+  # TensorStore reads the AWS credentials from the environment but not the endpoint: an
+  # S3-compatible store (or an emulator) given as AWS_ENDPOINT_URL goes into the spec.
+  endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+  if endpoint:
+    spec["endpoint"] = endpoint
+  region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+  if region:
+    spec["aws_region"] = region
+  return spec
+
+
+@functools.cache
+def install() -> None:
+  """Patches Orbax (once per process) so `s3://` directories use TensorStore's s3 driver."""
+  normalize, use_native, for_gcs = (tensorstore_utils._normalize_path,  # pylint: disable=protected-access
+                                    tensorstore_utils._use_gcs_driver,  # pylint: disable=protected-access
+                                    gcs_utils.get_kvstore_for_gcs)
+
+  def _normalize_path(path: str) -> str:
+    if path.startswith(_S3):
+      return _S3 + os.path.normpath(path[len(_S3):])
+    return normalize(path)
+
+  def _use_gcs_driver(directory: str) -> bool:  # "a native object-store driver", in effect
+    return directory.startswith(_S3) or use_native(directory)
+
+  def get_kvstore_for_gcs(path: str) -> dict[str, Any]:
+    return _s3_kvstore(path) if str(path).startswith(_S3) else for_gcs(path)
+
+  tensorstore_utils._normalize_path = _normalize_path  # pylint: disable=protected-access
+  tensorstore_utils._use_gcs_driver = _use_gcs_driver  # pylint: disable=protected-access
+  gcs_utils.get_kvstore_for_gcs = get_kvstore_for_gcs
+
+
+def temporary_path_class(directory: str | os.PathLike):
+  """How a save into `directory` is committed: a `commit_success.txt` on object stores, a
+  rename on local disks (None: Orbax's default, which is that)."""
+  install()
+  return atomicity.CommitFileTemporaryPath if storage.is_url(os.fspath(directory)) else None
+
+
+def is_committed(step_dir: str | os.PathLike) -> bool:
+  """Whether a step directory holds a finished save (see `temporary_path_class`)."""
+  path = epath.Path(step_dir)
+  return step_lib.is_path_finalized(path, temporary_path_cls=temporary_path_class(path) or
+                                    atomicity.AtomicRenameTemporaryPath)

