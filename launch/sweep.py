@@ -47,6 +47,7 @@ from absl import app, flags
 from etils import epath
 
 from launch import configs
+from olmo3.data import sources
 from olmo3.perf import flags as flags_lib
 
 CONFIG = flags.DEFINE_string(
@@ -365,7 +366,8 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) ->
   for i, overrides in variants:
     if names[i] not in done:
       exp = _build(sweep, overrides)
-      if sweep.rank_by == "heldout" and not exp.eval.heldout:
+      # eval.heldout None follows the training data (a prepared directory's held-out split)
+      if sweep.rank_by == "heldout" and not sources.resolve(exp).eval.heldout:
         raise configs.ConfigRefError(f"variant {names[i]}: --rank_by=heldout needs held-out "
                                      "sets (eval.heldout is empty)")
       groups.setdefault(_flag_key(exp), []).append(i)

@@ -18,6 +18,7 @@ from olmo3 import remat as remat_lib
 from olmo3.config import DataConfig, Experiment, ModelConfig, Remat
 from olmo3.loss import lm_loss, token_nll
 from olmo3.perf import aot
+from olmo3.perf import flags as flags_lib
 from olmo3.perf.flags import FLAG_SETS
 
 from conftest import random_params
@@ -275,3 +276,16 @@ def test_mfu_gpu_benchmark_smoke_mode():
   result = json.loads(done.stdout.strip().splitlines()[-1])
   assert result["tokens_per_s"] > 0 and result["tflops_exact"] > 0
   assert result["mfu_exact"] is None  # a CPU has no known peak: no made-up MFU
+
+
+def test_flag_sets_are_applied_once_whatever_the_environment_already_holds(monkeypatch):
+  """A cluster job's environment already carries the experiment's flags (launch/cluster.py)
+  and the launcher applies them again: each flag ends up in the variable once."""
+  monkeypatch.setenv("XLA_FLAGS", "--xla_a=1")
+  monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+  monkeypatch.delenv("K", raising=False)  # restored (removed) after the test
+  for _ in range(2):
+    flags_lib.apply_to_environ(("--xla_a=1", "--xla_b=2"), ("--xla_tpu_c=true",), (("K", "v"),))
+  assert os.environ["XLA_FLAGS"] == "--xla_a=1 --xla_b=2"
+  assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_tpu_c=true"
+  assert os.environ["K"] == "v"

@@ -64,6 +64,10 @@ def apply_to_environ(xla: tuple[str, ...], libtpu: tuple[str, ...],
   """
 
   for var, extra in (("XLA_FLAGS", xla), ("LIBTPU_INIT_ARGS", libtpu)):
-    if extra:
-      os.environ[var] = " ".join([os.environ.get(var, ""), *extra]).strip()
+    present = os.environ.get(var, "").split()
+    # A cluster job already carries the flag set in its environment (launch/cluster.py), and
+    # the launcher applies it again: a flag already there is not repeated.
+    new = [f for f in extra if f not in present]
+    if new:
+      os.environ[var] = " ".join([*present, *new])
   os.environ.update(dict(env))
