@@ -4,16 +4,22 @@ on the same token files, in the same run.
   python benchmarks/data_loader.py [--files 8] [--tokens_per_file 33554432] [--seq_len 8192]
       [--global_batch 64] [--steps 40] [--workers 0 2]
 
+  python benchmarks/data_loader.py --source http --latency_ms 20   # remote, as AI2 serves them
+
 Writes random uint32 token files to a temporary directory (OLMo's format), then for each worker
 count reads `--steps` global batches with each loader (this host holding every row, the worst
 case for one host) and reports tokens/s after one warm-up step. Our loader is measured twice:
 host batches alone, and host batches assembled into a global jax.Array (what the trainer sees).
+With `--source http` both loaders read the same files from a local HTTP server with Range
+support that adds `--latency_ms` to every request (benchmarks/http_range_server.py): the cost
+of reading AI2's files from its public host, or a bucket, one region away.
 Prints a table and ends with one JSON line of headline figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -84,20 +90,32 @@ def main() -> None:
   parser.add_argument("--global_batch", type=int, default=64)
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+  parser.add_argument("--source", choices=["local", "http"], default="local",
+                      help="read the files from disk, or from a local HTTP server")
+  parser.add_argument("--latency_ms", type=float, default=20.0,
+                      help="with --source http: latency the server adds to each request")
   args = parser.parse_args()
   from olmo3.data import grain_compat
 
   grain_compat.ensure_flags_parsed()
   rows = []
-  with tempfile.TemporaryDirectory() as tmp:
+  with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
     paths = _write_files(tmp, args.files, args.tokens_per_file)
+    if args.source == "http":
+      from http_range_server import RangeServer  # beside this script
+
+      server = stack.enter_context(RangeServer(tmp, latency_s=args.latency_ms / 1000))
+      paths = [f"{server.url}/{os.path.basename(p)}" for p in paths]
     for workers in args.workers:
       rows.append(("olmo3 (Grain), host batches", workers, ours(paths, args, workers, False)))
       rows.append(("olmo3 (Grain), global jax.Array", workers, ours(paths, args, workers, True)))
       rows.append(("OLMo-core NumpyFSLDataLoader", workers,
                    olmo_core(paths, args, workers, os.path.join(tmp, f"work{workers}"))))
-  print(f"\n{args.files} files x {args.tokens_per_file:,} tokens, seq_len {args.seq_len}, "
-        f"{args.global_batch} instances/step, {args.steps} steps; {platform.processor() or platform.machine()}, "
+  where = (f"HTTP, {args.latency_ms:g} ms per request" if args.source == "http"
+           else "local disk (page cache)")
+  machine = platform.processor() or platform.machine()
+  print(f"\n{where}: {args.files} files x {args.tokens_per_file:,} tokens, seq_len "
+        f"{args.seq_len}, {args.global_batch} instances/step, {args.steps} steps; {machine}, "
         f"{os.cpu_count()} CPUs")
   print("| loader | workers | tokens/s per host |\n|---|---|---|")
   for name, workers, rate in rows:
@@ -106,7 +124,9 @@ def main() -> None:
   print(json.dumps({"olmo3_tokens_per_s": best["olmo3 (Grain), host batches"],
                     "olmo3_global_array_tokens_per_s": best["olmo3 (Grain), global jax.Array"],
                     "olmo_core_tokens_per_s": best["OLMo-core NumpyFSLDataLoader"],
-                    "seq_len": args.seq_len, "global_batch": args.global_batch}))
+                    "seq_len": args.seq_len, "global_batch": args.global_batch,
+                    "source": args.source,
+                    **({"latency_ms": args.latency_ms} if args.source == "http" else {})}))
 
 
 if __name__ == "__main__":
