@@ -138,14 +138,20 @@ def config_error(message: str) -> typing.NoReturn:
 
 
 def check_workdir(workdir: str) -> None:
-  """The workdir is a directory or can be created as one (no file where a directory goes)."""
-  path = epath.Path(workdir)
-  if path.exists() and not path.is_dir():
+  """The workdir is writable where it is (a local path, gs://, s3://) and a directory or can be
+  created as one (no file where a directory goes)."""
+  from olmo3 import storage
+
+  try:
+    storage.check_supported(workdir, writable=True, what="--workdir")
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  if storage.exists(workdir) and not storage.is_dir(workdir):
     sys.exit(f"error: --workdir={workdir} is a file, not a directory: give a directory (a new "
              "one is created)")
   # On a local disk the nearest existing parent must be a directory (object stores have no
   # directories to be in the way).
-  for parent in path.absolute().parents if "://" not in workdir else ():
+  for parent in epath.Path(workdir).absolute().parents if not storage.is_url(workdir) else ():
     if parent.exists():
       if not parent.is_dir():
         sys.exit(f"error: --workdir={workdir}: {parent} is a file, so the directory cannot be "
@@ -161,10 +167,13 @@ def check_data_root(exp) -> None:
   from olmo3.data import sources
   from olmo3.data.tokens import DataError
 
+  from olmo3 import storage
+
   root = exp.data.root
   if not root:
     return
-  if not epath.Path(root).exists():
+  # An HTTP root is a prefix, not a directory anything can check: its files are checked.
+  if storage.scheme(root) not in storage.READ_ONLY_SCHEMES and not storage.exists(root):
     raise DataError(f"DataConfig.root={root!r} does not exist: give the directory (or URL) the "
                     "token files are under")
   mixes = [exp.data.mix] if exp.data.mix else []

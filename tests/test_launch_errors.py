@@ -85,6 +85,9 @@ def _cases(tmp) -> list[dict]:
       dict(name="workdir below a file", program="main", argv=[TINY, f"--workdir={afile}/run"],
            expect={"last": f"error: --workdir={afile}/run: {afile} is a file, so the directory "
                            "cannot be created there"}),
+      dict(name="workdir over HTTP", program="main", argv=[TINY, "--workdir=https://h/run"],
+           expect={"last": "error: --workdir https://h/run: https:// is read-only; a workdir or "
+                           "anything written must be a local path, gs:// or s3://"}),
       dict(name="stage 2 before stage 1", program="main", cwd=new("fresh"),
            argv=["--fdl_config=experiments.olmo3_tiny:stage2"], absent=[new("fresh/runs")],
            expect={"last": "error: CheckpointConfig.init_from='runs/olmo3_tiny.stage1' holds no "

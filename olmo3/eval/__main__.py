@@ -19,6 +19,7 @@ import sys
 
 from etils import epath
 
+from olmo3 import storage
 from olmo3.config import Experiment, MeshConfig
 from olmo3.eval import revisions
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
       evaluators[key] = Evaluator(exp, ShardedModel.for_experiment(exp))
     return evaluators[key]
 
-  report = {"workdir": os.fspath(workdir.absolute()), "steps": {}}
+  report = {"workdir": os.fspath(storage.absolute(args.workdir)), "steps": {}}
   for step in steps:
     evaluator = evaluator_for(step)
     if not evaluator.exp.eval.heldout and not evaluator.tasks:
