@@ -128,6 +128,20 @@ def test_the_loader_reads_a_mix_under_an_http_root_as_it_reads_it_from_disk(tmp_
       np.testing.assert_array_equal(a[key], b[key])
 
 
+def test_a_tokenizer_file_in_a_bucket_or_behind_http_is_copied_to_the_cache(tmp_path,
+                                                                           monkeypatch):
+  from olmo3.data import sources
+
+  monkeypatch.setenv("OLMO3_CACHE", os.fspath(tmp_path / "cache"))
+  (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+  with RangeServer(os.fspath(tmp_path)) as server:
+    local = sources.tokenizer_file(f"{server.url}/tokenizer.json")
+    with pytest.raises(DataError, match="tokenizer file .*/nope.json does not exist"):
+      sources.tokenizer_file(f"{server.url}/nope.json")
+  assert local.startswith(os.fspath(tmp_path / "cache"))
+  assert open(local).read() == '{"version": "1.0"}'
+
+
 def test_join_and_parent_keep_urls():
   assert storage.join("http://h/root", "a/b.npy") == "http://h/root/a/b.npy"
   assert storage.join("gs://b/", "/x", "y") == "gs://b/x/y"

@@ -144,9 +144,18 @@ def token_files(cfg: DataConfig, vocab_size: int | None,
 
 def tokenizer_file(name: str) -> str:
   """What a tokenizer name is loaded from: "embedded" is the built-in corpus's tokenizer.json;
-  any other name (a tokenizer.json path or a Hugging Face hub name) is itself."""
+  a URL (a prepared directory's copy in a bucket) a local copy of it in the cache; any other
+  name (a tokenizer.json path or a Hugging Face hub name) is itself."""
   if name == "embedded":
     return os.fspath(embedded.corpus_dir() / prepare.TOKENIZER_FILE)
+  if storage.is_url(name):  # tokenizers opens local files only: a copy in the cache
+    local = (embedded.cache_root() / "tokenizers" / hashlib.sha256(name.encode()).hexdigest()[:16]
+             / os.path.basename(name))
+    if not local.exists():
+      if not storage.exists(name):
+        raise DataError(f"tokenizer file {name} does not exist")
+      storage.write_bytes_atomic(local, storage.read_bytes(name))
+    return os.fspath(local)
   return name
 
 
