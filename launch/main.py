@@ -306,11 +306,18 @@ def main(argv: list[str]) -> None:
   from olmo3.eval.tasks import TaskError
   from olmo3.train.lease import LeaseHeld
 
+  from olmo3 import storage
+  from olmo3.train.loop import FILE_SIZES
+
   check_init_from(exp, workdir)
+  # Remote files' sizes: the run's own cache when it has one (a resume does not look thousands
+  # of files up again); none is created here, before anything is decided.
+  sizes = storage.join(workdir, FILE_SIZES)
   try:  # the token files exist (their contents are checked when the run starts)
     check_data_root(exp)
-    source = sources.token_files(dataclasses.replace(exp.data, validate_tokens=False),
-                                 exp.model.vocab_size)
+    source = sources.token_files(
+        dataclasses.replace(exp.data, validate_tokens=False), exp.model.vocab_size,
+        size_cache=storage.SizeCache(sizes if storage.exists(sizes) else None))
   except DataError as e:
     sys.exit(f"error: {e}")
   maybe_initialize_distributed()
