@@ -109,12 +109,13 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    configs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/cluster.py")
   configs.make_cwd_importable()
   if not FDL_CONFIG.value:
-    raise app.UsageError("--fdl_config is required, e.g. experiments.olmo3_7b:stage1")
+    configs.usage_error("--fdl_config is required, e.g. experiments.olmo3_7b:stage1",
+                        "launch/cluster.py")
   if TARGET.value is None:
-    raise app.UsageError("--target is required: gke, xpk or slurm")
+    configs.usage_error("--target is required: gke, xpk or slurm", "launch/cluster.py")
   try:
     cfg = configs.resolve(FDL_CONFIG.value, SETS.value, FIDDLERS.value)
     exp = fdl.build(cfg)

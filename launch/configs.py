@@ -29,6 +29,7 @@ import os
 import pkgutil
 import re
 import sys
+import typing
 from typing import Any
 
 import fiddle as fdl
@@ -53,6 +54,12 @@ ALLOWED_SYMBOLS = {("builtins", "tuple"): tuple, ("builtins", "list"): list,
                    ("builtins", "dict"): dict, ("fiddle._src.config", "Config"): fdl.Config,
                    ("fiddle._src.config", "BuildableTraverserMetadata"):
                        config_lib.BuildableTraverserMetadata}
+
+
+def usage_error(message: str, script: str) -> typing.NoReturn:
+  """A command-line mistake: its one line, then where the flags are described (not the whole
+  --help, which would bury it). `script` is the program's path as a user types it."""
+  sys.exit(f"error: {message}\nRun 'python {script} --help' for the flags.")
 
 
 class ConfigRefError(ValueError):

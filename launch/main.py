@@ -128,13 +128,10 @@ def dry_run(cfg: fdl.Config, exp) -> None:
     print(f"-> does not fit the {jax.device_count()} local devices ({e})")
 
 
-HELP_LINE = "Run 'python launch/main.py --help' for the flags."
-
-
 def config_error(message: str) -> typing.NoReturn:
   """A mistake on the command line: its one line, then where the flags are described (not
   the whole --help, which would bury it)."""
-  sys.exit(f"error: {message}\n{HELP_LINE}")
+  configs.usage_error(message, "launch/main.py")
 
 
 def check_workdir(workdir: str) -> None:
@@ -276,7 +273,9 @@ def main(argv: list[str]) -> None:
 
     target = None if COMPILE_ONLY.value == "local" else COMPILE_ONLY.value
     try:
-      print(aot.compile_train_step(exp, target).format())
+      with logs.Heartbeat(f"compiling the train step for {COMPILE_ONLY.value}"):
+        report = aot.compile_train_step(exp, target)
+      print(report.format())
     except aot.DoesNotFit as e:
       print(f"DOES NOT FIT: {e}")
       sys.exit(1)
@@ -304,6 +303,7 @@ def main(argv: list[str]) -> None:
   from olmo3.data import sources
   from olmo3.data.tokens import DataError
   from olmo3.eval.tasks import TaskError
+  from olmo3.metrics import MetricsError
   from olmo3.train.lease import LeaseHeld
 
   from olmo3 import storage
@@ -311,13 +311,14 @@ def main(argv: list[str]) -> None:
 
   check_init_from(exp, workdir)
   # Remote files' sizes: the run's own cache when it has one (a resume does not look thousands
-  # of files up again); none is created here, before anything is decided.
-  sizes = storage.join(workdir, FILE_SIZES)
+  # of files up again); nothing is written here, before anything is decided: the trainer
+  # writes what was looked up once it starts.
+  size_cache = storage.SizeCache(storage.join(workdir, FILE_SIZES), persist=False)
   try:  # the token files exist (their contents are checked when the run starts)
     check_data_root(exp)
     source = sources.token_files(
         dataclasses.replace(exp.data, validate_tokens=False), exp.model.vocab_size,
-        size_cache=storage.SizeCache(sizes if storage.exists(sizes) else None))
+        size_cache=size_cache)
   except DataError as e:
     sys.exit(f"error: {e}")
   maybe_initialize_distributed()
@@ -348,8 +349,8 @@ def main(argv: list[str]) -> None:
   logging.info("training %s in %s on %d %s devices", FLAGS.value, workdir, jax.device_count(),
                jax.default_backend())
   try:
-    last = train(exp, workdir, name=FLAGS.value, preemption=PREEMPTION)
-  except (DataError, TaskError, CheckpointError, LeaseHeld) as e:  # bad input: one line
+    last = train(exp, workdir, name=FLAGS.value, preemption=PREEMPTION, size_cache=size_cache)
+  except (DataError, TaskError, CheckpointError, LeaseHeld, MetricsError) as e:  # one line
     logging.error("%s", e)
     if jax.process_index() == 0 and (run_steps(checkpoints) or [0])[-1] == start:
       # Nothing trained: take back what this launch wrote.

@@ -395,7 +395,7 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) ->
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    configs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/sweep.py")
   configs.make_cwd_importable()
   sweep = Sweep(CONFIG.value, SWEEP.value, tuple(SETS.value), COMPILE_ONLY.value, STEPS.value,
                 OUT.value, JOBS.value, RANK_BY.value, REPEATS.value)
@@ -405,7 +405,7 @@ def main(argv: list[str]) -> None:
       return
     rows = run_sweep(sweep, VARIANT.value, RESUME.value)
   except configs.ConfigRefError as e:
-    raise app.UsageError(str(e)) from None
+    configs.usage_error(str(e), "launch/sweep.py")
   print(f"wrote {sweep.out}/results.csv, results.md, results.png ({len(rows)} variants)")
 
 

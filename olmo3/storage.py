@@ -345,11 +345,15 @@ class SizeCache:
   """Remote files' sizes, read once and kept in a JSON file (`path`, e.g. in the workdir), so a
   resumed run does not look up thousands of files again (OLMo-core keeps the same kind of
   cache). Local files are never cached: a stat costs nothing. A cached URL is trusted as its
-  size: replace a remote file under a new name."""
+  size: replace a remote file under a new name. With `persist=False` the file is read but not
+  written (a launcher's checks, before it has decided to write anything); sizes looked up
+  meanwhile are written once `persist` is set and sizes are asked for again."""
 
-  def __init__(self, path: str | os.PathLike | None):
+  def __init__(self, path: str | os.PathLike | None, persist: bool = True):
     self.path = None if path is None else os.fspath(path)
+    self.persist = persist
     self._known: dict[str, int] = {}
+    self._unsaved = False
     if self.path is not None and exists(self.path):
       try:
         self._known = {str(k): int(v) for k, v in json.loads(read_text(self.path)).items()}
@@ -361,7 +365,10 @@ class SizeCache:
     missing = [t for t in texts if not (is_url(t) and t in self._known)]
     found = dict(zip(missing, sizes(missing)))
     fresh = {t: s for t, s in found.items() if is_url(t) and s is not None}
-    if fresh and self.path is not None:
+    if fresh:
       self._known.update(fresh)
+      self._unsaved = True
+    if self._unsaved and self.persist and self.path is not None:
       write_bytes_atomic(self.path, json.dumps(self._known, indent=0, sort_keys=True).encode())
+      self._unsaved = False
     return [self._known[t] if t in self._known else found[t] for t in texts]

@@ -77,17 +77,20 @@ def source_losses(names: tuple[str, ...], sums: list) -> dict[str, float]:
 
 def train(exp: Experiment, workdir: str, name: str = "",
           model: ShardedModel | None = None,
-          preemption: Preemption | None = None) -> dict[str, float]:
+          preemption: Preemption | None = None,
+          size_cache: storage.SizeCache | None = None) -> dict[str, float]:
   """Trains to exp.train.steps; returns the last logged metrics. `model` (default: the
   experiment's mesh over all devices) chooses the devices and the forward function;
   `preemption` (default: installed here) lets a launcher catch SIGTERM / SIGINT from its own
-  start. Holds the workdir's lease (olmo3.train.lease) while it runs."""
+  start; `size_cache` (default: the workdir's FILE_SIZES) the remote sizes a launcher already
+  looked up, written to the workdir's cache now. Holds the workdir's lease
+  (olmo3.train.lease) while it runs."""
   preemption = preemption or Preemption()
   epath.Path(workdir).mkdir(parents=True, exist_ok=True)
   lease = Lease(workdir)
   _hold(lease)
   try:
-    return _train(exp, workdir, name, model, preemption)
+    return _train(exp, workdir, name, model, preemption, size_cache)
   finally:
     preemption.restore()
     if jax.process_index() == 0:
@@ -196,7 +199,7 @@ class _SkipLimit:
 
 
 def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
-           preemption: Preemption) -> dict[str, float]:
+           preemption: Preemption, size_cache: storage.SizeCache | None) -> dict[str, float]:
   # Held-out sets and the task tokenizer follow the training data unless set: experiment.json
   # records what ran, so `python -m olmo3.eval` evaluates the same sets.
   exp = sources.resolve(exp)
@@ -214,8 +217,9 @@ def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
   _write_experiment(exp, workdir)
   with model.context():
     with logs.Heartbeat(f"reading the training data ({exp.data.mix or 'data.paths'})"):
-      source = sources.token_files(exp.data, exp.model.vocab_size, size_cache=storage.SizeCache(
-          storage.join(workdir, FILE_SIZES)))
+      cache = size_cache or storage.SizeCache(storage.join(workdir, FILE_SIZES))
+      cache.persist = True
+      source = sources.token_files(exp.data, exp.model.vocab_size, size_cache=cache)
     logging.info("training data: %d files, sources %s, %d instances of %d tokens",
                  len(source.paths), list(source.source_names), len(source), exp.data.seq_len)
     step_fn = jit_train_step(exp, model, layout, len(source.source_names))
