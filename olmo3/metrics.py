@@ -115,24 +115,9 @@ from clu import metric_writers  # noqa: E402  (after install)
 from clu.metric_writers import interface  # noqa: E402
 
 
-class JsonlWriter(interface.MetricWriter):
-  """WORKDIR/metrics.jsonl: one JSON object per logged step, `step` and all its scalars (writes
-  for the same step, such as training and evaluation metrics, are merged into one line).
-
-  A run resuming from step N first drops the lines of steps after N (logged after its last
-  checkpoint, before a crash: they are logged again) and a torn last line, so the file never
-  repeats a step."""
-
-  def __init__(self, path: str | os.PathLike, resumed_at: int = 0):
-    _drop_after(path, resumed_at)
-    self._file = open(path, "a", buffering=1)
-    self._pending: dict[str, Any] = {}
-
-  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
-    if self._pending and self._pending["step"] != int(step):
-      self.flush()
-    self._pending.setdefault("step", int(step))
-    self._pending.update({k: float(np.asarray(v)) for k, v in scalars.items()})
+class ScalarWriter(interface.MetricWriter):
+  """A writer of scalars (and hparams) only: every other kind of summary is dropped. Ours log
+  nothing else, and CLU's interface wants each method."""
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -151,6 +136,26 @@ class JsonlWriter(interface.MetricWriter):
 
   def write_histograms(self, step, arrays, num_buckets=None):
     pass
+
+
+class JsonlWriter(ScalarWriter):
+  """WORKDIR/metrics.jsonl: one JSON object per logged step, `step` and all its scalars (writes
+  for the same step, such as training and evaluation metrics, are merged into one line).
+
+  A run resuming from step N first drops the lines of steps after N (logged after its last
+  checkpoint, before a crash: they are logged again) and a torn last line, so the file never
+  repeats a step."""
+
+  def __init__(self, path: str | os.PathLike, resumed_at: int = 0):
+    _drop_after(path, resumed_at)
+    self._file = open(path, "a", buffering=1)
+    self._pending: dict[str, Any] = {}
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    if self._pending and self._pending["step"] != int(step):
+      self.flush()
+    self._pending.setdefault("step", int(step))
+    self._pending.update({k: float(np.asarray(v)) for k, v in scalars.items()})
 
   def write_hparams(self, hparams):
     pass
@@ -270,7 +275,7 @@ class MetricsError(Exception):
   """A metric writer that cannot start (a missing extra); the message says what to install."""
 
 
-class WandbWriter(interface.MetricWriter):
+class WandbWriter(ScalarWriter):
   """CLU MetricWriter -> a W&B run: the scalars at the steps the other writers get (the loop
   writes scalars only; hyperparameters go into the run's config)."""
 
@@ -280,24 +285,6 @@ class WandbWriter(interface.MetricWriter):
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     # W&B merges the writes of one step (a training row, then its evaluation) into one row.
     self._run.log({k: float(np.asarray(v)) for k, v in scalars.items()}, step=int(step))
-
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
 
   def write_hparams(self, hparams: Mapping[str, Any]):
     self._run.config.update(dict(hparams), allow_val_change=True)
