@@ -94,6 +94,9 @@ class RangeServer:
       request_queue_size = 1024  # the default listen backlog (5) stalls concurrent clients 1 s
       daemon_threads = True
 
+      def handle_error(self, request, client_address):  # a client that hung up: not news
+        pass
+
     self._server = Server(("127.0.0.1", 0), Handler)
     self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
