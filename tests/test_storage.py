@@ -151,7 +151,10 @@ def test_join_and_parent_keep_urls():
     storage.check_supported("https://h/run", writable=True, what="workdir")
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: a server restarted on a new port would leave fsspec's (and etils') cached
+# filesystems pointing at the old one. Under xdist a worker interleaves modules, which would
+# tear module-scoped servers down and up again.
+@pytest.fixture(scope="session")
 def s3_env():
   with storage_servers.s3_server() as env, storage_servers.environment(env):
     storage_servers.make_bucket("s3://olmo3-test")
@@ -181,7 +184,7 @@ def test_orbax_checkpoints_on_s3_commit_by_file_and_restore(s3_env, tmp_path):
   assert orbax_s3.is_committed(url) and not orbax_s3.is_committed("s3://olmo3-test/models/9")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gcs_env():
   with storage_servers.gcs_server() as env, storage_servers.environment(env):
     yield env
