@@ -9,8 +9,9 @@ Numbers from AI2's OLMo 3 release and OLMo-core's OLMo 3 7B scripts
       --fdl_set=checkpoint.init_from='"gs://bucket/olmo3-7b-s1"'
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --fiddler=single_cosine
 
-Data: `data.root` must point at a copy of AI2's preprocessed token files (the mix lists paths
-relative to it); the mix lists ship with `ai2-olmo-core`.
+Data: `data.root` must point at AI2's preprocessed token files (the mix lists paths relative
+to it; the mix lists ship with `ai2-olmo-core`): AI2's public host, as OLMo-core reads it by
+default (`--fdl_set=data.root='"http://olmo-data.org"'`), or a copy in a bucket or on disk.
 """
 
 from __future__ import annotations
