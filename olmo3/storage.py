@@ -22,7 +22,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 READ_WRITE_SCHEMES = ("gs", "s3")
@@ -77,14 +77,6 @@ def join(base: str | os.PathLike, *parts: str) -> str:
   for part in parts:
     text = text.rstrip("/") + "/" + part.lstrip("/")
   return text
-
-
-def parent(path: str | os.PathLike) -> str:
-  text = os.fspath(path)
-  if not is_url(text):
-    return os.path.dirname(text)
-  head, _, rest = text.partition("://")
-  return f"{head}://{rest.rstrip('/').rpartition('/')[0]}"
 
 
 @functools.cache
@@ -144,29 +136,6 @@ def concurrency() -> int:
   return int(value)
 
 
-def _run(fs, coroutines_by_host: dict[str, list[Any]]) -> list[Any]:
-  """Runs coroutine factories on `fs`'s event loop, at most `concurrency()` at once per host;
-  returns their results in order (flattened over hosts in insertion order)."""
-  from fsspec import asyn  # pylint: disable=g-import-not-at-top
-
-  limit = concurrency()
-
-  async def gather():
-    async def host_batch(factories):
-      gate = asyncio.Semaphore(limit)
-
-      async def one(factory):
-        async with gate:
-          return await factory()
-
-      return await asyncio.gather(*(one(f) for f in factories))
-
-    per_host = await asyncio.gather(*(host_batch(f) for f in coroutines_by_host.values()))
-    return [r for batch in per_host for r in batch]
-
-  return asyn.sync(fs.loop, gather)
-
-
 def _retried(call, url: str):
   """An async factory: `call()` awaited, retried on transient errors with backoff."""
   async def attempt_all():
@@ -183,6 +152,34 @@ def _retried(call, url: str):
     raise AssertionError("unreachable")
 
   return attempt_all
+
+
+def _remote_all(calls: Sequence[tuple[str, Callable[[Any, str], Awaitable[Any]]]]) -> list[Any]:
+  """`await call(fs, url)` for each (url, call), all at once: at most `concurrency()` in flight
+  per host, each retried on transient errors. The results, in order."""
+  from fsspec import asyn  # pylint: disable=g-import-not-at-top
+
+  limit = concurrency()
+  out: list[Any] = [None] * len(calls)
+  by_protocol: dict[str, list[int]] = {}
+  for i, (url, _) in enumerate(calls):
+    by_protocol.setdefault(scheme(url).replace("https", "http"), []).append(i)
+  for indices in by_protocol.values():
+    fs = filesystem(calls[indices[0]][0])
+
+    async def gather():
+      gates = {_host(calls[i][0]): asyncio.Semaphore(limit) for i in indices}
+
+      async def one(i):
+        url, call = calls[i]
+        async with gates[_host(url)]:
+          return await _retried(lambda: call(fs, url), url)()
+
+      return await asyncio.gather(*(one(i) for i in indices))
+
+    for i, result in zip(indices, asyn.sync(fs.loop, gather)):
+      out[i] = result
+  return out
 
 
 def _sync_retried(call, url: str):
@@ -231,79 +228,57 @@ async def _http_size(fs, url: str) -> int | None:
     return int(response.headers["Content-Length"])
 
 
+async def _size(fs, url: str) -> int | None:
+  """A remote file's size in bytes (None: no such file)."""
+  if scheme(url) in READ_ONLY_SCHEMES:
+    return await _http_size(fs, url)
+  try:
+    found = await fs._info(url)  # pylint: disable=protected-access
+  except FileNotFoundError:
+    return None
+  if found.get("type") == "directory":
+    return None
+  if found.get("size") is None:
+    raise StorageError(f"{url}: the server does not report the file's size")
+  return int(found["size"])
+
+
 def sizes(paths: Sequence[str | os.PathLike]) -> list[int | None]:
   """Each file's size in bytes (None: it does not exist), remote ones looked up concurrently."""
   texts = [os.fspath(p) for p in paths]
-  out: list[int | None] = [None] * len(texts)
-  remote: dict[str, list[int]] = {}
-  for i, text in enumerate(texts):
-    if is_url(text):
-      remote.setdefault(scheme(text).replace("https", "http"), []).append(i)
-    else:
-      out[i] = os.path.getsize(text) if os.path.isfile(text) else None
-  for indices in remote.values():
-    fs = filesystem(texts[indices[0]])
-
-    def info(text):
-      async def call():
-        if scheme(text) in READ_ONLY_SCHEMES:
-          return await _http_size(fs, text)
-        try:
-          found = await fs._info(text)  # pylint: disable=protected-access
-        except FileNotFoundError:
-          return None
-        if found.get("type") == "directory":
-          return None
-        if found.get("size") is None:
-          raise StorageError(f"{text}: the server does not report the file's size")
-        return int(found["size"])
-      return _retried(call, text)
-
-    by_host: dict[str, list[Any]] = {}
-    for i in indices:
-      by_host.setdefault(_host(texts[i]), []).append(info(texts[i]))
-    order = [i for host in by_host for i in indices if _host(texts[i]) == host]
-    for i, size in zip(order, _run(fs, by_host)):
-      out[i] = size
+  out = [None if is_url(t) else (os.path.getsize(t) if os.path.isfile(t) else None)
+         for t in texts]
+  remote = [i for i, t in enumerate(texts) if is_url(t)]
+  for i, size in zip(remote, _remote_all([(texts[i], _size) for i in remote])):
+    out[i] = size
   return out
+
+
+def _ranged(start: int, end: int):
+  async def call(fs, url: str) -> bytes:
+    data = await fs._cat_file(url, start=start, end=end)  # pylint: disable=protected-access
+    if len(data) != end - start:
+      # A server that ignores Range sends the whole file: never take it for the range.
+      raise StorageError(f"{url}: asked for bytes [{start}, {end}), got {len(data)} bytes "
+                         "(does the server support HTTP Range requests?)")
+    return data
+  return call
 
 
 def read_ranges(requests: Sequence[tuple[str | os.PathLike, int, int]]) -> list[bytes]:
   """The bytes [start, end) of each (path, start, end), in order. Local files are read
   directly; remote ones with one ranged request each, concurrently, retried."""
+  texts = [os.fspath(path) for path, _, _ in requests]
   out: list[bytes | None] = [None] * len(requests)
-  remote: dict[str, list[int]] = {}
-  for i, (path, start, end) in enumerate(requests):
-    text = os.fspath(path)
-    if is_url(text):
-      remote.setdefault(scheme(text).replace("https", "http"), []).append(i)
-    else:
+  for i, (text, (_, start, end)) in enumerate(zip(texts, requests)):
+    if not is_url(text):
       with open(text, "rb") as f:
         f.seek(start)
         out[i] = f.read(end - start)
-  for indices in remote.values():
-    fs = filesystem(os.fspath(requests[indices[0]][0]))
-
-    def ranged(text, start, end):
-      async def call():
-        data = await fs._cat_file(text, start=start, end=end)  # pylint: disable=protected-access
-        if len(data) != end - start:
-          # A server that ignores Range sends the whole file: never take it for the range.
-          raise StorageError(f"{text}: asked for bytes [{start}, {end}), got {len(data)} bytes "
-                             "(does the server support HTTP Range requests?)")
-        return data
-      return _retried(call, text)
-
-    by_host: dict[str, list[Any]] = {}
-    order_by_host: dict[str, list[int]] = {}
-    for i in indices:
-      path, start, end = requests[i]
-      text = os.fspath(path)
-      by_host.setdefault(_host(text), []).append(ranged(text, start, end))
-      order_by_host.setdefault(_host(text), []).append(i)
-    order = [i for host in by_host for i in order_by_host[host]]
-    for i, data in zip(order, _run(fs, by_host)):
-      out[i] = data
+  remote = [i for i, t in enumerate(texts) if is_url(t)]
+  chunks = _remote_all([(texts[i], _ranged(*requests[i][1:])) for i in remote])
+  for i, chunk in zip(remote, chunks):
+    out[i] = chunk
   return out  # type: ignore[return-value]
 
 

@@ -53,7 +53,7 @@ def token_counts(paths: Sequence[str | os.PathLike], kind: str = "token file",
       storage.check_supported(text, what=kind)
     except ValueError as e:
       raise DataError(str(e)) from None
-  found = (size_cache or storage.SizeCache(None)).sizes(texts)
+  found = (size_cache.sizes if size_cache else storage.sizes)(texts)
   return [_count(t, n, kind) for t, n in zip(texts, found)]
 
 
