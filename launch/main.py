@@ -311,9 +311,9 @@ def main(argv: list[str]) -> None:
 
   check_init_from(exp, workdir)
   # Remote files' sizes: the run's own cache when it has one (a resume does not look thousands
-  # of files up again); nothing is written here, before anything is decided: the trainer
-  # writes what was looked up once it starts.
-  size_cache = storage.SizeCache(storage.join(workdir, FILE_SIZES), persist=False)
+  # of files up again); it is not saved here, before anything is decided: the trainer saves
+  # what was looked up once it starts.
+  size_cache = storage.SizeCache(storage.join(workdir, FILE_SIZES))
   try:  # the token files exist (their contents are checked when the run starts)
     check_data_root(exp)
     source = sources.token_files(

@@ -320,13 +320,11 @@ class SizeCache:
   """Remote files' sizes, read once and kept in a JSON file (`path`, e.g. in the workdir), so a
   resumed run does not look up thousands of files again (OLMo-core keeps the same kind of
   cache). Local files are never cached: a stat costs nothing. A cached URL is trusted as its
-  size: replace a remote file under a new name. With `persist=False` the file is read but not
-  written (a launcher's checks, before it has decided to write anything); sizes looked up
-  meanwhile are written once `persist` is set and sizes are asked for again."""
+  size: replace a remote file under a new name. Sizes looked up are remembered; `save` writes
+  them (a launcher's checks look up without writing, before it has decided to write anything)."""
 
-  def __init__(self, path: str | os.PathLike | None, persist: bool = True):
+  def __init__(self, path: str | os.PathLike | None):
     self.path = None if path is None else os.fspath(path)
-    self.persist = persist
     self._known: dict[str, int] = {}
     self._unsaved = False
     if self.path is not None and exists(self.path):
@@ -343,7 +341,10 @@ class SizeCache:
     if fresh:
       self._known.update(fresh)
       self._unsaved = True
-    if self._unsaved and self.persist and self.path is not None:
+    return [self._known[t] if t in self._known else found[t] for t in texts]
+
+  def save(self) -> None:
+    """Writes the sizes to `path` if any were looked up since it was read."""
+    if self._unsaved and self.path is not None:
       write_bytes_atomic(self.path, json.dumps(self._known, indent=0, sort_keys=True).encode())
       self._unsaved = False
-    return [self._known[t] if t in self._known else found[t] for t in texts]

@@ -44,7 +44,10 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
   cache = tmp_path / "sizes.json"
   with RangeServer(os.fspath(token_dir), latency_s=0.02) as server:
     urls = [f"{server.url}/{i}.npy" for i in range(3)]
-    remote = TokenFiles(urls, 128, VOCAB, size_cache=storage.SizeCache(cache))
+    sizes = storage.SizeCache(cache)
+    remote = TokenFiles(urls, 128, VOCAB, size_cache=sizes)
+    assert not cache.exists()  # looked up, not yet saved (a launcher's checks write nothing)
+    sizes.save()
     assert remote.file_tokens.tolist() == local.file_tokens.tolist()
     assert json.loads(cache.read_text()) == {u: int(n) * 4 for u, n in
                                              zip(urls, local.file_tokens)}

@@ -218,8 +218,8 @@ def _train(exp: Experiment, workdir: str, name: str, model: ShardedModel | None,
   with model.context():
     with logs.Heartbeat(f"reading the training data ({exp.data.mix or 'data.paths'})"):
       cache = size_cache or storage.SizeCache(storage.join(workdir, FILE_SIZES))
-      cache.persist = True
       source = sources.token_files(exp.data, exp.model.vocab_size, size_cache=cache)
+      cache.save()
     logging.info("training data: %d files, sources %s, %d instances of %d tokens",
                  len(source.paths), list(source.source_names), len(source), exp.data.seq_len)
     step_fn = jit_train_step(exp, model, layout, len(source.source_names))
