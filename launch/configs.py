@@ -374,7 +374,7 @@ class RunRecord:
     `experiment` is the plain Experiment (Experiment.to_dict) the run executes."""
     self.workdir.mkdir(parents=True, exist_ok=True)
     history = self.history()
-    previous = self.latest()
+    previous = read_config(self.workdir / history[-1].config) if history else None
     revision = history[-1].revision if history else 0
     if previous is None or diff(previous, cfg):
       revision = (max(h.revision for h in history) + 1) if history else 0
