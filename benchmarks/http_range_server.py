@@ -1,7 +1,8 @@
 """A local HTTP server for token files, as AI2 serves them: GET with `Range: bytes=a-b` (206),
 HEAD with the size, keep-alive; plus what a test or benchmark of remote reading needs: a fixed
 latency added to every request (a far-away host), transient failures injected on purpose
-(HTTP 503 for the first k requests of each file), and request counts.
+(HTTP 503 for the first k requests of each file), request counts and the most requests it
+served at once.
 
 Used by tests/test_storage.py and benchmarks/data_loader.py. Binds 127.0.0.1 only.
 
@@ -27,6 +28,7 @@ class RangeServer:
     self.directory = os.path.abspath(directory)
     self.latency_s, self.fail_first, self.honour_range = latency_s, fail_first, honour_range
     self.requests: collections.Counter[str] = collections.Counter()  # "GET /a.npy" -> count
+    self.in_flight = self.max_in_flight = 0  # requests being served: now, and at most at once
     self._lock = threading.Lock()
     server = self
 
@@ -56,6 +58,16 @@ class RangeServer:
           self.wfile.write(body)
 
       def _serve(self) -> None:
+        with server._lock:
+          server.in_flight += 1
+          server.max_in_flight = max(server.max_in_flight, server.in_flight)
+        try:
+          self._respond()
+        finally:
+          with server._lock:
+            server.in_flight -= 1
+
+      def _respond(self) -> None:
         if server.latency_s:
           time.sleep(server.latency_s)
         n = self._count()

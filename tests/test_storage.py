@@ -52,12 +52,12 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
     assert json.loads(cache.read_text()) == {u: int(n) * 4 for u, n in
                                              zip(urls, local.file_tokens)}
     heads = sum(server.requests[f"HEAD /{i}.npy"] for i in range(3))
-    start = time.perf_counter()
+    server.max_in_flight = 0  # the size lookups' HEADs above do not count
     np.testing.assert_array_equal(remote.read(instances), local.read(instances))
-    elapsed = time.perf_counter() - start
-    # One ranged GET per instance, in flight together: far less than one latency each.
+    # One ranged GET per instance, in flight together (the 20 ms each keeps them overlapping),
+    # never more at once than the per-host bound.
     assert server.get_requests() == len(instances)
-    assert elapsed < 0.5 * len(instances) * 0.02, elapsed
+    assert 1 < server.max_in_flight <= storage.concurrency(), server.max_in_flight
     again = TokenFiles(urls, 128, VOCAB, size_cache=storage.SizeCache(cache))  # a resumed run
     assert sum(server.requests[f"HEAD /{i}.npy"] for i in range(3)) == heads  # none looked up
     assert again.file_tokens.tolist() == local.file_tokens.tolist()
