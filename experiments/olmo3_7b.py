@@ -24,6 +24,7 @@ from olmo3.config import (AttentionKernel, CheckpointConfig, DataConfig, DType, 
                           olmo3_7b)
 from olmo3.perf.flags import FLAG_SETS
 from olmo3.remat import Mode, Name
+from olmo3.run.record import workdir_of
 
 STAGE1_STEPS = 1_413_814  # one epoch of the Dolma 3 mix at 512 x 8192 tokens (≈ 5.93T tokens)
 STAGE2_STEPS = 47_684  # ceil(100e9 / (256 x 8192)): the midtraining script's 100B-token duration
@@ -114,7 +115,7 @@ def stage2() -> fdl.Config[Experiment]:
   cfg.optimizer.decay_steps = STAGE2_STEPS
   cfg.train.steps = STAGE2_STEPS
   cfg.train.stop_at_epoch = None  # the midtraining script stops at its 100B tokens only
-  cfg.checkpoint.init_from = "runs/olmo3_7b.stage1"
+  cfg.checkpoint.init_from = workdir_of(stage1)  # runs/olmo3_7b.stage1
   return cfg
 
 

@@ -4,13 +4,13 @@
   python launch/main.py --fdl_config=experiments.olmo3_tiny:stage2   # anneals from stage 1
   python launch/diff.py experiments.olmo3_7b:stage2 experiments.olmo3_tiny:stage2
 
-Each stage is the 7B's (experiments/olmo3_7b.py) passed through `shrink`, so every recipe
-choice there (optimizer, clipping, z-loss, schedule shape, seeds, step skipping, stage-2
-initialisation) reaches the run that tests it. `shrink` changes size fields (model shape,
-batch, steps, schedule lengths, cadences, LR scale), data fields (the embedded corpus, its
-held-out split and tokenizer, zero-shot task variants) and, through `cpu`, the machine fields
-a CPU needs (XLA attention instead of TPU splash, float32 compute, no TPU flags, no Grain
-worker processes).
+Each stage is the 7B's (experiments/olmo3_7b.py) passed through `laptop_stage`, so every
+recipe choice there (optimizer, clipping, z-loss, schedule shape, seeds, step skipping, stage-2
+initialisation) reaches the run that tests it. `laptop_stage` changes size fields
+(`laptop_size`: model shape, batch, steps, schedule lengths, cadences, LR scale), data fields
+(the embedded corpus, its held-out split and tokenizer, zero-shot task variants) and, through
+`cpu`, the machine fields a CPU needs (XLA attention instead of TPU splash, float32 compute, no
+TPU flags, no Grain worker processes).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import fiddle as fdl
 
 from experiments import olmo3_7b
 from olmo3.config import AttentionKernel, DType, Experiment, Schedule, olmo3_tiny
+from olmo3.run.record import workdir_of
 
 # The tiny model's shape (2,902,144 parameters; an 8k BPE vocabulary trained on the corpus).
 SIZE_FIELDS = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -43,12 +44,13 @@ def cpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
   return cfg
 
 
-def shrink(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | None = None
-           ) -> fdl.Config[Experiment]:
-  """Fiddler: a 7B stage at laptop size, `steps` long, on the embedded corpus, evaluating the
-  training data's held-out split (the embedded corpus's, or that of a prepared directory set as
-  data.mix) and 20 documents of each TASKS task, tokenized with the data's tokenizer."""
-  shrink_model(cfg, steps)
+def laptop_stage(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | None = None
+                 ) -> fdl.Config[Experiment]:
+  """Fiddler: a 7B stage at laptop size (`laptop_size`), `steps` long, on the embedded corpus,
+  evaluating the training data's held-out split (the embedded corpus's, or that of a prepared
+  directory set as data.mix) and 20 documents of each TASKS task, tokenized with the data's
+  tokenizer."""
+  laptop_size(cfg, steps)
   if workdir_of_stage1 is not None:
     cfg.checkpoint.init_from = workdir_of_stage1
   # The training data's own held-out split and tokenizer (olmo3.data.sources.resolve): the
@@ -59,12 +61,12 @@ def shrink(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | Non
   return cfg
 
 
-def shrink_model(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Experiment]:
+def laptop_size(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Experiment]:
   """Fiddler: a 7B stage's model, batch and schedule at laptop size, `steps` long, on the
   embedded corpus, keeping the stage's evaluation (held-out mixes, task list, cadence scaled
   with the run). The held-out mixes resolve against eval.heldout_root or data.root as usual and
   must hold tokens of the tiny tokenizer; tasks are prepared with eval.tokenizer. E.g.
-  --fiddler='experiments.olmo3_tiny:shrink_model' --fdl_set=eval.tokenizer='"embedded"'
+  --fiddler='experiments.olmo3_tiny:laptop_size' --fdl_set=eval.tokenizer='"embedded"'
   --fdl_set=eval.heldout_root='"DIR"' --fdl_set=eval.task_limit=4."""
   tiny = olmo3_tiny()
   for field in SIZE_FIELDS:
@@ -93,13 +95,13 @@ def shrink_model(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Exp
 
 def stage1() -> fdl.Config[Experiment]:
   """Stage 1: 16 x 256 tokens per step, 100 steps, peak LR 3e-3 after 10 warmup steps."""
-  return shrink(olmo3_7b.stage1(), steps=100)
+  return laptop_stage(olmo3_7b.stage1(), steps=100)
 
 
 def stage2() -> fdl.Config[Experiment]:
   """Stage 2: 8 x 256 tokens per step, 40 steps, LR 2.07e-3 linear to 0, initialised from
   stage 1's final checkpoint (parameters and moments)."""
-  return shrink(olmo3_7b.stage2(), steps=40, workdir_of_stage1="runs/olmo3_tiny.stage1")
+  return laptop_stage(olmo3_7b.stage2(), steps=40, workdir_of_stage1=workdir_of(stage1))
 
 
 def memorize() -> fdl.Config[Experiment]:

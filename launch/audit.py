@@ -15,7 +15,7 @@ import sys
 import fiddle as fdl
 from absl import app, flags
 
-from launch import configs
+from launch import refs
 from olmo3.data import audit
 
 CONFIG = flags.DEFINE_string(
@@ -41,11 +41,11 @@ def main(argv: list[str]) -> int:
   if len(argv) > 1:
     sys.exit(f"error: unexpected arguments: {argv[1:]}\n"
              "Run 'python launch/audit.py --help' for the flags.")
-  configs.make_cwd_importable()
+  refs.make_cwd_importable()
   try:
-    exp = fdl.build(configs.resolve(CONFIG.value, SETS.value))
-  except (configs.ConfigRefError, ValueError, TypeError) as e:  # one line, not the usage text
-    sys.exit(f"error: {configs.message(e)}\nRun 'python launch/audit.py --help' for the flags.")
+    exp = fdl.build(refs.resolve(CONFIG.value, SETS.value))
+  except (refs.ConfigRefError, ValueError, TypeError) as e:  # one line, not the usage text
+    sys.exit(f"error: {refs.message(e)}\nRun 'python launch/audit.py --help' for the flags.")
   return audit.main(audit_argv(), data=exp.data)
 
 

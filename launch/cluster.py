@@ -26,7 +26,7 @@ import sys
 import fiddle as fdl
 from absl import app, flags
 
-from launch import configs, jobs
+from launch import jobs, refs
 from olmo3.config import Experiment
 
 FDL_CONFIG = flags.DEFINE_string(
@@ -109,19 +109,19 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    configs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/cluster.py")
-  configs.make_cwd_importable()
+    refs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/cluster.py")
+  refs.make_cwd_importable()
   if not FDL_CONFIG.value:
-    configs.usage_error("--fdl_config is required, e.g. experiments.olmo3_7b:stage1",
+    refs.usage_error("--fdl_config is required, e.g. experiments.olmo3_7b:stage1",
                         "launch/cluster.py")
   if TARGET.value is None:
-    configs.usage_error("--target is required: gke, xpk or slurm", "launch/cluster.py")
+    refs.usage_error("--target is required: gke, xpk or slurm", "launch/cluster.py")
   try:
-    cfg = configs.resolve(FDL_CONFIG.value, SETS.value, FIDDLERS.value)
+    cfg = refs.resolve(FDL_CONFIG.value, SETS.value, FIDDLERS.value)
     exp = fdl.build(cfg)
     text, submit, stdin = render(TARGET.value, exp)
-  except (configs.ConfigRefError, ValueError, TypeError) as e:  # LaunchError too: one line
-    sys.exit(f"error: {configs.message(e)}")
+  except (refs.ConfigRefError, ValueError, TypeError) as e:  # LaunchError too: one line
+    sys.exit(f"error: {refs.message(e)}")
   if DRY_RUN.value:
     sys.stdout.write(text)
     return

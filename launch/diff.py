@@ -6,8 +6,8 @@
 
 Each side is an experiment reference (module:function) or a run workdir: the config revision
 that produced its newest checkpoint, or with `WORKDIR@STEP` the one that produced checkpoint
-STEP (a run resumed with a resumable change holds several; olmo3/eval/revisions.py has the
-rule). Programmatic use: `launch.configs.diff(configs.load_any(a), configs.load_any(b))`.
+STEP (a run resumed with a resumable change holds several; olmo3/run/record.py has the
+rule). Programmatic use: `launch.diffs.diff(config_files.load_any(a), config_files.load_any(b))`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import sys
 
 from absl import app, flags
 
-from launch import configs
+from launch import config_files, diffs, refs
 
 JSON = flags.DEFINE_bool("json", False, "print a JSON list of changes")
 
 
-def format_table(changes: list[configs.Change], a: str, b: str) -> str:
+def format_table(changes: list[diffs.Change], a: str, b: str) -> str:
   if not changes:
     return "no differences"
   width = max(len(c.path) for c in changes)
@@ -34,12 +34,12 @@ def main(argv: list[str]) -> None:
     sys.exit(f"error: expected two experiments or run workdirs (A B), got {argv[1:]}\n"
              "Run 'python launch/diff.py --help' for usage.")
   a, b = argv[1:]
-  configs.make_cwd_importable()
+  refs.make_cwd_importable()
   try:
-    changes = configs.diff(configs.load_any(a), configs.load_any(b))
-  except configs.ConfigRefError as e:  # one line, not the usage text
+    changes = diffs.diff(config_files.load_any(a), config_files.load_any(b))
+  except refs.ConfigRefError as e:  # one line, not the usage text
     sys.exit(f"error: {e}")
-  print(configs.diff_json(changes) if JSON.value else format_table(changes, a, b))
+  print(diffs.diff_json(changes) if JSON.value else format_table(changes, a, b))
 
 
 if __name__ == "__main__":

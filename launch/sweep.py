@@ -46,7 +46,7 @@ import fiddle as fdl
 from absl import app, flags
 from etils import epath
 
-from launch import configs
+from launch import refs
 from olmo3.data import sources
 from olmo3.perf import flags as flags_lib
 
@@ -110,12 +110,12 @@ def window(steps: int, repeats: int) -> int:
 def apply(cfg: fdl.Config, overrides: dict[str, Any]) -> fdl.Config:
   """A variant's overrides, each checked (a bad path raises ConfigRefError naming it)."""
   for path, value in overrides.items():
-    configs.set_field(cfg, path, value, f"sweep override {path!r}")
+    refs.set_field(cfg, path, value, f"sweep override {path!r}")
   return cfg
 
 
 def variant_config(sweep: Sweep, overrides: dict[str, Any]) -> fdl.Config:
-  return apply(configs.resolve(sweep.fdl_config, sweep.fdl_set), overrides)
+  return apply(refs.resolve(sweep.fdl_config, sweep.fdl_set), overrides)
 
 
 def run_variant(exp, compile_only: str | None, steps: int | None,
@@ -131,6 +131,7 @@ def run_variant(exp, compile_only: str | None, steps: int | None,
             "temp_gb": round(r.temp_gb, 3), "compiled_tflops": r.compiled_tflops_per_step,
             "analytic_tflops": r.analytic_tflops_per_step, "compile_s": round(r.compile_s, 1)}
   from olmo3 import metrics as metrics_lib
+  from olmo3.run.plan import RunPlan
   from olmo3.train.loop import train
 
   # The loop logs a row every `k` steps, each timing the steps since the previous row (the
@@ -144,7 +145,7 @@ def run_variant(exp, compile_only: str | None, steps: int | None,
       eval=dataclasses.replace(exp.eval, tasks=()),
       checkpoint=dataclasses.replace(exp.checkpoint, every=10**9, init_from=None))
   with tempfile.TemporaryDirectory() as workdir:
-    last = train(exp, workdir)
+    last = train(RunPlan.build(exp, workdir))
     rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   row = {"fits": True, **steady_state(rows, k, repeats), "repeats": repeats,
          "steps_per_repeat": k, "loss": last.get("loss")}
@@ -320,16 +321,16 @@ def _build(sweep: Sweep, overrides: dict[str, Any]):
   try:
     return fdl.build(variant_config(sweep, overrides))
   except (ValueError, TypeError) as e:  # ConfigRefError included; Experiment's own checks
-    raise configs.ConfigRefError(f"variant {configs.variant_name(overrides)}: {e}") from None
+    raise refs.ConfigRefError(f"variant {refs.variant_name(overrides)}: {e}") from None
 
 
 def _worker(sweep: Sweep, indices: list[int], results: str) -> None:
-  variants = configs.load_sweep(sweep.sweep)
+  variants = refs.load_sweep(sweep.sweep)
   for n, index in enumerate(indices):
     exp = _build(sweep, variants[index])
     if n == 0:  # the caller groups variants by flag set
       flags_lib.apply_to_environ(*_flag_key(exp))  # before JAX starts
-    print(f"--- {configs.variant_name(variants[index])}", flush=True)
+    print(f"--- {refs.variant_name(variants[index])}", flush=True)
     try:
       result = run_variant(exp, sweep.compile_only, sweep.steps, sweep.rank_by == "heldout",
                            sweep.repeats)
@@ -343,32 +344,32 @@ def _worker(sweep: Sweep, indices: list[int], results: str) -> None:
 def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) -> list[dict]:
   """Runs the sweep's variants (or the one named `variant`) and writes the tables."""
   if sweep.rank_by == "heldout" and not sweep.steps:
-    raise configs.ConfigRefError("--rank_by=heldout needs --steps: held-out loss is measured "
+    raise refs.ConfigRefError("--rank_by=heldout needs --steps: held-out loss is measured "
                                  "after training")
   if sweep.steps and window(sweep.steps, sweep.repeats) < MIN_WINDOW:
-    raise configs.ConfigRefError(
+    raise refs.ConfigRefError(
         f"--steps={sweep.steps} with --repeats={sweep.repeats}: needs at least "
         f"{MIN_WINDOW * (sweep.repeats + 1)} steps (an untimed first window, which holds the "
         f"compile, then {sweep.repeats} timed windows, each of at least {MIN_WINDOW} steps)")
-  variants = list(enumerate(configs.load_sweep(sweep.sweep)))
+  variants = list(enumerate(refs.load_sweep(sweep.sweep)))
   if variant:
-    variants = [(i, v) for i, v in variants if configs.variant_name(v) == variant]
+    variants = [(i, v) for i, v in variants if refs.variant_name(v) == variant]
     if not variants:
-      raise configs.ConfigRefError(f"--variant={variant!r}: {sweep.sweep} has no variant of "
+      raise refs.ConfigRefError(f"--variant={variant!r}: {sweep.sweep} has no variant of "
                                    "that name")
 
   # Variants that share a flag set share a worker process (--jobs splits them further). The
   # tables are rewritten after every variant: an interrupted sweep keeps what it measured, and
   # --resume picks it up.
   done = _read_rows(sweep.out) if resume else {}
-  names = {i: configs.variant_name(v) for i, v in variants}
+  names = {i: refs.variant_name(v) for i, v in variants}
   groups: dict[tuple, list[int]] = {}
   for i, overrides in variants:
     if names[i] not in done:
       exp = _build(sweep, overrides)
       # eval.heldout None follows the training data (a prepared directory's held-out split)
-      if sweep.rank_by == "heldout" and not sources.resolve(exp).eval.heldout:
-        raise configs.ConfigRefError(f"variant {names[i]}: --rank_by=heldout needs held-out "
+      if sweep.rank_by == "heldout" and not sources.resolve(exp).exp.eval.heldout:
+        raise refs.ConfigRefError(f"variant {names[i]}: --rank_by=heldout needs held-out "
                                      "sets (eval.heldout is empty)")
       groups.setdefault(_flag_key(exp), []).append(i)
   units = [g[j::sweep.jobs] for g in groups.values() for j in range(min(sweep.jobs, len(g)))]
@@ -395,8 +396,8 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) ->
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    configs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/sweep.py")
-  configs.make_cwd_importable()
+    refs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/sweep.py")
+  refs.make_cwd_importable()
   sweep = Sweep(CONFIG.value, SWEEP.value, tuple(SETS.value), COMPILE_ONLY.value, STEPS.value,
                 OUT.value, JOBS.value, RANK_BY.value, REPEATS.value)
   try:
@@ -404,8 +405,8 @@ def main(argv: list[str]) -> None:
       _worker(sweep, [int(i) for i in _WORKER.value.split(",")], _RESULTS.value)
       return
     rows = run_sweep(sweep, VARIANT.value, RESUME.value)
-  except configs.ConfigRefError as e:
-    configs.usage_error(str(e), "launch/sweep.py")
+  except refs.ConfigRefError as e:
+    refs.usage_error(str(e), "launch/sweep.py")
   print(f"wrote {sweep.out}/results.csv, results.md, results.png ({len(rows)} variants)")
 
 

@@ -15,7 +15,7 @@ import jax
 import pytest
 import yaml
 
-from launch import configs, jobs
+from launch import jobs, refs
 from olmo3 import sharding
 from olmo3.config import MeshConfig
 from olmo3.perf.flags import FLAG_SETS
@@ -27,7 +27,7 @@ DATA_ROOT = "--fdl_set=data.root='\"http://olmo-data.org\"'"
 
 
 def _exp(ref=STAGE1, sets=(), fiddlers=()):
-  return fdl.build(configs.resolve(ref, list(sets), list(fiddlers)))
+  return fdl.build(refs.resolve(ref, list(sets), list(fiddlers)))
 
 
 def _command(*fiddlers):

@@ -15,6 +15,7 @@ import pytest
 from olmo3.data import embedded, prepare, sources, tokens
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.loss import IGNORE
+from olmo3.run.plan import RunPlan
 from olmo3.data.tokens import DataError
 
 ROOT_PATH = pathlib.Path(__file__).resolve().parent.parent
@@ -195,23 +196,24 @@ def test_a_prepared_directory_is_a_mix_with_its_heldout_split_and_tokenizer(tmp_
   assert {f.label for f in train} == {"mine"}  # the directory's name labels the source
   assert paths(f.path for f in sources.read_mix(str(mine / "heldout"))) == paths(
       manifest.files(mine, "heldout"))
-  exp = sources.resolve(_tiny(mine))  # eval.heldout / eval.tokenizer None: from the data
+  exp = sources.resolve(_tiny(mine)).exp  # eval.heldout / eval.tokenizer None: from the data
   assert exp.eval.heldout == (str(mine / "heldout"),)
   assert exp.eval.tokenizer == str(mine / "tokenizer.json")
-  assert sources.resolve(exp) == exp  # idempotent
+  assert sources.resolve(exp).exp == exp  # idempotent
   # A prepared directory named as a held-out set means its held-out split.
-  assert sources.resolve(_tiny(mine, heldout=(str(mine),))).eval.heldout == (
+  assert sources.resolve(_tiny(mine, heldout=(str(mine),))).exp.eval.heldout == (
       str(mine / "heldout"),)
-  view, lines = sources.resolved_view(_tiny(mine))  # what --dry_run prints
-  assert view == exp and f"training data       {mine}: train split, 1 files" in lines
+  plan = RunPlan.build(_tiny(mine), str(tmp_path / "run"))  # what --dry_run prints
+  lines = plan.describe()
+  assert plan.exp == exp and f"training data       {mine}: train split, 1 files" in lines
   assert f"task tokenizer      {mine / 'tokenizer.json'}" in lines
   # The built-in corpus resolves the same way, to its own split and tokenizer.
-  builtin = sources.resolve(_tiny("embedded"))
+  builtin = sources.resolve(_tiny("embedded")).exp
   assert builtin.eval.heldout == ("embedded-heldout",) and builtin.eval.tokenizer == "embedded"
   # No held-out documents: no held-out set (and no error).
   bare = prepare.prepare(inputs, tokenizer_file, str(tmp_path / "bare"), 0.0, progress=False)
   assert bare.splits["heldout"]["documents"] == 0
-  assert sources.resolve(_tiny(tmp_path / "bare")).eval.heldout == ()
+  assert sources.resolve(_tiny(tmp_path / "bare")).exp.eval.heldout == ()
 
 
 def test_held_out_sets_and_tokenizers_that_do_not_match_the_training_data_are_refused(
@@ -238,7 +240,7 @@ def test_held_out_sets_and_tokenizers_that_do_not_match_the_training_data_are_re
                                       rf"of the training data \({mine}/tokenizer.json"):
     sources.resolve(_tiny(mine, tokenizer=str(other_tok)))
   # The same tokenizer under another name (the file prepare was given) is accepted.
-  assert sources.resolve(_tiny(mine, tokenizer=tokenizer_file)).eval.tokenizer == tokenizer_file
+  assert sources.resolve(_tiny(mine, tokenizer=tokenizer_file)).exp.eval.tokenizer == tokenizer_file
   exp = _tiny(mine)
   with pytest.raises(DataError, match=r"mine/manifest.json: its documents end with EOS id 0 .*"
                                       r"but ModelConfig.eos_token_id=5"):

@@ -6,7 +6,7 @@ import fiddle as fdl
 import pytest
 
 from experiments import olmo3_7b, olmo3_tiny
-from launch import configs
+from launch import diffs, refs
 from olmo3 import config
 
 SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
@@ -27,7 +27,7 @@ def _field(path: str) -> str:
 
 @pytest.mark.parametrize("stage", ["stage1", "stage2"])
 def test_tiny_differs_from_the_7b_only_in_size_data_and_machine(stage):
-  changes = configs.diff(getattr(olmo3_7b, stage)(), getattr(olmo3_tiny, stage)())
+  changes = diffs.diff(getattr(olmo3_7b, stage)(), getattr(olmo3_tiny, stage)())
   changed = {_field(c.path) for c in changes}
   assert changed - (SIZE | DATA | MACHINE) == set()
   # What it must change: the corpus, the shape, the steps; the recipe's numbers stay.
@@ -74,16 +74,16 @@ def test_resumable_fields_are_the_marked_ones():
       "data.device_prefetch", "wandb.mode", "wandb.project", "wandb.entity", "wandb.name"}
   old, new = olmo3_tiny.stage1(), olmo3_tiny.stage1()
   new.train.steps, new.mesh.shape = 200, (("data", 2), ("fsdp", -1))
-  assert configs.unresumable_changes(old, new) == []
+  assert diffs.unresumable_changes(old, new) == []
   new.optimizer.peak_lr = 1e-3
-  assert [c.path for c in configs.unresumable_changes(old, new)] == ["optimizer.peak_lr"]
+  assert [c.path for c in diffs.unresumable_changes(old, new)] == ["optimizer.peak_lr"]
 
 
-def test_shrink_model_keeps_the_7b_evaluation():
+def test_laptop_size_keeps_the_7b_evaluation():
   """The fiddler that runs the 7B's evaluation path at tiny size changes no eval field but the
   batch (16 rows split over 8 CPU devices)."""
   big = fdl.build(olmo3_7b.stage1())
-  small = fdl.build(olmo3_tiny.shrink_model(olmo3_7b.stage1()))
+  small = fdl.build(olmo3_tiny.laptop_size(olmo3_7b.stage1()))
   assert small.eval == dataclasses.replace(big.eval, batch_size=16)
   assert small.model.d_model == olmo3_tiny.olmo3_tiny().d_model and small.train.steps == 50
   assert big.eval.heldout == ("v3-small-ppl-validation",) and len(big.eval.tasks) == 26
@@ -102,8 +102,8 @@ def test_head_shape_sweeps_change_the_heads_alone(module, shapes):
   for overrides in module.head_shape_sweep():
     cfg = module.stage1()
     for path, value in overrides.items():
-      configs.set_field(cfg, path, value)
-    assert {c.path for c in configs.diff(module.stage1(), cfg)} <= {
+      refs.set_field(cfg, path, value)
+    assert {c.path for c in diffs.diff(module.stage1(), cfg)} <= {
         "model.n_heads", "model.n_kv_heads", "train.seed"}
     exp = fdl.build(cfg)  # validates
     model = exp.model
@@ -111,5 +111,5 @@ def test_head_shape_sweeps_change_the_heads_alone(module, shapes):
     assert model.param_count == base.param_count
     assert model.flops_per_token(exp.data.seq_len) == base.flops_per_token(exp.data.seq_len)
     seen.add((model.n_heads, model.head_dim))
-    names.add(configs.variant_name(overrides))
+    names.add(refs.variant_name(overrides))
   assert seen == shapes and len(names) == len(module.head_shape_sweep())

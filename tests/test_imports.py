@@ -13,7 +13,7 @@ LAYERS = (
     ("olmo3.config",),
     ("olmo3.sharding", "olmo3.flops", "olmo3.checkpoint"),
     ("olmo3.model", "olmo3.data"),
-    ("olmo3.sharded", "olmo3.convert"),
+    ("olmo3.sharded", "olmo3.convert", "olmo3.run"),
     ("olmo3.eval",),
     ("olmo3.train",),
     ("olmo3.perf",),

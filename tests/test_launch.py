@@ -9,7 +9,8 @@ import sys
 import fiddle as fdl
 import pytest
 
-from launch import configs
+from launch import config_files, diffs, refs
+from olmo3.run import record
 from olmo3 import metrics as metrics_lib
 from tests.test_reliability import straight  # noqa: F401  (the trained run, shared)
 
@@ -31,7 +32,8 @@ def _main(*args, timeout=600, check=True):
 
 def _record(workdir, cfg):
   """A run record as the launcher's first launch writes it."""
-  configs.RunRecord(str(workdir)).begin(cfg, fdl.build(cfg).to_dict(), ["x"], 0)
+  record.RunRecord(str(workdir)).begin(config_files.revision(None, cfg), fdl.build(cfg).to_dict(),
+                                       ["x"], 0)
 
 
 def test_7b_stage2_dry_run():
@@ -99,8 +101,8 @@ def test_bad_overrides_fail_clearly(flag, message):
 
 
 def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
-  changes = configs.diff(configs.load("experiments.olmo3_7b:stage1"),
-                         configs.load("experiments.olmo3_7b:stage2"))
+  changes = diffs.diff(refs.load("experiments.olmo3_7b:stage1"),
+                         refs.load("experiments.olmo3_7b:stage2"))
   assert {c.path for c in changes} == {
       "data.global_batch_size", "data.mix", "data.seed", "optimizer.peak_lr",
       "optimizer.schedule", "optimizer.warmup_steps", "optimizer.final_lr",
@@ -144,16 +146,16 @@ def test_diff_bad_arguments_fail_clearly(args, message):
 
 
 def test_set_field_checks_the_whole_path():
-  cfg = configs.load("experiments.olmo3_tiny:stage1")
-  configs.set_field(cfg, "train.steps", 7)
+  cfg = refs.load("experiments.olmo3_tiny:stage1")
+  refs.set_field(cfg, "train.steps", 7)
   assert cfg.train.steps == 7
-  with pytest.raises(configs.ConfigRefError, match=r"^'trian.steps': trian is not a config"):
-    configs.set_field(cfg, "trian.steps", 7)
-  with pytest.raises(configs.ConfigRefError,
+  with pytest.raises(refs.ConfigRefError, match=r"^'trian.steps': trian is not a config"):
+    refs.set_field(cfg, "trian.steps", 7)
+  with pytest.raises(refs.ConfigRefError,
                      match=r"^'mesh.shape.data': mesh.shape is not a config"):
-    configs.set_field(cfg, "mesh.shape.data", 2)
-  with pytest.raises(configs.ConfigRefError, match=r"^'train.stepz': TrainConfig has no field"):
-    configs.set_field(cfg, "train.stepz", 7)
+    refs.set_field(cfg, "mesh.shape.data", 2)
+  with pytest.raises(refs.ConfigRefError, match=r"^'train.stepz': TrainConfig has no field"):
+    refs.set_field(cfg, "train.stepz", 7)
   assert not hasattr(cfg.train, "stepz") and cfg.train.steps == 7
 
 
@@ -201,12 +203,12 @@ def test_sweep_ranks_by_heldout_loss_lowest_first(tmp_path):
         "experiments.olmo3_tiny:stage1", "experiments.olmo3_tiny:head_shape_sweep", sets,
         compile_only, steps, str(tmp_path / "out"), rank_by="heldout"))
 
-  with pytest.raises(configs.ConfigRefError, match="--rank_by=heldout needs --steps"):
+  with pytest.raises(refs.ConfigRefError, match="--rank_by=heldout needs --steps"):
     run("local", None)
-  with pytest.raises(configs.ConfigRefError, match=r"^--steps=7 with --repeats=3: needs at "
+  with pytest.raises(refs.ConfigRefError, match=r"^--steps=7 with --repeats=3: needs at "
                      r"least 8 steps \(an untimed first window"):
     run(None, 7)
-  with pytest.raises(configs.ConfigRefError, match=r"eval.heldout is empty"):
+  with pytest.raises(refs.ConfigRefError, match=r"eval.heldout is empty"):
     run(None, 8, "eval.heldout=()")
   assert not (tmp_path / "out").exists()
 
@@ -274,8 +276,8 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   assert [e.step for e in events.Scalars("loss")] == list(range(1, 13))
   assert "eval/embedded/ce_loss" in events.Tags()["scalars"]
   # The run record loads back and builds the same experiment.
-  record = configs.from_workdir(str(s1))
-  cfg = configs.resolve("experiments.olmo3_tiny:stage1",
+  record = config_files.from_workdir(str(s1))
+  cfg = refs.resolve("experiments.olmo3_tiny:stage1",
                         [a.removeprefix("--fdl_set=") for a in TINY_FAST]
                         + ["train.steps=12", "train.eval_every=4", "train.log_every=1"])
   assert fdl.build(record) == fdl.build(cfg)
@@ -288,15 +290,15 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   assert [r["step"] for r in rows2 if "loss" in r] == [4]  # log_every 5: the last step only
   assert rows2[-1]["eval/embedded/ce_loss"] < evals[-1] + 0.5  # continues from stage 1
   assert sorted(p.name for p in (s2 / "checkpoints").iterdir()) == ["4"]
-  changes = {c.path for c in configs.diff(configs.from_workdir(str(s1)),
-                                           configs.from_workdir(str(s2)))}
+  changes = {c.path for c in diffs.diff(config_files.from_workdir(str(s1)),
+                                           config_files.from_workdir(str(s2)))}
   assert {"data.seed", "checkpoint.init_from", "optimizer.schedule"} <= changes
   # (Standalone evaluation of a checkpoint equals the in-loop numbers:
   # tests/test_reliability.py::test_two_processes_train_save_and_resume_on_another_mesh.)
 
 
 def test_workdir_of_another_experiment_is_refused(tmp_path):
-  _record(tmp_path, configs.load("experiments.olmo3_tiny:stage1"))
+  _record(tmp_path, refs.load("experiments.olmo3_tiny:stage1"))
   done = _main("--fdl_config=experiments.olmo3_tiny:stage2", f"--workdir={tmp_path}", *TINY_FAST,
                "--fdl_set=train.steps=1", check=False)
   assert done.returncode != 0 and "holds a run of a different config" in done.stderr
@@ -350,9 +352,9 @@ def _evil_workdir(tmp_path, bypass):
   through `bypass`; evilmod.py (which touches SIDE when imported) beside it. Returns SIDE."""
   side = tmp_path / "side_effect"
   (tmp_path / "evilmod.py").write_text(EVILMOD.format(side=str(side)))
-  cfg = configs.load("experiments.olmo3_tiny:stage1")
+  cfg = refs.load("experiments.olmo3_tiny:stage1")
   cfg.train.steps = fdl.Config(subprocess.getoutput, f"touch {side}")
-  dumped = configs.dump(cfg)
+  dumped = config_files.dump(cfg)
   text = BYPASSES[bypass](dumped)
   assert dumped.count('"module": "subprocess"') == 1 and (text != dumped or bypass == "plain")
   (tmp_path / "wd").mkdir()
@@ -366,8 +368,8 @@ def test_a_config_json_naming_other_code_is_refused_before_any_import(tmp_path, 
   side = _evil_workdir(tmp_path, bypass)
   monkeypatch.syspath_prepend(str(tmp_path))  # evilmod.py would import: the worst case
   wanted = {"evilmod in the cwd": "'evilmod'", "private name": "'_conform.__globals__'"}
-  with pytest.raises(configs.ConfigRefError, match=r"wd/config\.json: refers to module") as e:
-    configs.from_workdir(str(tmp_path / "wd"))
+  with pytest.raises(refs.ConfigRefError, match=r"wd/config\.json: refers to module") as e:
+    config_files.from_workdir(str(tmp_path / "wd"))
   assert wanted.get(bypass, "'subprocess'") in str(e.value)
   assert "nothing was imported" in str(e.value)
   assert not side.exists() and "evilmod" not in sys.modules
@@ -385,21 +387,21 @@ def test_a_config_json_reaching_other_code_through_an_allowed_module_is_refused(
   path = tmp_path / "wd" / "config.json"
   path.write_text(path.read_text().replace('"module": "subprocess"', f'"module": "{module}"')
                   .replace('"name": "getoutput"', f'"name": "{name}"'))
-  with pytest.raises(configs.ConfigRefError, match=(
+  with pytest.raises(refs.ConfigRefError, match=(
       r"refers to module 'olmo3\.metrics'.*which a config may not name" if module == "olmo3.metrics"
       else rf"refers to olmo3\.config\.{name}, which is not a class or enum member of "
       r"olmo3\.config or olmo3\.remat")):
-    configs.from_workdir(str(tmp_path / "wd"))
+    config_files.from_workdir(str(tmp_path / "wd"))
   assert not side.exists()
 
 
 def test_a_run_record_loads_back_and_builds_the_same_experiment(tmp_path):
-  cfg = configs.load("experiments.olmo3_7b:stage1")
+  cfg = refs.load("experiments.olmo3_7b:stage1")
   _record(tmp_path, cfg)
-  assert fdl.build(configs.from_workdir(str(tmp_path))) == fdl.build(cfg)
+  assert fdl.build(config_files.from_workdir(str(tmp_path))) == fdl.build(cfg)
   (tmp_path / "config.json").write_text("{not json")
-  with pytest.raises(configs.ConfigRefError, match=r"config\.json: not JSON"):
-    configs.from_workdir(str(tmp_path))
+  with pytest.raises(refs.ConfigRefError, match=r"config\.json: not JSON"):
+    config_files.from_workdir(str(tmp_path))
 
 
 def test_resuming_in_a_workdir_with_a_hostile_config_json_stops_in_one_line(tmp_path):
@@ -418,7 +420,7 @@ def test_resuming_in_a_workdir_with_a_hostile_config_json_stops_in_one_line(tmp_
 def test_the_working_directory_goes_last_on_the_import_path(tmp_path, monkeypatch):
   monkeypatch.setattr(sys, "path", list(sys.path))
   monkeypatch.chdir(tmp_path)
-  configs.make_cwd_importable()
+  refs.make_cwd_importable()
   assert sys.path[-1] == str(tmp_path) and sys.path.count(str(tmp_path)) == 1
 
 
@@ -440,7 +442,6 @@ def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revi
   (config.1.json, experiment.1.json, a history line) without touching revision 0, and diff
   and eval read each checkpoint's own revision."""
   from tests import test_reliability as reliability
-  from olmo3.eval import revisions
   from olmo3.eval.__main__ import load_experiment
 
   shared = tmp_path_factory.getbasetemp()
@@ -464,7 +465,7 @@ def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revi
   assert _snapshot(workdir) == before
   done = launch("--fdl_set=train.steps=10")
   assert done.returncode == 0, done.stderr[-3000:]
-  history = revisions.read_history(workdir)
+  history = record.read_history(workdir)
   assert [(h.launch, h.revision, h.start_step, h.config, h.experiment) for h in history] == [
       (1, 0, 0, "config.json", "experiment.json"),
       (2, 1, 9, "config.1.json", "experiment.1.json")]
@@ -473,10 +474,10 @@ def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revi
   for name in ("config.json", "config.txt", "command.txt", "experiment.json"):
     assert after[name] == before[name], f"{name} of revision 0 was rewritten"
   # diff: a workdir means its newest checkpoint's revision; WORKDIR@STEP a given one.
-  assert [(c.path, c.a, c.b) for c in configs.diff(configs.load_any(f"{workdir}@9"),
-                                                   configs.load_any(f"{workdir}@10"))] == [
+  assert [(c.path, c.a, c.b) for c in diffs.diff(config_files.load_any(f"{workdir}@9"),
+                                                   config_files.load_any(f"{workdir}@10"))] == [
       ("train.steps", 9, 10)]
-  assert fdl.build(configs.load_any(str(workdir))).train.steps == 10
+  assert fdl.build(config_files.load_any(str(workdir))).train.steps == 10
   # eval: each checkpoint with the experiment that wrote it.
   assert load_experiment(str(workdir), 9).train.steps == 9
   assert load_experiment(str(workdir), 10).train.steps == 10

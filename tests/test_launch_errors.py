@@ -203,7 +203,7 @@ if __name__ == "__main__":
   # The driver: what every program imports anyway, imported once (JAX starts no backend).
   import fiddle  # noqa: F401
 
-  import launch.configs  # noqa: F401
+  import launch.config_files  # noqa: F401
   import olmo3.checkpoint  # noqa: F401
   import olmo3.data.sources  # noqa: F401
   import olmo3.train.lease  # noqa: F401

@@ -14,7 +14,7 @@ import fiddle as fdl
 import numpy as np
 import pytest
 
-from launch import configs, jobs
+from launch import jobs, refs
 from olmo3 import metrics as metrics_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ def _run(workdir, steps, devices=1, processes=1, extra=()):
     assert done.returncode == 0, done.stderr[-3000:]
     return
   command = jobs.command_from_args(args, python=sys.executable)
-  exp = fdl.build(configs.resolve(command.fdl_config, command.fdl_sets, command.fiddlers))
+  exp = fdl.build(refs.resolve(command.fdl_config, command.fdl_sets, command.fiddlers))
   job = jobs.SlurmJob("reliability", nodes=processes, gpus_per_node=devices,
                       processes=jobs.Processes.PER_NODE, command=command, env=jobs.job_env(exp))
   jobs.check_experiment(exp, jobs.Target.SLURM, job.devices, 1)

@@ -13,6 +13,7 @@ from olmo3.train import optim
 from olmo3.sharded import ShardedModel
 from olmo3.train import state as state_lib
 from olmo3.train.checkpoints import RunCheckpoints
+from olmo3.run.plan import RunPlan
 from olmo3.train.loop import train
 
 from train_helpers import micro_experiment, write_corpus
@@ -54,13 +55,11 @@ def test_adam_moments_are_sharded_like_their_parameters(tmp_path):
 
 def _restored(exp, workdir):
   """The state a run in `workdir` resumes from (its latest checkpoint, or init_from)."""
-  from olmo3.data import sources
-
   model = ShardedModel.for_experiment(exp)
   with model.context():
     return state_lib.restore_or_init(state_lib.StateLayout(exp, model),
                                      RunCheckpoints(f"{workdir}/checkpoints", 10, False),
-                                     sources.token_files(exp.data, exp.model.vocab_size))[0]
+                                     RunPlan.build(exp, str(workdir)))[0]
 
 
 def _losses(workdir):
@@ -112,13 +111,13 @@ def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path, monkeypatch
   path = write_corpus(tmp_path)
   full = micro_experiment(path, steps=8)
   events = _dispatches_and_rows(monkeypatch)
-  train(full, str(tmp_path / "full"))  # checkpoints at 2, 4, 6, 8
+  train(RunPlan.build(full, str(tmp_path / "full")))  # checkpoints at 2, 4, 6, 8
   assert events == ["dispatch 1", "dispatch 2", "row 1", "row 2", "dispatch 3", "dispatch 4",
                     "row 3", "row 4", "dispatch 5", "dispatch 6", "row 5", "row 6",
                     "dispatch 7", "dispatch 8", "row 7", "row 8"]
   first = dataclasses.replace(full, train=dataclasses.replace(full.train, steps=5))
-  train(first, str(tmp_path / "resumed"))  # checkpoints at 2, 4, 5
-  train(full, str(tmp_path / "resumed"))  # resumes from step 5
+  train(RunPlan.build(first, str(tmp_path / "resumed")))  # checkpoints at 2, 4, 5
+  train(RunPlan.build(full, str(tmp_path / "resumed")))  # resumes from step 5
   a, b = _losses(tmp_path / "full"), _losses(tmp_path / "resumed")
   assert sorted(a) == sorted(b) == list(range(1, 9))
   assert a == b  # bit-identical on CPU, step for step
@@ -129,7 +128,7 @@ def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path, monkeypatch
 def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
   path = write_corpus(tmp_path)
   stage1 = micro_experiment(path, steps=4)
-  train(stage1, str(tmp_path / "s1"))
+  train(RunPlan.build(stage1, str(tmp_path / "s1")))
   stage2 = dataclasses.replace(
       stage1, data=dataclasses.replace(stage1.data, seed=1337),
       optimizer=dataclasses.replace(stage1.optimizer, schedule=Schedule.LINEAR, warmup_steps=0,
@@ -143,7 +142,7 @@ def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
     np.testing.assert_array_equal(a, b)
   for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(final1.opt_state)):
     np.testing.assert_array_equal(a, b)  # moments and Adam's count (bias correction) carried
-  train(stage2, str(tmp_path / "s2"))
+  train(RunPlan.build(stage2, str(tmp_path / "s2")))
   assert sorted(_losses(tmp_path / "s2")) == [1, 2, 3]
 
 
@@ -194,7 +193,7 @@ def test_nan_and_spike_steps_are_skipped(tmp_path):
                                    int(order.batch(spike_step - 1)[0]): SPIKE_MARK})
   exp = _skip_experiment(path, steps=30)
   assert exp.data.seed == 1
-  train(exp, str(tmp_path / "run"), model=_Injecting.for_experiment(exp))
+  train(RunPlan.build(exp, str(tmp_path / "run")), model=_Injecting.for_experiment(exp))
   rows = {r["step"]: r for r in metrics_lib.read_jsonl(tmp_path / "run" / "metrics.jsonl")}
   skipped = [s for s in sorted(rows) if rows[s].get("skipped")]
   assert nan_step in skipped and spike_step in skipped and np.isnan(rows[nan_step]["loss"])
@@ -217,10 +216,10 @@ def test_consecutive_nan_steps_stop_the_run(tmp_path):
   path = _marked_corpus(tmp_path, {i: NAN_MARK for i in range(40_000 // 32)})
   exp = _skip_experiment(path, steps=20)
   exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, max_consecutive_skips=3))
-  from olmo3.train.loop import TrainingStopped
+  from olmo3.train.skips import TrainingStopped
 
   with pytest.raises(TrainingStopped, match="3 consecutive steps skipped"):
-    train(exp, str(tmp_path / "run"), model=_Injecting.for_experiment(exp))
+    train(RunPlan.build(exp, str(tmp_path / "run")), model=_Injecting.for_experiment(exp))
 
 
 def test_metric_writer_starts_without_importing_torch(tmp_path):
@@ -241,7 +240,7 @@ def test_metric_writer_starts_without_importing_torch(tmp_path):
 def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
   """Two microbatches per step (each 1/2 of every device's rows) give the losses and gradient
   norms of the whole batch at once, up to float32 summation order; a batch the microbatches
-  cannot split over the devices is refused up front."""
+  cannot split over the devices is refused; speed is reported per device of the run's mesh."""
   from olmo3.data.tokens import DataError
 
   path = write_corpus(tmp_path)
@@ -252,22 +251,29 @@ def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
   accumulated = dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=2))
   devices = jax.devices()[:2]
   for name, exp in (("whole", whole), ("accumulated", accumulated)):
-    train(exp, str(tmp_path / name), model=ShardedModel.for_experiment(exp, devices))
+    train(RunPlan.build(exp, str(tmp_path / name)),
+          model=ShardedModel.for_experiment(exp, devices))
   rows = {name: [r for r in metrics_lib.read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
           for name in ("whole", "accumulated")}
   for key in ("loss", "grad_norm", "tokens", "train/all/ce_loss"):
     np.testing.assert_allclose([r[key] for r in rows["accumulated"]],
                                [r[key] for r in rows["whole"]], rtol=1e-5)
+  # Speed is per device of the run's mesh (2 devices here), not of the machine's 8.
+  flops = whole.model.flops_per_token(whole.data.seq_len) * whole.tokens_per_step
+  for r in rows["whole"]:
+    assert r["tflops_per_device"] * 1e12 * r["step_time_s"] * len(devices) == pytest.approx(
+        flops, rel=1e-9)
   # `paths` files are one source: its loss is the batch's (nothing filtered, a log every step).
   np.testing.assert_allclose([r["train/all/ce_loss"] for r in rows["whole"]],
                              [r["ce_loss"] for r in rows["whole"]], rtol=1e-5)
   with pytest.raises(DataError, match=r"global_batch_size=8 .*TrainConfig.microbatches=8"):
     bad = dataclasses.replace(whole, train=dataclasses.replace(whole.train, microbatches=8))
-    train(bad, str(tmp_path / "bad"), model=ShardedModel.for_experiment(bad, devices))
+    train(RunPlan.build(bad, str(tmp_path / "bad")),
+          model=ShardedModel.for_experiment(bad, devices))
 
 
 def test_source_losses_are_token_means_over_the_interval():
-  from olmo3.train.loop import source_losses
+  from olmo3.train.rows import source_losses
 
   sums = [(np.array([6.0, 0.0, 1.0], np.float32), np.array([2, 0, 1], np.int32)),
           (np.array([3.0, 0.0, 0.0], np.float32), np.array([4, 0, 0], np.int32))]
@@ -283,7 +289,7 @@ def test_a_stage_can_end_with_its_epoch(tmp_path, caplog):
   exp = dataclasses.replace(exp, data=dataclasses.replace(exp.data, max_instances=32),
                             train=dataclasses.replace(exp.train, stop_at_epoch=1))
   with caplog.at_level(logging.WARNING):
-    train(exp, str(tmp_path / "run"))
+    train(RunPlan.build(exp, str(tmp_path / "run")))
   assert "train.steps=10 but epoch 1 of the data ends at step 4" in caplog.text
   assert sorted(_losses(tmp_path / "run")) == [1, 2, 3, 4]
   assert RunCheckpoints(tmp_path / "run" / "checkpoints", 10, False).steps() == [4]

@@ -123,8 +123,11 @@ class Loader:
   """Steps [start_step, start_step + num_steps) of the global sequence."""
 
   def __init__(self, cfg: DataConfig, sharding: jax.sharding.NamedSharding, *, start_step: int,
-               num_steps: int, vocab_size: int | None = None, source: TokenFiles | None = None):
-    check_divisible(cfg.global_batch_size, sharding, "DataConfig.global_batch_size")
+               num_steps: int, vocab_size: int | None = None, source: TokenFiles | None = None,
+               microbatches: int = 1):
+    # The one check of the training batch's split (over devices, and into the train step's
+    # microbatches: TrainConfig.microbatches).
+    check_divisible(cfg.global_batch_size, sharding, "DataConfig.global_batch_size", microbatches)
     self.cfg = cfg
     self.source = source or sources.token_files(cfg, vocab_size)
     self.order = GlobalOrder(instances(cfg, self.source), cfg.global_batch_size, cfg.seed)

@@ -23,7 +23,7 @@ from etils import epath
 from olmo3 import storage
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import embedded, prepare
-from olmo3.data.tokens import DataError, TokenFiles
+from olmo3.data.tokens import UNLABELLED, DataError, TokenFiles
 
 EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout"}  # the built-in corpus's splits
 EMBEDDED_LABEL = "embedded"  # the built-in corpus is one source; both splits carry its label
@@ -87,7 +87,13 @@ def read_mix(mix: str, root: str = "", tokenizer_id: str = "", field: str = "Dat
   labels. A mix file's paths are relative to `root` (a directory or URL) or, without one, to
   the mix file; `{TOKENIZER}` in them becomes `tokenizer_id`. `field` names the config field in
   errors."""
-  split = prepared(mix)
+  return _listed(mix, prepared(mix), root, tokenizer_id, field)
+
+
+def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, field: str
+            ) -> list[MixFile]:
+  """read_mix, given what `prepared(mix)` found (so a caller that needed it reads the
+  manifest once)."""
   if split is not None:
     return [MixFile(split.label, os.fspath(p))
             for p in split.manifest.files(split.directory, split.split)]
@@ -129,17 +135,24 @@ def read_mix(mix: str, root: str = "", tokenizer_id: str = "", field: str = "Dat
   return paths
 
 
-def token_files(cfg: DataConfig, vocab_size: int | None,
-                size_cache: storage.SizeCache | None = None) -> TokenFiles:
-  """The configured training token files, checked at startup: a mix's, each labelled with its
-  source, or `paths`, which form one source (`tokens.UNLABELLED`). Remote files' sizes go
-  through `size_cache` (a run keeps one in its workdir)."""
+def training_files(cfg: DataConfig) -> list[MixFile]:
+  """The configured training token files: a mix's, each labelled with its source, or `paths`
+  (relative to `root` when given), which form one source (`tokens.UNLABELLED`)."""
   if cfg.mix:
-    labels, paths = zip(*read_mix(cfg.mix, cfg.root, cfg.tokenizer_id))
-  else:
-    labels, paths = None, [storage.join(cfg.root, p) if cfg.root else p for p in cfg.paths]
-  return TokenFiles(paths, cfg.seq_len, vocab_size, validate_tokens=cfg.validate_tokens,
-                    labels=labels, size_cache=size_cache)
+    return read_mix(cfg.mix, cfg.root, cfg.tokenizer_id)
+  return [MixFile(UNLABELLED, storage.join(cfg.root, p) if cfg.root else p) for p in cfg.paths]
+
+
+def token_files(cfg: DataConfig, vocab_size: int | None,
+                size_cache: storage.SizeCache | None = None,
+                files: list[MixFile] | None = None) -> TokenFiles:
+  """The training token files (`files`, as `training_files` lists them: listed here when not
+  given), checked at startup. Remote files' sizes go through `size_cache` (a run keeps one in
+  its workdir)."""
+  files = training_files(cfg) if files is None else files
+  labels = [f.label for f in files] if cfg.mix else None
+  return TokenFiles([f.path for f in files], cfg.seq_len, vocab_size,
+                    validate_tokens=cfg.validate_tokens, labels=labels, size_cache=size_cache)
 
 
 def tokenizer_file(name: str) -> str:
@@ -176,25 +189,42 @@ def _same_tokenizer(a: str, b: str) -> bool:
   return all(local) and _file_digest(a) == _file_digest(b)
 
 
-def resolve(exp: Experiment) -> Experiment:
-  """The experiment a run executes: `eval.heldout=None` becomes the held-out split of the
-  training data (`data.mix` a prepared directory; `()` when it has none or the data is no
-  prepared directory), a prepared directory named in `eval.heldout` becomes its heldout split,
-  and `eval.tokenizer=None` the training data's tokenizer. Explicit values are kept. Refuses
-  (DataError, one line naming both) a held-out set or task tokenizer whose tokenizer differs
-  from the training data's, a held-out set that lists a training file, and a tokenizer whose
-  EOS or vocabulary the model does not share. Idempotent: resolving twice changes nothing."""
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """An experiment's data worked out once: the experiment a run executes and the files it
+  reads, each mix and manifest read one time."""
+
+  exp: Experiment  # held-out sets, their root and the task tokenizer filled in (`resolve`)
+  train: tuple[MixFile, ...]  # the training token files, labelled with their sources
+  heldout: tuple[tuple[str, tuple[MixFile, ...]], ...]  # (held-out mix, its files), in order
+
+
+def resolve(exp: Experiment) -> Resolved:
+  """The experiment a run executes and its files: `eval.heldout=None` becomes the held-out
+  split of the training data (`data.mix` a prepared directory; `()` when it has none or the
+  data is no prepared directory), a prepared directory named in `eval.heldout` becomes its
+  heldout split, `eval.heldout_root=None` becomes `data.root` (the one place that default
+  lives) and `eval.tokenizer=None` the training data's tokenizer. Explicit values are kept.
+  Refuses (DataError, one line naming both) a data.root that does not exist or that nothing
+  reads, a held-out set or task tokenizer whose tokenizer differs from the training data's, a
+  held-out set that lists a training file, and a tokenizer whose EOS or vocabulary the model
+  does not share. Idempotent: resolving the resolved experiment changes nothing."""
   data, ev, model = exp.data, exp.eval, exp.model
   train = prepared(data.mix) if data.mix else None
   if ev.heldout is None:
     has_docs = (train is not None
                 and train.manifest.splits.get("heldout", {}).get("documents", 0) > 0)
     heldout = (train.mix("heldout"),) if has_docs else ()
+    splits: list[Prepared | None] = [prepared(m, "heldout") for m in heldout]
   else:
     # A directory named bare means its held-out split: spelled out, so that read_mix, which
     # reads a bare directory as training data, reads the right files.
-    heldout = tuple(p.mix("heldout") if (p := prepared(m, "heldout")) and p.split == "heldout"
-                    else m for m in ev.heldout)
+    splits = [prepared(m, "heldout") for m in ev.heldout]
+    heldout = tuple(p.mix("heldout") if p is not None and p.split == "heldout" else m
+                    for p, m in zip(splits, ev.heldout))
+  root = data.root if ev.heldout_root is None else ev.heldout_root
+  follows = ev.heldout_root in (None, data.root)  # held-out mix files relative to data.root
+  _check_root(exp, [train] * bool(data.mix) + splits * follows)
   tokenizer = ev.tokenizer
   if tokenizer is None and train is not None:
     tokenizer = train.tokenizer
@@ -209,16 +239,17 @@ def resolve(exp: Experiment) -> Experiment:
       raise DataError(f"EvalConfig.tokenizer={ev.tokenizer!r} is not the tokenizer of the "
                       f"training data ({train.tokenizer}, {train.directory}): drop the "
                       "override (None uses the data's) or prepare the data with it")
-  training = ({p for _, p in read_mix(data.mix, data.root, data.tokenizer_id)} if data.mix
-              else set())
-  root = data.root if ev.heldout_root is None else ev.heldout_root
-  for mix in heldout:
-    files = read_mix(mix, root, ev.heldout_tokenizer_id, field="EvalConfig.heldout")
-    overlap = [p for _, p in files if p in training]
+  training = (_listed(data.mix, train, data.root, data.tokenizer_id, "DataConfig.mix")
+              if data.mix else training_files(data))
+  trained_on = {f.path for f in training}
+  per_mix = []
+  for mix, split in zip(heldout, splits):
+    files = _listed(mix, split, root, ev.heldout_tokenizer_id, "EvalConfig.heldout")
+    overlap = [f.path for f in files if f.path in trained_on]
     if overlap:
       raise DataError(f"EvalConfig.heldout={mix!r} lists a training file ({overlap[0]}): "
                       "held-out documents must never be trained on")
-    split = prepared(mix, "heldout")
+    per_mix.append((mix, tuple(files)))
     if split is None:
       continue  # a mix file: its tokenizer is not recorded anywhere to compare
     _check_model(split, model)
@@ -226,8 +257,45 @@ def resolve(exp: Experiment) -> Experiment:
       raise DataError(f"EvalConfig.heldout={mix!r} was tokenized with {split.tokenizer}, the "
                       f"training data ({data.mix}) with {train.tokenizer}: a held-out loss "
                       "is only comparable on the training tokenizer")
-  return dataclasses.replace(exp, eval=dataclasses.replace(ev, heldout=heldout,
-                                                           tokenizer=tokenizer))
+  resolved = dataclasses.replace(exp, eval=dataclasses.replace(
+      ev, heldout=heldout, heldout_root=root, tokenizer=tokenizer))
+  return Resolved(resolved, tuple(training), tuple(per_mix))
+
+
+def heldout_sets(exp: Experiment) -> dict[str, tuple[str, ...]]:
+  """{set: its token files} of a resolved experiment's held-out mixes, each mix read once:
+  what `python -m olmo3.eval` evaluates from a run's experiment.json, whose training data need
+  not be reachable."""
+  ev = exp.eval
+  root = exp.data.root if ev.heldout_root is None else ev.heldout_root
+  return by_set([f for mix in ev.heldout or ()
+                 for f in read_mix(mix, root, ev.heldout_tokenizer_id, "EvalConfig.heldout")])
+
+
+def by_set(files: list[MixFile]) -> dict[str, tuple[str, ...]]:
+  """Held-out files grouped into sets: every label of every held-out mix is one set."""
+  sets: dict[str, list[str]] = {}
+  for f in files:
+    sets.setdefault(f.label, []).append(f.path)
+  return {k: tuple(v) for k, v in sets.items()}
+
+
+def _check_root(exp: Experiment, found: list[Prepared | None]) -> None:
+  """DataConfig.root, if given, exists and is used: only token files given as `paths` and the
+  files of a mix file are relative to it (also held-out mix files while eval.heldout_root is
+  None); a prepared directory, the built-in corpus included, names its own files. `found` is
+  what `prepared` found for each mix read relative to the root (None: a mix file)."""
+  root = exp.data.root
+  if not root:
+    return
+  # An HTTP root is a prefix, not a directory anything can check: its files are checked.
+  if storage.scheme(root) not in storage.READ_ONLY_SCHEMES and not storage.exists(root):
+    raise DataError(f"DataConfig.root={root!r} does not exist: give the directory (or URL) the "
+                    "token files are under")
+  if not exp.data.paths and all(p is not None for p in found):
+    raise DataError(f"DataConfig.root={root!r} is not used: DataConfig.mix={exp.data.mix!r} is "
+                    "a prepared directory (or the built-in corpus), which names its own files. "
+                    "Drop data.root, or give data.paths or a mix file relative to it")
 
 
 def _check_model(split: Prepared, model) -> None:
@@ -241,24 +309,3 @@ def _check_model(split: Prepared, model) -> None:
   if m.vocab_size > model.vocab_size:
     raise DataError(f"{where}: its tokenizer has {m.vocab_size} tokens, more than "
                     f"ModelConfig.vocab_size={model.vocab_size}")
-
-
-def resolved_view(exp: Experiment) -> tuple[Experiment, list[str]]:
-  """For the dry run: the resolved experiment and lines saying what it reads, or, where the
-  data cannot be read from here (AI2's files on a laptop), the experiment with nothing
-  resolved (no held-out sets) and a line saying why."""
-  try:
-    exp = resolve(exp)
-  except DataError as e:
-    unresolved = dataclasses.replace(exp.eval, heldout=exp.eval.heldout or ())
-    return (dataclasses.replace(exp, eval=unresolved),
-            [f"data                cannot be resolved here: {e}"])
-  data, ev = exp.data, exp.eval
-  split = prepared(data.mix) if data.mix else None
-  if split is not None:
-    files = split.manifest.splits[split.split]["files"]
-    where = f"{split.directory}: {split.split} split, {len(files)} files"
-  else:
-    where = data.mix or f"{len(data.paths)} token files (data.paths)"
-  return exp, [f"training data       {where}",
-               f"task tokenizer      {ev.tokenizer if ev.tokenizer is not None else 'none'}"]

@@ -2,7 +2,7 @@
 
 Evaluates a run's checkpoint(s), each with the experiment of the config revision that wrote it
 (WORKDIR/experiment.json, or experiment.<n>.json after a resume with a changed config: the
-rule is olmo3/eval/revisions.py's):
+rule is olmo3/run/record.py's):
 held-out LM loss per set (CE, PPL) and downstream tasks (every metric OLMo-core logs, and the
 documents scored), on a mesh that fills this machine's devices. Writes one JSON report (default
 WORKDIR/eval_report.json):
@@ -21,15 +21,15 @@ from etils import epath
 
 from olmo3 import storage
 from olmo3.config import Experiment, MeshConfig
-from olmo3.eval import revisions
+from olmo3.run import record
 
 
 def load_experiment(workdir: str, step: int | None = None) -> Experiment:
   """The run's experiment as it was when it wrote checkpoint `step` (None: its latest launch):
-  the revision olmo3.eval.revisions attributes the step to."""
+  the revision olmo3.run.record attributes the step to."""
   try:
-    path = revisions.experiment_file(workdir, step)
-  except revisions.RecordError as e:
+    path = record.experiment_file(workdir, step)
+  except record.RecordError as e:
     raise SystemExit(f"error: {e}") from None
   if not path.exists():
     raise SystemExit(f"error: {path} not found (not a run workdir of olmo3's launcher)")
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
   def evaluator_for(step: int) -> Evaluator:
     """The evaluator of the revision that wrote `step`: its held-out sets, tasks and model."""
-    key = os.fspath(revisions.experiment_file(args.workdir, step))
+    key = os.fspath(record.experiment_file(args.workdir, step))
     if key not in evaluators:
       exp = load_experiment(args.workdir, step)
       eval_cfg = exp.eval

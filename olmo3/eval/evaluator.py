@@ -1,5 +1,6 @@
-"""The evaluator training and `python -m olmo3.eval` share: held-out loss per set and
-downstream task scores of a parameter tree, on a ShardedModel's mesh.
+"""The evaluator training and `python -m olmo3.eval` share: held-out loss per set (one document
+per instance, padding masked: OLMo's perplexity sets) and downstream task scores of a parameter
+tree, on a ShardedModel's mesh.
 
 Tasks are prepared and held-out sets opened when the evaluator is built, so a bad task, a
 tokenizer that cannot load or a missing held-out file stops a run at startup.
@@ -10,6 +11,8 @@ replicated, so each process computes the same metrics.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,12 +23,14 @@ from olmo3 import loss
 from olmo3.config import Experiment
 from olmo3.data import pipeline, sources
 from olmo3.data.heldout import HeldoutDocs
-from olmo3.eval import heldout as heldout_lib
 from olmo3.eval import tasks as tasks_lib
 from olmo3.sharded import ShardedModel
 
 class Evaluator:
-  def __init__(self, exp: Experiment, model: ShardedModel):
+  def __init__(self, exp: Experiment, model: ShardedModel,
+               heldout: Mapping[str, Sequence[str]] | None = None):
+    """`heldout`: {set: token files}, as a RunPlan lists them (default: read from the
+    experiment's held-out mixes, `sources.heldout_sets`)."""
     self.exp, self.model = exp, model
     cfg = exp.eval
     pipeline.check_divisible(cfg.batch_size, model.batch_sharding, "EvalConfig.batch_size")
@@ -45,21 +50,13 @@ class Evaluator:
     self._summed_nll = jax.jit(summed_nll, out_shardings=model.replicated)
     self._row_logprob = jax.jit(row_logprob, out_shardings=model.replicated)
     self._choice_logprobs = jax.jit(choice_logprobs, out_shardings=model.replicated)
-    self.heldout = self._open_heldout()
+    if heldout is None:
+      heldout = sources.heldout_sets(exp)
+    self.heldout = {name: HeldoutDocs(paths, exp.data.seq_len, exp.model.eos_token_id,
+                                      exp.model.pad_token_id, cfg.max_documents,
+                                      exp.model.vocab_size)
+                    for name, paths in heldout.items()}
     self.tasks = self._load_tasks()
-
-  def _open_heldout(self) -> dict[str, HeldoutDocs]:
-    """{set: documents}: every label of every held-out mix is one set."""
-    exp = self.exp
-    root = exp.data.root if exp.eval.heldout_root is None else exp.eval.heldout_root
-    files: dict[str, list] = {}
-    for mix in exp.eval.heldout:
-      for label, path in sources.read_mix(mix, root, exp.eval.heldout_tokenizer_id):
-        files.setdefault(label, []).append(path)
-    return {name: HeldoutDocs(paths, exp.data.seq_len, exp.model.eos_token_id,
-                              exp.model.pad_token_id, exp.eval.max_documents,
-                              exp.model.vocab_size)
-            for name, paths in files.items()}
 
   def _load_tasks(self) -> list[tasks_lib.Task]:
     """The configured tasks; none (with a warning) when the `eval` extra is not installed. Any
@@ -82,11 +79,21 @@ class Evaluator:
     return rows.to_global(rows.take(batch))
 
   def heldout_metrics(self, params: Any) -> dict[str, dict[str, float]]:
-    """{set: {ce_loss, ppl, tokens}}."""
+    """{set: {ce_loss, ppl, tokens}}: token-mean cross-entropy and perplexity over each set
+    (or its first train.eval_batches batches), summed batch by batch."""
     with self.model.context():
-      return {name: heldout_lib.evaluate(lambda b: self._summed_nll(params, self._put(b)), docs,
-                                         self.exp.eval.batch_size, self.exp.train.eval_batches)
-              for name, docs in self.heldout.items()}
+      return {name: self._heldout(params, docs) for name, docs in self.heldout.items()}
+
+  def _heldout(self, params: Any, docs: HeldoutDocs) -> dict[str, float]:
+    total, count = 0.0, 0
+    for i, batch in enumerate(docs.batches(self.exp.eval.batch_size)):
+      if self.exp.train.eval_batches is not None and i >= self.exp.train.eval_batches:
+        break
+      ce, n = self._summed_nll(params, self._put(batch))
+      total += float(ce)
+      count += int(n)
+    ce = total / max(count, 1)
+    return {"ce_loss": ce, "ppl": math.exp(min(ce, 700.0)), "tokens": float(count)}
 
   def task_metrics(self, params: Any) -> dict[str, dict]:
     """{task: {metric: value (OLMo-core's names), "docs": documents scored}}."""

@@ -19,7 +19,11 @@ import threading
 import time
 import uuid
 
-from etils import epath
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from olmo3.run.record import Workdir
 
 STALE_S = 120.0  # a heartbeat older than this (another host's lease) is a dead holder
 BEAT_S = 20.0  # how often the holder refreshes its heartbeat
@@ -32,7 +36,7 @@ class LeaseHeld(RuntimeError):
 
 class Lease:
   def __init__(self, workdir: str | os.PathLike):
-    self.path = epath.Path(workdir) / "lease.json"
+    self.path = Workdir(os.fspath(workdir)).lease
     self.record = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex,
                    "started": time.time()}
     self._stop = threading.Event()
@@ -97,6 +101,23 @@ class Lease:
   def _heartbeat(self) -> None:
     while not self._stop.wait(BEAT_S):
       self._write()
+
+
+def hold(lease: Lease) -> None:
+  """The job's first process takes the lease; every process learns whether it did, so a refused
+  job stops on all of them (LeaseHeld)."""
+  error = None
+  if jax.process_index() == 0:
+    try:
+      lease.acquire()
+    except LeaseHeld as e:
+      error = e
+  if jax.process_count() > 1:
+    refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if refused and error is None:
+      raise LeaseHeld(f"{lease.path.parent} is in use by another run (see process 0's error)")
+  if error is not None:
+    raise error
 
 
 def _alive(holder: dict) -> bool:

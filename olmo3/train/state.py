@@ -17,7 +17,6 @@ of the epoch, as OLMo-core does for a changed global batch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, NamedTuple
 
@@ -28,9 +27,9 @@ import optax
 from absl import logging
 
 from olmo3.checkpoint import CheckpointDamaged, CheckpointError, resolve_step_dir
-from olmo3.config import DataConfig, Experiment
-from olmo3.data import pipeline
-from olmo3.data.tokens import DataError, TokenFiles
+from olmo3.config import Experiment
+from olmo3.data.tokens import DataError
+from olmo3.run.plan import RunPlan, Start, decide_start
 from olmo3.sharded import ShardedModel
 from olmo3.train import optim
 from olmo3.train.checkpoints import RunCheckpoints, restore_train_state
@@ -107,17 +106,6 @@ class DataPosition:
     return step + self.offset
 
 
-def data_identity(cfg: DataConfig, source: TokenFiles) -> dict[str, Any]:
-  """The data a run trains on, as a checkpoint records it (plain JSON)."""
-  return json.loads(json.dumps({
-      "files": [[os.fspath(p), int(n)] for p, n in zip(source.paths, source.file_tokens)],
-      "mix": cfg.mix, "instances": pipeline.instances(cfg, source), "seq_len": cfg.seq_len,
-      "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
-      "max_instances": cfg.max_instances,
-      "repetition_filter": (dataclasses.asdict(cfg.repetition_filter)
-                            if cfg.repetition_filter else None)}))
-
-
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
   """What differs between a checkpoint's data identity and the current one, in words."""
   changes = [f"data.{f} was {saved[f]!r}, now {now[f]!r}" for f in _DATA_FIELDS
@@ -151,11 +139,7 @@ def _same_instance(saved: dict[str, Any], now: dict[str, Any], data_step: int) -
 def _resumed_position(path, meta: dict[str, Any], identity: dict[str, Any],
                       allow_changed_data: bool) -> DataPosition:
   step, data_step = meta["step"], meta["data_step"]
-  saved = meta.get("data")
-  if saved is None:
-    logging.warning("%s records no data identity (written by an older version): the data is "
-                    "not compared", path)
-    return DataPosition(identity, data_step - step)
+  saved = meta["data"]
   changes = data_changes(saved, identity)
   if not changes:
     return DataPosition(identity, data_step - step)
@@ -173,15 +157,14 @@ def _resumed_position(path, meta: dict[str, Any], identity: dict[str, Any],
   return DataPosition(identity, moved - step)
 
 
-def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, source: TokenFiles
+def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, plan: RunPlan
                     ) -> tuple[TrainState, DataPosition]:
   """Resume from this run's newest verified checkpoint, else init_from, else fresh (see the
-  module docstring). `source` is the run's token files; data.allow_changed_data continues when
-  they or the data config differ from the checkpoint's; checkpoint.allow_restart_from_scratch
-  starts over when every checkpoint the run wrote is damaged."""
-  exp = layout.exp
-  allow_changed_data = exp.data.allow_changed_data
-  identity = data_identity(exp.data, source)
+  module docstring), as the plan decided (`plan.resume`) unless the newest checkpoint proves
+  damaged. data.allow_changed_data continues when the data differs from the checkpoint's;
+  checkpoint.allow_restart_from_scratch starts over when every checkpoint the run wrote is
+  damaged."""
+  exp = plan.exp
   set_aside = []
   for step in reversed(checkpoints.steps()):
     path = checkpoints.step_dir(step)
@@ -197,7 +180,7 @@ def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, source: To
       continue
     checkpoints.keep_verified(step)
     logging.info("resumed from %s (step %d, verified)", path, step)
-    position = _resumed_position(path, meta, identity, allow_changed_data)
+    position = _resumed_position(path, meta, plan.identity, exp.data.allow_changed_data)
     return layout.on_mesh(meta["step"], params, opt_state, meta.get("skip")), position
   quarantined = checkpoints.quarantined()
   if quarantined and exp.checkpoint.allow_restart_from_scratch:
@@ -211,16 +194,36 @@ def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, source: To
         f"{f', this start set aside {set_aside}' if set_aside else ''}. Not starting over "
         "from step 0 silently. To retry a quarantined step, rename it back to its number; to "
         "start over deliberately, set checkpoint.allow_restart_from_scratch=True.")
-  if exp.checkpoint.init_from:
-    source_dir = resolve_step_dir(exp.checkpoint.init_from)
-    params, opt_state, meta = layout.restore(source_dir)
+  init_from = plan.resume.init_from
+  if init_from is None and exp.checkpoint.init_from:  # the run's own checkpoints all set aside
+    init_from = os.fspath(resolve_step_dir(exp.checkpoint.init_from))
+  if init_from:
+    params, opt_state, meta = layout.restore(init_from)
     logging.info("initialised from %s (its step %d): parameters and optimizer moments; "
-                 "step, schedule and data position start at 0", source_dir, meta["step"])
-    return layout.on_mesh(0, params, opt_state), DataPosition(identity)
-  return layout.fresh(), DataPosition(identity)
+                 "step, schedule and data position start at 0", init_from, meta["step"])
+    return layout.on_mesh(0, params, opt_state), DataPosition(plan.identity)
+  return layout.fresh(), DataPosition(plan.identity)
 
 
-def save(checkpoints: RunCheckpoints, state: TrainState, exp: Experiment, name: str,
+def confirm_complete(plan: RunPlan, model: ShardedModel) -> RunPlan:
+  """`plan` when its run is complete (Start.COMPLETE) and the newest checkpoint reads back
+  verified, as the trainer would restore it; otherwise the plan to train from where the
+  trainer would resume (a damaged final checkpoint is quarantined by the same restore, and
+  the run trains again from the one before it). Nothing is written unless one is quarantined."""
+  if plan.resume.start is not Start.COMPLETE:
+    return plan
+  with model.context():
+    checkpoints = RunCheckpoints(plan.workdir.checkpoints, plan.exp.checkpoint.keep,
+                                 async_save=False)
+    state, _ = restore_or_init(StateLayout(plan.exp, model), checkpoints, plan)
+  step = int(state.step)
+  if step >= plan.end:
+    return plan
+  return dataclasses.replace(plan, resume=decide_start(plan.workdir, plan.exp.checkpoint.init_from,
+                                                       plan.end))
+
+
+def save(checkpoints: RunCheckpoints, state: TrainState, plan: RunPlan,
          data: DataPosition) -> None:
   """A checkpoint of `state`: parameters, moments, and meta (step, data position and identity,
   skip statistics, the model config and the experiment's name)."""
@@ -229,5 +232,5 @@ def save(checkpoints: RunCheckpoints, state: TrainState, exp: Experiment, name: 
   skip = {f: np.asarray(v).tolist() for f, v in state.skip._asdict().items()}
   checkpoints.save(step, state.params, state.opt_state, {
       "step": step, "data_step": data_step,
-      "instances_consumed": data_step * exp.data.global_batch_size, "data": data.identity,
-      "experiment": name, "skip": skip, "model_config": dataclasses.asdict(exp.model)})
+      "instances_consumed": data_step * plan.exp.data.global_batch_size, "data": data.identity,
+      "experiment": plan.name, "skip": skip, "model_config": dataclasses.asdict(plan.exp.model)})

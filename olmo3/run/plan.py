@@ -1,0 +1,152 @@
+"""A launch's facts, worked out once: `RunPlan.build(exp, workdir)` resolves the experiment
+(held-out sets, their root, the task tokenizer), lists and sizes the training and held-out
+token files (each mix read once; remote sizes through the workdir's cache), fixes the data's
+identity and the stage's end, and decides where the run starts. The launcher prints it
+(--dry_run), records it and hands it to `olmo3.train.loop.train`; the trainer and the evaluator
+read it and derive none of it again. Building it reads; it writes nothing.
+
+Where a run starts (`Resume`), from what the workdir holds when the launch begins:
+- RESUME: the run's newest committed checkpoint (the trainer verifies it, and falls back past
+  a damaged one: olmo3.train.state);
+- COMPLETE: that checkpoint already reaches the stage's end (the launcher has the trainer's
+  restore confirm it before it says so);
+- INIT_FROM: no checkpoint of its own, and checkpoint.init_from names one (its parameters and
+  moments; step, schedule and data position start at 0);
+- FRESH: neither: step 0 from train.seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+from typing import Any
+
+from absl import logging
+
+from olmo3 import checkpoint, storage
+from olmo3.config import DataConfig, Experiment
+from olmo3.data import pipeline, sources
+from olmo3.data.tokens import TokenFiles, token_counts
+from olmo3.run.record import Workdir
+
+
+class Start(enum.Enum):
+  FRESH = "fresh"
+  INIT_FROM = "init_from"
+  RESUME = "resume"
+  COMPLETE = "complete"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+  start: Start
+  step: int = 0  # RESUME / COMPLETE: the newest committed checkpoint (else 0)
+  init_from: str | None = None  # INIT_FROM: the step directory checkpoint.init_from names
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldoutSet:
+  name: str  # the set's label in its mix (eval/<name>/ce_loss)
+  paths: tuple[str, ...]
+  tokens: tuple[int, ...]  # per file
+
+
+def data_identity(cfg: DataConfig, source: TokenFiles) -> dict[str, Any]:
+  """The data a run trains on, as each checkpoint records it (plain JSON): a resume that finds
+  it changed refuses (olmo3.train.state)."""
+  return json.loads(json.dumps({
+      "files": [[os.fspath(p), int(n)] for p, n in zip(source.paths, source.file_tokens)],
+      "mix": cfg.mix, "instances": pipeline.instances(cfg, source), "seq_len": cfg.seq_len,
+      "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
+      "max_instances": cfg.max_instances,
+      "repetition_filter": (dataclasses.asdict(cfg.repetition_filter)
+                            if cfg.repetition_filter else None)}))
+
+
+def stage_end(exp: Experiment, steps_per_epoch: int) -> int:
+  """The step this stage ends at: train.steps, or the end of epoch train.stop_at_epoch when
+  that comes first."""
+  if exp.train.stop_at_epoch is None:
+    return exp.train.steps
+  return min(exp.train.steps, exp.train.stop_at_epoch * steps_per_epoch)
+
+
+def decide_start(workdir: Workdir, init_from: str | None, end: int) -> Resume:
+  """Where a run in `workdir` starts (the module docstring): from its committed checkpoints'
+  names and init_from's, reading no array. CheckpointError when the run has no checkpoint and
+  init_from holds none."""
+  steps = checkpoint.run_steps(workdir.checkpoints)
+  if steps:
+    return Resume(Start.COMPLETE if steps[-1] >= end else Start.RESUME, steps[-1])
+  if init_from:
+    return Resume(Start.INIT_FROM, init_from=os.fspath(checkpoint.resolve_step_dir(init_from)))
+  return Resume(Start.FRESH)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+  exp: Experiment  # resolved: what the run executes and experiment.json records
+  workdir: Workdir
+  name: str  # the experiment's reference (recorded in each checkpoint)
+  train_files: TokenFiles  # sized and checked
+  heldout: tuple[HeldoutSet, ...]  # () when the run never evaluates
+  identity: dict[str, Any]  # data_identity of the training data
+  steps_per_epoch: int
+  end: int  # the step the stage ends at
+  resume: Resume
+  size_cache: storage.SizeCache  # the workdir's remote sizes: the trainer saves what was found
+
+  @classmethod
+  def build(cls, exp: Experiment, workdir: str, name: str = "") -> RunPlan:
+    """Raises DataError (data) or CheckpointError (init_from) naming the field or file."""
+    return cls.from_resolved(sources.resolve(exp), workdir, name)
+
+  @classmethod
+  def from_resolved(cls, resolved: sources.Resolved, workdir: str, name: str = "") -> RunPlan:
+    """`build`, the experiment's data already resolved (a dry run prints the resolution even
+    where the files cannot be sized)."""
+    where = Workdir(workdir)
+    exp = resolved.exp
+    cache = storage.SizeCache(where.file_sizes)
+    train_files = sources.token_files(exp.data, exp.model.vocab_size, cache,
+                                      files=list(resolved.train))
+    evaluates = bool(exp.train.eval_every)
+    sets = sources.by_set([f for _, files in resolved.heldout for f in files])
+    heldout = tuple(HeldoutSet(n, p, tuple(token_counts(p, "held-out token file", cache)))
+                    for n, p in sets.items()) if evaluates else ()
+    per_epoch = pipeline.steps_per_epoch(exp.data, train_files)
+    end = stage_end(exp, per_epoch)
+    if end != exp.train.steps:
+      logging.warning("train.steps=%d but epoch %d of the data ends at step %d (%d instances, "
+                      "%d steps per epoch): the stage ends at step %d", exp.train.steps,
+                      exp.train.stop_at_epoch, exp.train.stop_at_epoch * per_epoch,
+                      len(train_files), per_epoch, end)
+    return cls(exp, where, name, train_files, heldout, data_identity(exp.data, train_files),
+               per_epoch, end, decide_start(where, exp.checkpoint.init_from, end), cache)
+
+  def describe(self) -> list[str]:
+    """What --dry_run prints of the plan (the config and its numbers come before it)."""
+    exp, data = self.exp, self.exp.data
+    split = sources.prepared(data.mix) if data.mix else None
+    if split is not None:
+      where = (f"{split.directory}: {split.split} split, "
+               f"{len(split.manifest.splits[split.split]['files'])} files")
+    else:
+      where = data.mix or f"{len(data.paths)} token files (data.paths)"
+    stop = (f"; the stage ends at step {self.end:,}" if exp.train.stop_at_epoch is not None
+            else "")
+    resume = self.resume
+    start = {Start.FRESH: "fresh, from train.seed",
+             Start.INIT_FROM: f"initialised from {resume.init_from}",
+             Start.RESUME: f"resumes from step {resume.step:,} of {self.workdir.checkpoints}",
+             Start.COMPLETE: f"complete at step {resume.step:,}: nothing to train"}
+    lines = [f"training data       {where}",
+             f"task tokenizer      {exp.eval.tokenizer if exp.eval.tokenizer is not None else 'none'}",
+             f"epoch               {len(self.train_files):,} instances = "
+             f"{self.steps_per_epoch:,} steps{stop}",
+             f"start               {start[resume.start]}"]
+    lines += [f"held-out set        {s.name}: {len(s.paths)} files, {sum(s.tokens):,} tokens"
+              for s in self.heldout]
+    return lines

@@ -1,0 +1,49 @@
+"""The evaluation the loop runs on its cadence (train.eval_every and the stage's last step):
+held-out loss per set and downstream tasks (olmo3.eval.evaluator), one line for people, the
+scores into the metric rows, and the generalization-gap alarm (olmo3.eval.alarm), which stops
+the run when eval.stop_on_alarm says so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import logging
+
+from olmo3.eval.alarm import GapAlarm
+from olmo3.eval.evaluator import Evaluator
+from olmo3.run.plan import RunPlan
+from olmo3.sharded import ShardedModel
+from olmo3.train import logs
+from olmo3.train.rows import MetricRows
+
+
+class LoopEvaluation:
+  def __init__(self, plan: RunPlan, model: ShardedModel):
+    exp = plan.exp
+    self.stop_on_alarm = exp.eval.stop_on_alarm
+    with logs.Heartbeat(f"preparing evaluation: held-out {[s.name for s in plan.heldout]}, "
+                        f"{len(exp.eval.tasks)} tasks (tokenizer {exp.eval.tokenizer})"):
+      self.evaluator = Evaluator(exp, model, {s.name: s.paths for s in plan.heldout})
+    self.alarm = GapAlarm(exp.eval.alarm_window, exp.eval.alarm_margin)
+
+  @staticmethod
+  def wanted(plan: RunPlan) -> bool:
+    exp = plan.exp
+    return bool(exp.train.eval_every and (plan.heldout or exp.eval.tasks))
+
+  def __call__(self, step: int, params: Any, rows: MetricRows) -> bool:
+    """Evaluates `params` at `step` after the step's row is written; True: stop the run."""
+    with logs.Heartbeat(f"evaluating at step {step}"):
+      evals = self.evaluator.evaluate(params)
+    logging.info("step %d held-out: %s", step, ", ".join(
+        f"{k.split('/')[1]} CE {v:.4f}" for k, v in evals.items()
+        if k.startswith("eval/") and k.endswith("/ce_loss")) or "none")
+    warning = self.alarm.observe(step, rows.since_eval, evals)
+    rows.add_evaluation(step, evals)
+    rows.restart_clock(step)
+    if not warning:
+      return False
+    logging.warning("%s", warning)
+    if self.stop_on_alarm:
+      logging.warning("stopping at step %d (eval.stop_on_alarm)", step)
+    return self.stop_on_alarm

@@ -1,0 +1,79 @@
+"""RunPlan (olmo3.run.plan): a launch's facts worked out once. The mix files and manifests are
+read once per launch (counted in a real launch), the start is decided from the workdir's
+committed checkpoints, and the stage's end from train.steps and the epoch."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from olmo3.checkpoint import CheckpointError
+from olmo3.run.plan import RunPlan, Start, decide_start, stage_end
+from olmo3.run.record import Workdir
+
+from train_helpers import micro_experiment, write_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The launcher's main in this process, with olmo3.data.sources' two readers counted: `prepared`
+# (a prepared directory's manifest) and `_listed` (a mix's files), by the mix they read.
+_DRIVER = """
+import atexit, collections, json, sys
+from olmo3.data import sources
+counts = collections.Counter()
+for name in ("prepared", "_listed"):
+  def counted(mix, *args, _real=getattr(sources, name), _name=name, **kwargs):
+    counts[f"{_name} {mix}"] += 1
+    return _real(mix, *args, **kwargs)
+  setattr(sources, name, counted)
+atexit.register(lambda: print("COUNTS " + json.dumps(counts)))
+from absl import app
+from launch import main
+sys.argv = ["launch/main.py", *sys.argv[1:]]
+app.run(main.main)
+"""
+
+
+@pytest.mark.slow(seconds=30)
+def test_each_mix_is_read_once_per_launch(tmp_path):
+  """A tiny launch that trains, evaluates its held-out split and checkpoints: the training mix
+  and the held-out mix are each listed once, and no manifest is read twice for one mix."""
+  done = subprocess.run(
+      [sys.executable, "-c", _DRIVER, "--fdl_config=experiments.olmo3_tiny:stage1",
+       f"--workdir={tmp_path / 'run'}", "--fdl_set=train.steps=2",
+       "--fdl_set=train.eval_every=2", "--fdl_set=eval.tasks=()"],
+      capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  counts = json.loads(done.stdout.split("COUNTS ")[-1])
+  assert counts == {"prepared embedded": 1, "prepared embedded-heldout": 1,
+                    "_listed embedded": 1, "_listed embedded-heldout": 1}
+  assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])[
+      "eval/embedded/ce_loss"] > 0  # the held-out set was evaluated
+
+
+def test_the_start_follows_the_committed_checkpoints(tmp_path):
+  workdir = Workdir(str(tmp_path / "run"))
+  assert decide_start(workdir, None, end=10).start is Start.FRESH
+  with pytest.raises(CheckpointError, match="no checkpoint"):
+    decide_start(workdir, str(tmp_path / "nothing"), end=10)
+  (workdir.checkpoints / "4").mkdir(parents=True)
+  (workdir.checkpoints / "8.damaged-1").mkdir()  # set aside: not a step
+  resume = decide_start(workdir, str(tmp_path / "nothing"), end=10)  # its own checkpoint wins
+  assert (resume.start, resume.step) == (Start.RESUME, 4)
+  (workdir.checkpoints / "10").mkdir()
+  resume = decide_start(workdir, None, end=10)
+  assert (resume.start, resume.step) == (Start.COMPLETE, 10)
+
+
+def test_a_plan_sizes_the_files_and_ends_at_the_epoch_it_is_told(tmp_path):
+  exp = micro_experiment(write_corpus(tmp_path), steps=1000, every=1000)
+  plan = RunPlan.build(exp, str(tmp_path / "run"))
+  assert plan.resume.start is Start.FRESH and plan.end == 1000
+  assert plan.identity["files"] == [[exp.data.paths[0], int(plan.train_files.file_tokens[0])]]
+  once = dataclasses.replace(exp, train=dataclasses.replace(exp.train, stop_at_epoch=1))
+  assert RunPlan.build(once, str(tmp_path / "run")).end == plan.steps_per_epoch
+  assert stage_end(once, 7) == 7 and stage_end(exp, 7) == 1000
+  assert not (tmp_path / "run").exists()  # building a plan writes nothing

@@ -1,0 +1,85 @@
+"""A run's record as history: which revision produced each checkpoint, and its writer
+(olmo3.run.record), fed the launcher's config files (launch.config_files.revision)."""
+
+import json
+
+import fiddle as fdl
+import pytest
+
+from launch import config_files, refs
+from olmo3.run import record
+
+
+def _begin(run_record, cfg, experiment, argv, start):
+  """RunRecord.begin as the launcher calls it: a new revision only when the config changed."""
+  previous = config_files.latest_config(run_record.workdir.root)
+  return run_record.begin(config_files.revision(previous, cfg), experiment, argv, start)
+
+
+def _launch(n, revision, start):
+  config, _, experiment = record.revision_files(revision)
+  return record.Launch(n, revision, start, config, experiment, ("x",), "")
+
+
+def test_each_checkpoint_belongs_to_the_last_launch_that_started_before_it():
+  # Revision 0 trained 0 -> 10; revision 1 resumed at 10 and reached 20; a fallback to 15
+  # (after 20 was damaged) rewrote 16..20 with revision 2.
+  history = [_launch(1, 0, 0), _launch(2, 1, 10), _launch(3, 2, 15)]
+  assert [record.producer(history, s).revision for s in (5, 10, 11, 15, 16, 20)] == [
+      0, 0, 1, 1, 2, 2]
+  assert record.producer([_launch(1, 0, 10)], 10) is None  # nothing recorded wrote it
+  assert record.producer([], 3) is None
+
+
+def test_a_broken_history_line_is_named(tmp_path):
+  (tmp_path / "history.jsonl").write_text(_launch(1, 0, 0).to_json() + "\n{\"launch\": 2}\n")
+  with pytest.raises(record.RecordError, match=r"history\.jsonl:2: not a launch record"):
+    record.read_history(tmp_path)
+
+
+def test_the_record_appends_revisions_never_rewrites_them_and_undo_takes_a_launch_back(
+    tmp_path):
+  cfg = refs.load("experiments.olmo3_tiny:stage1")
+  longer = refs.load("experiments.olmo3_tiny:stage1")
+  longer.train.steps = cfg.train.steps + 10
+  run_record = record.RunRecord(str(tmp_path))
+  _begin(run_record, cfg, {"steps": 1}, ["first"], 0)
+  files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+  assert set(files) == {"config.json", "config.txt", "command.txt", "experiment.json",
+                        "history.jsonl"}
+  _begin(record.RunRecord(str(tmp_path)), cfg, {"steps": 1}, ["same"], 4)  # same: same revision
+  _begin(record.RunRecord(str(tmp_path)), longer, {"steps": 2}, ["longer"], 8)
+  _begin(record.RunRecord(str(tmp_path)), cfg, {"steps": 1}, ["back"], 12)  # back again: a new one
+  history = record.read_history(tmp_path)
+  assert [(h.launch, h.revision, h.start_step, h.command) for h in history] == [
+      (1, 0, 0, ("first",)), (2, 0, 4, ("same",)), (3, 1, 8, ("longer",)),
+      (4, 2, 12, ("back",))]
+  for name, data in files.items():
+    if name != "history.jsonl":
+      assert (tmp_path / name).read_bytes() == data, name
+  assert json.loads((tmp_path / "experiment.1.json").read_text()) == {"steps": 2}
+  assert fdl.build(config_files.from_workdir(tmp_path, 10)).train.steps == cfg.train.steps + 10
+  assert fdl.build(config_files.from_workdir(tmp_path, 13)) == fdl.build(cfg)
+  # A launch that stopped before its first step takes back exactly what it wrote.
+  history_before = (tmp_path / "history.jsonl").read_bytes()
+  again = record.RunRecord(str(tmp_path))
+  _begin(again, longer, {"steps": 2}, ["failed"], 12)
+  assert (tmp_path / "config.3.json").exists()
+  again.undo()
+  assert (tmp_path / "history.jsonl").read_bytes() == history_before
+  assert not (tmp_path / "config.3.json").exists()
+  assert not (tmp_path / "experiment.3.json").exists()
+
+
+def test_a_workdir_holding_config_json_without_history_is_revision_0(tmp_path):
+  """Its config is what a resume is checked against (the launcher refuses an unresumable
+  change, or a config.json naming code it may not import, before writing anything)."""
+  cfg = refs.load("experiments.olmo3_tiny:stage1")
+  (tmp_path / "config.json").write_text(config_files.dump(cfg))
+  run_record = record.RunRecord(str(tmp_path))
+  assert [(h.revision, h.start_step) for h in run_record.history()] == [(0, 0)]
+  longer = refs.load("experiments.olmo3_tiny:stage1")
+  longer.train.steps = 7
+  _begin(run_record, longer, {}, ["resume"], 5)
+  assert [(h.launch, h.revision, h.config) for h in record.read_history(tmp_path)] == [
+      (1, 0, "config.json"), (2, 1, "config.1.json")]
