@@ -24,21 +24,18 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def experiment(args: argparse.Namespace):
   """The experiment at the benchmark's size: evaluation off, checkpoints at the last step only."""
   import fiddle as fdl
 
-  from launch import configs
+  from launch import refs
 
-  exp = fdl.build(configs.load(args.fdl_config))
+  exp = fdl.build(refs.load(args.fdl_config))
   return dataclasses.replace(
       exp,
       data=dataclasses.replace(exp.data, global_batch_size=args.batch, seq_len=args.seq_len,
@@ -53,9 +50,10 @@ def experiment(args: argparse.Namespace):
 def loop_step_times(exp, workdir: str) -> list[float]:
   """The loop's logged step times (seconds per step), one per row after the first."""
   from olmo3 import metrics as metrics_lib
+  from olmo3.run.plan import RunPlan
   from olmo3.train.loop import train
 
-  train(exp, workdir)
+  train(RunPlan.build(exp, workdir))
   rows = [r for r in metrics_lib.read_jsonl(f"{workdir}/metrics.jsonl") if "step_time_s" in r]
   return [r["step_time_s"] for r in rows[1:]]
 
@@ -66,7 +64,7 @@ def bare_step(exp) -> Callable[[], float]:
   import jax
 
   from olmo3.data import pipeline, sources
-  from olmo3.sharded import ShardedModel
+  from olmo3.sharded_model import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 

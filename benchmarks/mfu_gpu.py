@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
   from olmo3 import flops as flops_lib
   from olmo3.config import (AttentionKernel, DataConfig, DType, Experiment, OptimizerConfig,
                             TrainConfig)
-  from olmo3.sharded import ShardedModel
+  from olmo3.sharded_model import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 

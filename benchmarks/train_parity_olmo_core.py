@@ -75,7 +75,7 @@ def ours(exp, tokens: np.ndarray):
   import jax
 
   from olmo3.loss import IGNORE
-  from olmo3.sharded import ShardedModel
+  from olmo3.sharded_model import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 

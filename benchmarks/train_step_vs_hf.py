@@ -21,19 +21,16 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def ours(exp, tokens, steps):
   import jax
 
   from olmo3.data import pipeline
-  from olmo3.sharded import ShardedModel
+  from olmo3.sharded_model import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 
@@ -106,9 +103,9 @@ def main() -> None:
   args = parser.parse_args()
   import fiddle as fdl
 
-  from launch import configs
+  from launch import refs
 
-  exp = fdl.build(configs.resolve(args.fdl_config))
+  exp = fdl.build(refs.resolve(args.fdl_config))
   if args.vocab_chunk is not None:
     chunk = None if args.vocab_chunk == "none" else int(args.vocab_chunk)
     exp = dataclasses.replace(exp, model=exp.model.replace(vocab_chunk=chunk))

@@ -22,7 +22,7 @@ from experiments.common import as_config
 from olmo3.config import (AttentionKernel, CheckpointConfig, DataConfig, DType, EvalConfig,
                           Experiment, MeshConfig, OptimizerConfig, Remat, Schedule, TrainConfig,
                           olmo3_7b)
-from olmo3.perf.flags import FLAG_SETS
+from olmo3.xla_flags import FLAG_SETS
 from olmo3.remat import Mode, Name
 from olmo3.run.record import workdir_of
 
@@ -129,7 +129,7 @@ def single_cosine(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
 
 
 def flag_set(cfg: fdl.Config[Experiment], name: str = "tpu7x") -> fdl.Config[Experiment]:
-  """Fiddler: a compiler flag set from olmo3.perf.flags (tpu7x, v5p, v6e, gpu_hopper), e.g.
+  """Fiddler: a compiler flag set from olmo3.xla_flags (tpu7x, v5p, v6e, gpu_hopper), e.g.
   --fiddler='flag_set(name="tpu7x")'. The tpu7x set took the TPU reproduction from 27% to 44.5%
   MFU (SparseCore collective offload)."""
   flags = FLAG_SETS[name]

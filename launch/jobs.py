@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from launch import refs
 from olmo3.config import AttentionKernel, Experiment, MeshConfig
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -180,7 +182,7 @@ def mesh_problem(mesh: MeshConfig, devices_per_slice: int, slices: int) -> str |
 
 
 def job_env(exp: Experiment) -> dict[str, str]:
-  """The experiment's flag set as the job's environment, as `olmo3.perf.flags.apply_to_environ`
+  """The experiment's flag set as the job's environment, as `olmo3.xla_flags.apply_to_environ`
   sets it in the launcher (which applies it again: the same flags, so the same values)."""
   env = {var: " ".join(extra) for var, extra in (("XLA_FLAGS", exp.xla_flags),
                                                  ("LIBTPU_INIT_ARGS", exp.libtpu_flags))
@@ -210,9 +212,10 @@ class Command:
 
 
 def default_name(fdl_config: str) -> str:
-  """experiments.olmo3_7b:stage1 -> olmo3-7b-stage1 (a DNS label: job and pod names)."""
-  module, _, fn = fdl_config.replace(":", ".").rpartition(".")
-  return re.sub(r"[^a-z0-9]+", "-", f"{module.rsplit('.', 1)[-1]}-{fn}".lower()).strip("-")
+  """The run's name (its default workdir's: olmo3.run.record) as a DNS label for job and pod
+  names: experiments.olmo3_7b:stage1 -> olmo3-7b-stage1."""
+  run = os.path.basename(refs.default_workdir(fdl_config))
+  return re.sub(r"[^a-z0-9]+", "-", run.lower()).strip("-")
 
 
 def check_name(name: str) -> str:

@@ -6,7 +6,7 @@
       --fiddler=single_cosine --workdir=/tmp/run
 
 The workdir (default runs/<module>.<function>) receives config.json (loads back with
-launch/diff.py or launch.configs.from_workdir), config.txt, command.txt, experiment.json,
+launch/diff.py or launch.config_files.from_workdir), config.txt, command.txt, experiment.json,
 history.jsonl, metrics.jsonl, TensorBoard events and checkpoints; rerunning the same command
 resumes from the latest checkpoint, and a resume with a changed config adds revision n
 (config.<n>.json, experiment.<n>.json) without rewriting earlier ones. A rerun with nothing to
@@ -35,7 +35,7 @@ from fiddle import printing  # noqa: E402
 
 from launch import config_files, diffs, refs  # noqa: E402
 from olmo3.config import Schedule  # noqa: E402
-from olmo3.perf import flags as flags_lib  # noqa: E402
+from olmo3 import xla_flags as flags_lib  # noqa: E402
 from olmo3.train import logs  # noqa: E402
 
 FLAGS = flags.DEFINE_string(
@@ -120,7 +120,7 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
 
 
 def compile_only(exp) -> None:
-  from olmo3.perf import aot
+  from olmo3.train import aot
 
   target = None if COMPILE_ONLY.value == "local" else COMPILE_ONLY.value
   try:
@@ -298,7 +298,7 @@ def main(argv: list[str]) -> None:
   from olmo3.checkpoint import CheckpointError
   from olmo3.data.tokens import DataError
   from olmo3.run.plan import Start
-  from olmo3.sharded import ShardedModel
+  from olmo3.sharded_model import ShardedModel
   from olmo3.train.state import confirm_complete
 
   try:  # a complete run's last checkpoint is verified as the trainer would restore it

@@ -48,7 +48,7 @@ from etils import epath
 
 from launch import refs
 from olmo3.data import sources
-from olmo3.perf import flags as flags_lib
+from olmo3 import xla_flags as flags_lib
 
 CONFIG = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function", required=True)
@@ -121,7 +121,7 @@ def variant_config(sweep: Sweep, overrides: dict[str, Any]) -> fdl.Config:
 def run_variant(exp, compile_only: str | None, steps: int | None,
                 heldout: bool = False, repeats: int = 3) -> dict[str, Any]:
   if compile_only:
-    from olmo3.perf import aot
+    from olmo3.train import aot
 
     try:
       r = aot.compile_train_step(exp, None if compile_only == "local" else compile_only)

@@ -16,6 +16,7 @@ import enum
 import functools
 import math
 import numbers
+import operator
 import os
 import types
 import typing
@@ -45,7 +46,10 @@ class AttentionKernel(enum.StrEnum):
 # --- validation --------------------------------------------------------------------------------
 
 RESUMABLE = "resumable"  # field metadata: may change between runs in one workdir
-BOUNDS = ("ge", "gt", "le", "lt")  # field metadata: a number's bounds (None passes, if allowed)
+# Field metadata: a number's bounds (None passes, if the field allows it), each with its test and
+# how a message states it.
+BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="),
+          "lt": (operator.lt, "<")}
 INT32_MAX = 2**31 - 1  # step counts and token ids live in int32 arrays on the device
 SEED_MAX = 2**63 - 1  # jax.random keys take a seed that fits int64
 
@@ -82,24 +86,23 @@ def resumable_fields(cls: type | None = None, prefix: str = "") -> tuple[str, ..
 
 
 class _Mismatch(Exception):
-  """A value that does not fit a field's annotation; the message says why."""
+  """A value that does not fit its field; the message says why."""
+
+
+# Scalar annotations: how a message names each and what it accepts (a bool is not a number, an
+# int is a float, a path is its text).
+_SCALARS = {bool: ("True or False (bool)", bool), int: ("an integer (int)", numbers.Integral),
+            float: ("a number (float)", numbers.Real), str: ("a string (str)", (str, os.PathLike))}
 
 
 def _type_name(tp: Any) -> str:
-  if tp is type(None):
-    return "None"
-  return tp.__name__ if isinstance(tp, type) and not typing.get_args(tp) else str(tp)
+  return "None" if tp is type(None) else tp.__name__ if isinstance(tp, type) else str(tp)
 
 
-def _kind(value: Any) -> str:
-  """The type a mismatched value has, as the error names it ('str', 'float', ...)."""
-  return type(value).__name__
-
-
-def _conform(value: Any, tp: Any) -> Any:
-  """`value` as annotation `tp` says, in its canonical form: JSON and command-line forms are
-  accepted (lists for tuples, a mapping for a tuple of pairs, strings for enums, dicts for
-  configs, ints for floats, paths for strings). Anything else raises _Mismatch."""
+def _conform(value: Any, tp: Any, bounds: typing.Mapping[str, Any]) -> Any:
+  """`value` as annotation `tp` and a number's `bounds` (field metadata) allow, in canonical
+  form: JSON and command-line forms are accepted (lists for tuples, a mapping for a tuple of
+  pairs, values for enums, dicts for configs). Anything else raises _Mismatch."""
   origin, args = typing.get_origin(tp), typing.get_args(tp)
   if origin in (typing.Union, types.UnionType):
     if value is None and type(None) in args:
@@ -107,85 +110,52 @@ def _conform(value: Any, tp: Any) -> Any:
     arms = [a for a in args if a is not type(None)]
     for arm in arms:
       try:
-        return _conform(value, arm)
+        return _conform(value, arm, bounds)
       except _Mismatch as e:
         why = str(e)
-    if len(arms) > 1:  # which arm was meant is unknown: name them all
-      why = "expected " + " or ".join(_type_name(a) for a in args)
-    raise _Mismatch(why + (" (or None)" if type(None) in args and len(arms) == 1 else ""))
+    raise _Mismatch(why if len(arms) == 1 else "expected " + " or ".join(map(_type_name, args)))
   if origin is tuple:
-    pairs = len(args) == 2 and args[1] is Ellipsis and typing.get_origin(args[0]) is tuple
-    if pairs and isinstance(value, dict):
+    if isinstance(value, dict) and typing.get_origin(args[0]) is tuple:  # a mapping for pairs
       value = tuple(value.items())
     if not isinstance(value, (tuple, list)):
       raise _Mismatch(f"expected a tuple ({_type_name(tp)})")
-    kinds = [args[0]] * len(value) if args[1:] == (Ellipsis,) else list(args)
+    kinds = [args[0]] * len(value) if args[1:] == (Ellipsis,) else args
     if len(kinds) != len(value):
       raise _Mismatch(f"expected {len(kinds)} entries ({_type_name(tp)})")
     out = []
     for i, (v, kind) in enumerate(zip(value, kinds)):
       try:
-        out.append(_conform(v, kind))
+        out.append(_conform(v, kind, {}))
       except _Mismatch as e:
         raise _Mismatch(f"entry {i} ({v!r}): {e}") from None
     return tuple(out)
-  if tp is bool:
-    if isinstance(value, bool):
-      return value
-    raise _Mismatch(f"must be True or False (bool), not {_kind(value)}")
-  if tp is int:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-      return int(value)
-    raise _Mismatch(f"must be an integer (int), not {_kind(value)}")
-  if tp is float:
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-      try:
-        value = float(value)
-      except OverflowError:  # an int beyond float's range
-        value = math.inf
-      if math.isfinite(value):
-        return value
+  if tp in _SCALARS:
+    name, kinds = _SCALARS[tp]
+    if not isinstance(value, kinds) or (isinstance(value, bool) and tp is not bool):
+      raise _Mismatch(f"must be {name}, not {type(value).__name__}")
+    try:
+      value = os.fspath(value) if tp is str else tp(value)  # int(np.int64(5)) is 5
+    except OverflowError:  # an int beyond float's range
+      value = math.inf
+    if tp is float and not math.isfinite(value):
       raise _Mismatch("must be a finite number")
-    raise _Mismatch(f"must be a number (float), not {_kind(value)}")
-  if tp is str:
-    if isinstance(value, os.PathLike):  # a pathlib.Path for a file name: its text
-      value = os.fspath(value)
-    if isinstance(value, str):
-      return value
-    raise _Mismatch(f"must be a string (str), not {_kind(value)}")
+    limits = [(bounds[k], test, sign) for k, (test, sign) in BOUNDS.items() if k in bounds]
+    if not all(test(value, limit) for limit, test, _ in limits):
+      raise _Mismatch("must be " + " and ".join(f"{sign} {limit}" for limit, _, sign in limits))
+    return value
   if isinstance(tp, type) and issubclass(tp, enum.Enum):
     try:
       return tp(value)
     except (ValueError, TypeError):
       raise _Mismatch("expected one of " + ", ".join(repr(m.value) for m in tp)) from None
   if dataclasses.is_dataclass(tp):
-    if isinstance(value, tp):
-      return value
-    if isinstance(value, dict):  # from JSON (a ConfigError inside names the nested field)
-      try:
-        return tp(**value)
-      except TypeError as e:  # an unknown or missing key
-        raise _Mismatch(str(e)) from None
-    raise _Mismatch(f"expected a {tp.__name__}")
+    if not isinstance(value, (tp, dict)):
+      raise _Mismatch(f"expected a {tp.__name__}")
+    try:  # a dict from JSON (a ConfigError inside names the nested field)
+      return value if isinstance(value, tp) else tp(**value)
+    except TypeError as e:  # an unknown or missing key
+      raise _Mismatch(str(e)) from None
   raise TypeError(f"olmo3.config cannot check a field annotated {tp!r}")
-
-
-def _bounds_why(value: Any, meta: typing.Mapping[str, Any], optional: bool) -> str | None:
-  """Why `value` is outside the field's declared bounds, or None."""
-  ge, gt, le, lt = (meta.get(k) for k in BOUNDS)
-  if not isinstance(value, (int, float)) or isinstance(value, bool) or (
-      (ge is None or value >= ge) and (gt is None or value > gt)
-      and (le is None or value <= le) and (lt is None or value < lt)):
-    return None
-  lo = f"[{ge}" if ge is not None else f"({gt}" if gt is not None else None
-  hi = f"{le}]" if le is not None else f"{lt})" if lt is not None else None
-  if lo and hi:
-    why = f"must be in {lo}, {hi}"
-  elif lo:
-    why = f"must be {'>=' if ge is not None else '>'} {lo[1:]}"
-  else:
-    why = f"must be {'<=' if le is not None else '<'} {hi[:-1]}"
-  return why + (" (or None)" if optional else "")
 
 
 @functools.cache
@@ -222,13 +192,9 @@ class _Validated:
     for f in dataclasses.fields(self):  # type: ignore[arg-type]
       tp = hints[f.name]
       try:
-        value = _conform(getattr(self, f.name), tp)
-      except _Mismatch as e:
-        _fail(self, f.name, str(e))
-      why = _bounds_why(value, f.metadata, type(None) in typing.get_args(tp))
-      if why:
-        _fail(self, f.name, why)
-      object.__setattr__(self, f.name, value)
+        object.__setattr__(self, f.name, _conform(getattr(self, f.name), tp, f.metadata))
+      except _Mismatch as e:  # "(or None)": the field itself may also be None
+        _fail(self, f.name, str(e) + (" (or None)" if type(None) in typing.get_args(tp) else ""))
     self._check()
 
   def _check(self) -> None:

@@ -1,144 +1,101 @@
-"""Metric writers: CLU's interfaces and writers, TensorBoard event files, logs, metrics.jsonl.
+"""Metric writers: TensorBoard event files, metrics.jsonl, W&B, the log.
 
-Why a shim: `import clu.metric_writers` imports CLU's TensorFlow summary writer at package import
-and fails without TensorFlow (a 1.4 GB install). Before CLU's package is first imported, `install`
-registers a `clu.metric_writers.summary_writer` module whose `SummaryWriter` is a CLU
-`MetricWriter` writing TensorBoard event files with tensorboardX. CLU's `create_default_writer`,
-`AsyncMultiWriter` and `periodic_actions` then work unchanged. With TensorFlow installed, CLU's
-own writer is used. Everything that touches CLU's writers imports this module first.
+A run writes scalars only, so the interface is CLU's `MetricWriter` cut to them. CLU's own writers
+are not used: `clu.metric_writers` (and `clu.periodic_actions`, which imports it) imports a
+TensorFlow summary writer at package import, and TensorFlow is a 1.4 GB install. TensorBoard
+files go through tensorboard's own event writer (the one `torch.utils.tensorboard` uses), which
+imports neither TensorFlow (it falls back to its stub when none is installed) nor torch
+(tensorboardX would import torch, ≈2 s). Nothing here patches `sys.modules`, so any library
+imports the same before or after this module.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import abc
 import json
 import os
 import shutil
-import sys
 import tempfile
-import types
-from typing import Any, Mapping
+import time
+from typing import Any, Iterable, Mapping
 
 import numpy as np
+from absl import logging
 
 from olmo3 import storage
 
 METRICS_JSONL = "metrics.jsonl"
 
 
-def _import_tensorboardx():
-  """tensorboardX, imported with torch hidden: its writer module imports torch (≈2 s per process
-  start) only to recognise torch tensors, which we never pass it. torch, when installed (the test
-  and eval extras), stays importable afterwards."""
-  if "torch" in sys.modules:
-    import tensorboardX
-    return tensorboardX
-  sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` fail fast
-  try:
-    import tensorboardX
-  finally:
-    del sys.modules["torch"]
-  return tensorboardX
+class MetricWriter(abc.ABC):
+  """Where a run's scalars go: each write is one step's, writes of one step may repeat (a
+  training row, then its evaluation)."""
+
+  @abc.abstractmethod
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Writes (or buffers) `scalars` at `step`."""
+
+  def flush(self) -> None:
+    """Everything written so far is where it goes (on disk, uploaded)."""
+
+  def close(self) -> None:
+    self.flush()
 
 
-def _tensorboardx_writer_class():
-  from clu.metric_writers import interface
-  TbxWriter = _import_tensorboardx().SummaryWriter
+class MultiWriter(MetricWriter):
+  """Writes to each of `writers`, in order."""
 
-  class SummaryWriter(interface.MetricWriter):
-    """CLU MetricWriter -> TensorBoard event files, via tensorboardX (no TensorFlow)."""
+  def __init__(self, writers: Iterable[MetricWriter]):
+    self.writers = tuple(writers)
 
-    def __init__(self, logdir: str):
-      self._writer = TbxWriter(logdir=logdir, flush_secs=30)
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    for writer in self.writers:
+      writer.write_scalars(step, scalars)
 
-    def write_summaries(self, step, values, metadata=None):
-      for key, value in values.items():
-        self._writer.add_scalar(key, np.asarray(value).item(), step)
+  def flush(self) -> None:
+    for writer in self.writers:
+      writer.flush()
 
-    def write_scalars(self, step: int, scalars: Mapping[str, Any]):
-      for key, value in scalars.items():
-        self._writer.add_scalar(key, float(np.asarray(value)), step)
-
-    def write_images(self, step: int, images: Mapping[str, Any]):
-      for key, value in images.items():
-        self._writer.add_images(key, np.asarray(value), step, dataformats="NHWC")
-
-    def write_videos(self, step: int, videos: Mapping[str, Any]):
-      for key, value in videos.items():
-        self._writer.add_video(key, np.asarray(value), step)
-
-    def write_audios(self, step: int, audios: Mapping[str, Any], *, sample_rate: int):
-      for key, value in audios.items():
-        self._writer.add_audio(key, np.asarray(value), step, sample_rate=sample_rate)
-
-    def write_texts(self, step: int, texts: Mapping[str, str]):
-      for key, value in texts.items():
-        self._writer.add_text(key, value, step)
-
-    def write_histograms(self, step: int, arrays: Mapping[str, Any], num_buckets=None):
-      for key, value in arrays.items():
-        self._writer.add_histogram(key, np.asarray(value), step,
-                                   bins=num_buckets[key] if num_buckets else "tensorflow")
-
-    def write_hparams(self, hparams: Mapping[str, Any]):
-      self._writer.add_text("hparams", json.dumps(dict(hparams), default=str, indent=1), 0)
-
-    def flush(self):
-      self._writer.flush()
-
-    def close(self):
-      self._writer.close()
-
-  return SummaryWriter
+  def close(self) -> None:
+    for writer in self.writers:
+      writer.close()
 
 
-def install() -> None:
-  """Makes `import clu.metric_writers` work without TensorFlow (idempotent)."""
-  name = "clu.metric_writers.summary_writer"
-  if name in sys.modules or importlib.util.find_spec("tensorflow") is not None:
-    return
-  module = types.ModuleType(name, "tensorboardX-backed SummaryWriter (olmo3.metrics)")
+class LogWriter(MetricWriter):
+  """Every scalar in the log at DEBUG (absl's -v 1), as CLU's logging writer showed them; the
+  loop's own one-line progress is at INFO."""
 
-  def __getattr__(attr):  # resolved while CLU's package imports, after its interface module
-    if attr == "SummaryWriter":
-      module.SummaryWriter = _tensorboardx_writer_class()
-      return module.SummaryWriter
-    raise AttributeError(attr)
-
-  module.__getattr__ = __getattr__
-  sys.modules[name] = module
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    logging.debug("[%d] %s", step, ", ".join(
+        f"{k}={float(np.asarray(v)):.6g}" for k, v in sorted(scalars.items())))
 
 
-install()
+class TensorBoardWriter(MetricWriter):
+  """TensorBoard event files in `logdir` (local), through tensorboard's own event writer;
+  imported here, so a process that writes no events (every one but the main one) never pays
+  for it."""
 
-from clu import metric_writers  # noqa: E402  (after install)
-from clu.metric_writers import interface  # noqa: E402
+  def __init__(self, logdir: str | os.PathLike):
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    self._writer = EventFileWriter(os.fspath(logdir), flush_secs=30)
 
-class ScalarWriter(interface.MetricWriter):
-  """A writer of scalars (and hparams) only: every other kind of summary is dropped. Ours log
-  nothing else, and CLU's interface wants each method."""
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+    values = [self._summary.Value(tag=k, simple_value=float(np.asarray(v)))
+              for k, v in scalars.items()]
+    self._writer.add_event(self._event(wall_time=time.time(), step=int(step),
+                                       summary=self._summary(value=values)))
 
-  def write_summaries(self, step, values, metadata=None):
-    pass
+  def flush(self) -> None:
+    self._writer.flush()
 
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
+  def close(self) -> None:
+    self._writer.close()
 
 
-class JsonlWriter(ScalarWriter):
+class JsonlWriter(MetricWriter):
   """WORKDIR/metrics.jsonl: one JSON object per logged step, `step` and all its scalars (writes
   for the same step, such as training and evaluation metrics, are merged into one line).
 
@@ -156,9 +113,6 @@ class JsonlWriter(ScalarWriter):
       self.flush()
     self._pending.setdefault("step", int(step))
     self._pending.update({k: float(np.asarray(v)) for k, v in scalars.items()})
-
-  def write_hparams(self, hparams):
-    pass
 
   def flush(self):
     if self._pending:
@@ -190,60 +144,45 @@ def _drop_after(path: str | os.PathLike, step: int) -> None:
 
 
 def create_writer(workdir: str | os.PathLike, is_main_process: bool, resumed_at: int = 0
-                  ) -> interface.MetricWriter:
-  """Logs everywhere; TensorBoard events and metrics.jsonl from the main process only (resumed
-  at step `resumed_at`: see JsonlWriter). A workdir in an object store gets both through a
-  local mirror (`MirroredWriter`)."""
+                  ) -> MetricWriter:
+  """The log (at DEBUG) everywhere; TensorBoard events and metrics.jsonl from the main process
+  only (resumed at step `resumed_at`: see JsonlWriter). A workdir in an object store gets both
+  through a local mirror (`MirroredWriter`)."""
   if not is_main_process:
-    return metric_writers.create_default_writer(just_logging=True, asynchronous=False)
+    return LogWriter()
   workdir = os.fspath(workdir)
   local = tempfile.mkdtemp(prefix="olmo3-metrics-") if storage.is_url(workdir) else workdir
   if local != workdir and storage.exists(storage.join(workdir, METRICS_JSONL)):
     with open(os.path.join(local, METRICS_JSONL), "wb") as f:  # continued, then uploaded whole
       f.write(storage.read_bytes(storage.join(workdir, METRICS_JSONL)))
-  default = metric_writers.create_default_writer(os.path.join(local, "tensorboard"),
-                                                 asynchronous=False)
-  writer = metric_writers.MultiWriter([
-      default, JsonlWriter(os.path.join(local, METRICS_JSONL), resumed_at)])
+  writer = MultiWriter([LogWriter(), TensorBoardWriter(os.path.join(local, "tensorboard")),
+                        JsonlWriter(os.path.join(local, METRICS_JSONL), resumed_at)])
   return writer if local == workdir else MirroredWriter(writer, local, workdir)
 
 
-class MirroredWriter(interface.MetricWriter):
+class MirroredWriter(MetricWriter):
   """Writes through `inner` into a local directory and uploads the files that changed to
   `remote` (an object-store URL) at each flush: an object store cannot append, so each file
   is uploaded whole and replaces the previous upload at once. The loop flushes before every
   checkpoint and at the end, so the bucket's metrics are never behind its checkpoints."""
 
-  def __init__(self, inner: interface.MetricWriter, local: str, remote: str):
+  def __init__(self, inner: MetricWriter, local: str, remote: str):
     self.inner, self.local, self.remote = inner, local, remote
     self._uploaded: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns)
 
   def write_scalars(self, step, scalars):
     self.inner.write_scalars(step, scalars)
 
-  def write_summaries(self, step, values, metadata=None):
-    self.inner.write_summaries(step, values, metadata)
-
-  def write_images(self, step, images):
-    self.inner.write_images(step, images)
-
-  def write_videos(self, step, videos):
-    self.inner.write_videos(step, videos)
-
-  def write_audios(self, step, audios, *, sample_rate):
-    self.inner.write_audios(step, audios, sample_rate=sample_rate)
-
-  def write_texts(self, step, texts):
-    self.inner.write_texts(step, texts)
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    self.inner.write_histograms(step, arrays, num_buckets)
-
-  def write_hparams(self, hparams):
-    self.inner.write_hparams(hparams)
-
   def flush(self):
     self.inner.flush()
+    self._upload()
+
+  def close(self):
+    self.inner.close()  # a closed writer cannot flush: upload what it wrote as it closed
+    self._upload()
+    shutil.rmtree(self.local, ignore_errors=True)
+
+  def _upload(self):
     for root, _, files in os.walk(self.local):
       for name in files:
         path = os.path.join(root, name)
@@ -253,11 +192,6 @@ class MirroredWriter(interface.MetricWriter):
           with open(path, "rb") as f:
             storage.write_bytes_atomic(storage.join(self.remote, *rel.split(os.sep)), f.read())
           self._uploaded[rel] = (stat.st_size, stat.st_mtime_ns)
-
-  def close(self):
-    self.inner.close()
-    self.flush()
-    shutil.rmtree(self.local, ignore_errors=True)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
@@ -275,9 +209,9 @@ class MetricsError(Exception):
   """A metric writer that cannot start (a missing extra); the message says what to install."""
 
 
-class WandbWriter(ScalarWriter):
-  """CLU MetricWriter -> a W&B run: the scalars at the steps the other writers get (the loop
-  writes scalars only; hyperparameters go into the run's config)."""
+class WandbWriter(MetricWriter):
+  """A W&B run: the scalars at the steps the other writers get (hyperparameters are the run's
+  config, given when it starts)."""
 
   def __init__(self, run: Any):
     self._run = run
@@ -285,9 +219,6 @@ class WandbWriter(ScalarWriter):
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     # W&B merges the writes of one step (a training row, then its evaluation) into one row.
     self._run.log({k: float(np.asarray(v)) for k, v in scalars.items()}, step=int(step))
-
-  def write_hparams(self, hparams: Mapping[str, Any]):
-    self._run.config.update(dict(hparams), allow_val_change=True)
 
   def flush(self):
     pass  # the run streams as it logs

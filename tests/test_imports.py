@@ -9,14 +9,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # do not import each other.
 LAYERS = (
     ("olmo3.storage",),
-    ("olmo3.remat", "olmo3.loss", "olmo3.metrics", "olmo3.orbax_s3"),
+    ("olmo3.remat", "olmo3.loss", "olmo3.metrics", "olmo3.orbax_s3", "olmo3.xla_flags"),
     ("olmo3.config",),
     ("olmo3.sharding", "olmo3.flops", "olmo3.checkpoint"),
     ("olmo3.model", "olmo3.data"),
-    ("olmo3.sharded", "olmo3.convert", "olmo3.run"),
+    ("olmo3.sharded_model", "olmo3.convert", "olmo3.run"),
     ("olmo3.eval",),
     ("olmo3.train",),
-    ("olmo3.perf",),
 )
 FORBIDDEN = ("fiddle", "launch", "experiments", "absl.flags")
 # The one exception: Grain's worker processes read absl flags, and programs whose main is not

@@ -1,9 +1,12 @@
-"""olmo3.metrics' Weights & Biases writer, in W&B's offline mode (no network): the run it writes
-is read back from its transaction log and holds exactly the steps and values the TensorBoard
-writer got, the experiment as config, and the workdir's run id, which a resumed run reuses."""
+"""olmo3.metrics: it imports no heavy or TensorFlow-bound library and plants no module (so any
+library imports the same before or after it); a mirrored workdir gets every file when the writer
+closes; the Weights & Biases writer, in W&B's offline mode (no network): the run it writes is
+read back from its transaction log and holds exactly the steps and values the TensorBoard writer
+got, the experiment as config, and the workdir's run id, which a resumed run reuses."""
 
 import json
 import struct
+import subprocess
 import sys
 
 import pytest
@@ -84,6 +87,50 @@ def _tensorboard(logdir):
   return out
 
 
+# In a fresh process: what importing olmo3.metrics and writing a row brings in.
+_IMPORTS_THEN_WRITES = """
+import sys
+before = set(sys.modules)
+from olmo3 import metrics
+writer = metrics.create_writer(sys.argv[1], True)
+writer.write_scalars(1, {"loss": 2.5})
+writer.close()
+new = set(sys.modules) - before
+print(sorted(m for m in new if m.split(".")[0] in ("torch", "tensorflow", "tensorboardX", "clu")))
+print(sorted(m for m in new if sys.modules[m] is None))
+import torch  # installed (the test extra) and importable: nothing hid it
+"""
+
+
+def test_metrics_import_without_torch_tensorflow_or_planted_modules(tmp_path):
+  """No import-order trick: olmo3.metrics and the TensorBoard writer import neither torch
+  (tensorboardX would, ≈2 s), TensorFlow, tensorboardX nor CLU (a stand-in planted for a CLU
+  module shows as one), block no import (a None entry), and events still land."""
+  done = subprocess.run([sys.executable, "-c", _IMPORTS_THEN_WRITES, str(tmp_path)],
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.splitlines() == ["[]", "[]"], done.stdout
+  assert _tensorboard(tmp_path / "tensorboard") == {1: {"loss": 2.5}}
+  assert metrics_lib.read_jsonl(tmp_path / metrics_lib.METRICS_JSONL) == [
+      {"step": 1, "loss": 2.5}]
+
+
+def test_a_mirrored_workdir_gets_every_file_when_the_writer_closes(tmp_path):
+  """Closing uploads what the inner writers wrote as they closed (a closed writer cannot be
+  flushed again). The mirror's upload is storage.write_bytes_atomic, local paths included."""
+  local, remote = tmp_path / "local", tmp_path / "remote"
+  local.mkdir()
+  writer = metrics_lib.MirroredWriter(metrics_lib.create_writer(local, True), str(local),
+                                      str(remote))
+  writer.write_scalars(1, {"loss": 2.5})
+  writer.write_scalars(2, {"loss": 2.0})
+  writer.close()
+  assert not local.exists()
+  assert metrics_lib.read_jsonl(remote / metrics_lib.METRICS_JSONL) == [
+      {"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.0}]
+  assert _tensorboard(remote / "tensorboard") == {1: {"loss": 2.5}, 2: {"loss": 2.0}}
+
+
 def _log(writer, rows, evals):
   for step, row in rows.items():
     writer.write_scalars(step, row)
@@ -108,7 +155,7 @@ def test_wandb_offline_run_holds_what_tensorboard_got_and_resumes(tmp_path, monk
     wandb_writer = metrics_lib.create_wandb_writer(
         workdir, mode="offline", project="olmo3-test", entity=None, name=None,
         config=CONFIG_GIVEN)
-    return metrics_lib.metric_writers.MultiWriter([
+    return metrics_lib.MultiWriter([
         metrics_lib.create_writer(workdir, True, resumed_at=resumed_at), wandb_writer])
 
   import wandb

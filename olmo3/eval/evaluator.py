@@ -24,7 +24,7 @@ from olmo3.config import Experiment
 from olmo3.data import pipeline, sources
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.eval import tasks as tasks_lib
-from olmo3.sharded import ShardedModel
+from olmo3.sharded_model import ShardedModel
 
 class Evaluator:
   def __init__(self, exp: Experiment, model: ShardedModel,

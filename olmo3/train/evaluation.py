@@ -12,7 +12,7 @@ from absl import logging
 from olmo3.eval.alarm import GapAlarm
 from olmo3.eval.evaluator import Evaluator
 from olmo3.run.plan import RunPlan
-from olmo3.sharded import ShardedModel
+from olmo3.sharded_model import ShardedModel
 from olmo3.train import logs
 from olmo3.train.rows import MetricRows
 

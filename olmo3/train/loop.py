@@ -22,10 +22,10 @@ from etils import epath
 from olmo3.data import pipeline
 from olmo3.run import record
 from olmo3.run.plan import RunPlan
-from olmo3.sharded import ShardedModel
+from olmo3.sharded_model import ShardedModel
 from olmo3.train import logs
 from olmo3.train import state as state_lib
-from olmo3.train.checkpoints import RunCheckpoints
+from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.evaluation import LoopEvaluation
 from olmo3.train.lease import Lease, hold
 from olmo3.train.preemption import EXCHANGE_EVERY, Preemption
@@ -82,10 +82,6 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption) -> dict[s
     batches = (pipeline.DevicePrefetch(iter(loader), exp.data.device_prefetch)
                if exp.data.device_prefetch else iter(loader))
     writer = open_writer(plan, start)
-    from clu import periodic_actions  # after olmo3.metrics: CLU then imports without TF
-
-    progress = periodic_actions.ReportProgress(num_train_steps=end, writer=writer,
-                                               every_steps=max(exp.train.log_every, 10))
     rows = MetricRows(plan, model.mesh, writer, start)
     limit = exp.train.max_consecutive_skips
     skips = SkipLimit(limit, int(state.skip.consecutive)) if limit is not None else None
@@ -112,7 +108,6 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption) -> dict[s
             wait_for_step()  # the previous step's row, while this step runs
           if skips is not None:
             skips.add(step, step_metrics)
-          progress(step)
           last_step = step == end
           rows.add(step, step_metrics, row=step % exp.train.log_every == 0 or last_step)
           evaluate = evaluation is not None and (step % exp.train.eval_every == 0 or last_step)

@@ -29,14 +29,14 @@ def source_losses(names: tuple[str, ...], sums: list) -> dict[str, float]:
   return {f"train/{name}/ce_loss": ce / n for name, ce, n in zip(names, ce_S, tokens_S) if n}
 
 
-def open_writer(plan: RunPlan, start: int) -> metrics_lib.interface.MetricWriter:
+def open_writer(plan: RunPlan, start: int) -> metrics_lib.MetricWriter:
   """The run's writers: TensorBoard and metrics.jsonl (process 0; a resumed run's rows after
   `start` dropped), W&B beside them when the experiment turns it on."""
   main = jax.process_index() == 0
   writer = metrics_lib.create_writer(plan.workdir.root, main, resumed_at=start)
   wandb = plan.exp.wandb
   if wandb.enabled and main:
-    writer = metrics_lib.metric_writers.MultiWriter([writer, metrics_lib.create_wandb_writer(
+    writer = metrics_lib.MultiWriter([writer, metrics_lib.create_wandb_writer(
         plan.workdir.root, mode=wandb.mode.value, project=wandb.project, entity=wandb.entity,
         name=wandb.name, config=plan.exp.to_dict())])
   return writer
@@ -44,7 +44,7 @@ def open_writer(plan: RunPlan, start: int) -> metrics_lib.interface.MetricWriter
 
 class MetricRows:
   def __init__(self, plan: RunPlan, mesh: jax.sharding.Mesh,
-               writer: metrics_lib.interface.MetricWriter, start: int):
+               writer: metrics_lib.MetricWriter, start: int):
     exp = plan.exp
     self.writer, self.end = writer, plan.end
     self.names = plan.train_files.source_names

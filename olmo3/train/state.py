@@ -30,9 +30,9 @@ from olmo3.checkpoint import CheckpointDamaged, CheckpointError, resolve_step_di
 from olmo3.config import Experiment
 from olmo3.data.tokens import DataError
 from olmo3.run.plan import RunPlan, Start, decide_start
-from olmo3.sharded import ShardedModel
+from olmo3.sharded_model import ShardedModel
 from olmo3.train import optim
-from olmo3.train.checkpoints import RunCheckpoints, restore_train_state
+from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
 
 # Data fields whose change changes the instance sequence (the files are compared one by one).
 _DATA_FIELDS = ("seq_len", "global_batch_size", "seed", "max_instances", "repetition_filter")

@@ -14,7 +14,7 @@ import jax
 
 from olmo3 import flops as flops_lib
 from olmo3.config import AttentionKernel, Experiment
-from olmo3.sharded import ShardedModel
+from olmo3.sharded_model import ShardedModel
 from olmo3.train.state import StateLayout
 from olmo3.train.step import abstract_inputs, jit_train_step
 

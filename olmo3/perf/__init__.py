@@ -1,1 +1,0 @@
-"""Performance tooling above training: ahead-of-time compilation, compiler flag sets."""
