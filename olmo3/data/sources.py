@@ -197,9 +197,10 @@ class Resolved:
   exp: Experiment  # held-out sets, their root and the task tokenizer filled in (`resolve`)
   train: tuple[MixFile, ...]  # the training token files, labelled with their sources
   heldout: tuple[tuple[str, tuple[MixFile, ...]], ...]  # (held-out mix, its files), in order
+  train_files: TokenFiles | None = None  # `train` opened and sized (when resolve was asked to)
 
 
-def resolve(exp: Experiment) -> Resolved:
+def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved:
   """The experiment a run executes and its files: `eval.heldout=None` becomes the held-out
   split of the training data (`data.mix` a prepared directory; `()` when it has none or the
   data is no prepared directory), a prepared directory named in `eval.heldout` becomes its
@@ -208,7 +209,11 @@ def resolve(exp: Experiment) -> Resolved:
   Refuses (DataError, one line naming both) a data.root that does not exist or that nothing
   reads, a held-out set or task tokenizer whose tokenizer differs from the training data's, a
   held-out set that lists a training file, and a tokenizer whose EOS or vocabulary the model
-  does not share. Idempotent: resolving the resolved experiment changes nothing."""
+  does not share. Idempotent: resolving the resolved experiment changes nothing.
+
+  With `sizes` (a run's size cache), the training files are also opened and checked
+  (`Resolved.train_files`) as soon as they are listed: a missing token file is the error a
+  launch reports first, before what follows from the data's other settings."""
   data, ev, model = exp.data, exp.eval, exp.model
   train = prepared(data.mix) if data.mix else None
   if ev.heldout is None:
@@ -225,6 +230,10 @@ def resolve(exp: Experiment) -> Resolved:
   root = data.root if ev.heldout_root is None else ev.heldout_root
   follows = ev.heldout_root in (None, data.root)  # held-out mix files relative to data.root
   _check_root(exp, [train] * bool(data.mix) + splits * follows)
+  training = (_listed(data.mix, train, data.root, data.tokenizer_id, "DataConfig.mix")
+              if data.mix else training_files(data))
+  opened = (token_files(data, model.vocab_size, sizes, files=training) if sizes is not None
+            else None)
   tokenizer = ev.tokenizer
   if tokenizer is None and train is not None:
     tokenizer = train.tokenizer
@@ -239,8 +248,6 @@ def resolve(exp: Experiment) -> Resolved:
       raise DataError(f"EvalConfig.tokenizer={ev.tokenizer!r} is not the tokenizer of the "
                       f"training data ({train.tokenizer}, {train.directory}): drop the "
                       "override (None uses the data's) or prepare the data with it")
-  training = (_listed(data.mix, train, data.root, data.tokenizer_id, "DataConfig.mix")
-              if data.mix else training_files(data))
   trained_on = {f.path for f in training}
   per_mix = []
   for mix, split in zip(heldout, splits):
@@ -259,7 +266,7 @@ def resolve(exp: Experiment) -> Resolved:
                       "is only comparable on the training tokenizer")
   resolved = dataclasses.replace(exp, eval=dataclasses.replace(
       ev, heldout=heldout, heldout_root=root, tokenizer=tokenizer))
-  return Resolved(resolved, tuple(training), tuple(per_mix))
+  return Resolved(resolved, tuple(training), tuple(per_mix), opened)
 
 
 def heldout_sets(exp: Experiment) -> dict[str, tuple[str, ...]]:

@@ -101,17 +101,19 @@ class RunPlan:
   @classmethod
   def build(cls, exp: Experiment, workdir: str, name: str = "") -> RunPlan:
     """Raises DataError (data) or CheckpointError (init_from) naming the field or file."""
-    return cls.from_resolved(sources.resolve(exp), workdir, name)
+    cache = storage.SizeCache(Workdir(workdir).file_sizes)
+    return cls.from_resolved(sources.resolve(exp, cache), workdir, name, cache)
 
   @classmethod
-  def from_resolved(cls, resolved: sources.Resolved, workdir: str, name: str = "") -> RunPlan:
+  def from_resolved(cls, resolved: sources.Resolved, workdir: str, name: str = "",
+                    cache: storage.SizeCache | None = None) -> RunPlan:
     """`build`, the experiment's data already resolved (a dry run prints the resolution even
-    where the files cannot be sized)."""
+    where the files cannot be sized); `cache`: the one the resolution sized files through."""
     where = Workdir(workdir)
     exp = resolved.exp
-    cache = storage.SizeCache(where.file_sizes)
-    train_files = sources.token_files(exp.data, exp.model.vocab_size, cache,
-                                      files=list(resolved.train))
+    cache = cache or storage.SizeCache(where.file_sizes)
+    train_files = resolved.train_files or sources.token_files(
+        exp.data, exp.model.vocab_size, cache, files=list(resolved.train))
     evaluates = bool(exp.train.eval_every)
     sets = sources.by_set([f for _, files in resolved.heldout for f in files])
     heldout = tuple(HeldoutSet(n, p, tuple(token_counts(p, "held-out token file", cache)))
@@ -143,7 +145,7 @@ class RunPlan:
              Start.RESUME: f"resumes from step {resume.step:,} of {self.workdir.checkpoints}",
              Start.COMPLETE: f"complete at step {resume.step:,}: nothing to train"}
     lines = [f"training data       {where}",
-             f"task tokenizer      {exp.eval.tokenizer if exp.eval.tokenizer is not None else 'none'}",
+             f"task tokenizer      {'none' if exp.eval.tokenizer is None else exp.eval.tokenizer}",
              f"epoch               {len(self.train_files):,} instances = "
              f"{self.steps_per_epoch:,} steps{stop}",
              f"start               {start[resume.start]}"]
