@@ -228,7 +228,7 @@ def begin(plan, revision: dict[str, str] | None):
         lease = Lease(plan.workdir.root)
         lease.acquire()
         lease.release()
-      run_record.begin(revision, plan.exp.to_dict(), sys.argv, plan.resume.step)
+      run_record.begin(revision, plan.exp.to_dict(), sys.argv, plan.resume.step, plan.summary())
     except LeaseHeld as e:
       sys.exit(f"error: {e}")
   return run_record

@@ -12,7 +12,7 @@ import pytest
 
 from olmo3.checkpoint import CheckpointError
 from olmo3.run.plan import RunPlan, Start, decide_start, stage_end
-from olmo3.run.record import Workdir
+from olmo3.run.record import Workdir, read_history
 
 from train_helpers import micro_experiment, write_corpus
 
@@ -52,6 +52,9 @@ def test_each_mix_is_read_once_per_launch(tmp_path):
                     "_listed embedded": 1, "_listed embedded-heldout": 1}
   assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])[
       "eval/embedded/ce_loss"] > 0  # the held-out set was evaluated
+  plan = read_history(tmp_path / "run")[0].plan  # the record keeps what the launch worked out
+  assert (plan["start"], plan["step"], plan["end"], plan["files"]) == ("fresh", 0, 2, 1)
+  assert plan["heldout"]["embedded"] > 0 and plan["instances"] > 0
 
 
 def test_the_start_follows_the_committed_checkpoints(tmp_path):

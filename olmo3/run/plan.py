@@ -128,6 +128,16 @@ class RunPlan:
     return cls(exp, where, name, train_files, heldout, data_identity(exp.data, train_files),
                per_epoch, end, decide_start(where, exp.checkpoint.init_from, end), cache)
 
+  def summary(self) -> dict[str, Any]:
+    """What the run record keeps of the plan (plain JSON; each checkpoint's meta holds the
+    whole data identity)."""
+    files = self.train_files
+    return {"start": self.resume.start.value, "step": self.resume.step,
+            "init_from": self.resume.init_from, "end": self.end,
+            "steps_per_epoch": self.steps_per_epoch, "instances": self.identity["instances"],
+            "files": len(files.paths), "tokens": int(files.file_tokens.sum()),
+            "heldout": {s.name: sum(s.tokens) for s in self.heldout}}
+
   def describe(self) -> list[str]:
     """What --dry_run prints of the plan (the config and its numbers come before it)."""
     exp, data = self.exp, self.exp.data

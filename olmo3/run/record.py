@@ -7,7 +7,8 @@ The launcher writes revision 0 as `config.json` / `config.txt` / `experiment.jso
 resumable change, or one forced with --force_workdir) as `config.<n>.json` / `config.<n>.txt`
 / `experiment.<n>.json`; no file of a revision is ever rewritten. Every launch that trains
 appends one line to `history.jsonl`: its number, the revision it ran, the step it resumed
-from, the revision's files and its command line. A launch that trains nothing (the run is
+from, the revision's files, its command line and its plan's summary (where it started, the
+stage's end, the data's size). A launch that trains nothing (the run is
 complete) writes nothing. A run trained without the launcher (`olmo3.train.loop.train`) has
 `experiment.json` alone (`write_experiment`).
 
@@ -97,6 +98,7 @@ class Launch:
   experiment: str  # the revision's plain Experiment JSON, relative to the workdir
   command: tuple[str, ...]  # its command line
   time: str  # when it started (UTC, ISO 8601)
+  plan: dict[str, Any] = dataclasses.field(default_factory=dict)  # RunPlan.summary()
 
   def to_json(self) -> str:
     return json.dumps({**dataclasses.asdict(self), "command": list(self.command)})
@@ -194,11 +196,12 @@ class RunRecord:
     return self.workdir.path(history[-1].config) if history else None
 
   def begin(self, new_config: dict[str, str] | None, experiment: dict[str, Any],
-            argv: list[str], start_step: int) -> Launch:
+            argv: list[str], start_step: int, plan: dict[str, Any] | None = None) -> Launch:
     """Records a launch that is about to train from `start_step`. `new_config` is None when
     the config equals the latest revision's, else {"json": ..., "text": ...}: the config as
     Fiddle serializes and prints it, written as a new revision (never rewriting an earlier
-    one). `experiment` is the plain Experiment (Experiment.to_dict) the run executes."""
+    one). `experiment` is the plain Experiment (Experiment.to_dict) the run executes, `plan`
+    what the launch worked out (olmo3.run.plan.RunPlan.summary), kept in its history line."""
     epath.Path(self.workdir.root).mkdir(parents=True, exist_ok=True)
     history = self.history()
     revision = history[-1].revision if history else 0
@@ -217,7 +220,7 @@ class RunRecord:
     config, _, exp_file = revision_files(revision)
     launch = Launch(
         len(history) + 1, revision, start_step, config, exp_file, tuple(argv),
-        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), plan or {})
     path = self.workdir.history
     self._history_before = path.read_text() if path.exists() else None
     # Object stores cannot append: the file is rewritten with every earlier line as it was.
