@@ -302,7 +302,8 @@ def main(argv: list[str]) -> None:
   from olmo3.train.state import confirm_complete
 
   try:  # a complete run's last checkpoint is verified as the trainer would restore it
-    plan = confirm_complete(plan, ShardedModel.for_experiment(plan.exp))
+    if plan.resume.start is Start.COMPLETE:
+      plan = confirm_complete(plan, ShardedModel.for_experiment(plan.exp))
   except (DataError, CheckpointError) as e:  # changed data, a checkpoint that does not fit
     sys.exit(f"error: {e}")
   if plan.resume.start is Start.COMPLETE:

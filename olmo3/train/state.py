@@ -29,7 +29,7 @@ from absl import logging
 from olmo3.checkpoint import CheckpointDamaged, CheckpointError, resolve_step_dir
 from olmo3.config import Experiment
 from olmo3.data.tokens import DataError
-from olmo3.run.plan import RunPlan, Start, decide_start
+from olmo3.run.plan import RunPlan, decide_start
 from olmo3.sharded_model import ShardedModel
 from olmo3.train import optim
 from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
@@ -210,8 +210,6 @@ def confirm_complete(plan: RunPlan, model: ShardedModel) -> RunPlan:
   verified, as the trainer would restore it; otherwise the plan to train from where the
   trainer would resume (a damaged final checkpoint is quarantined by the same restore, and
   the run trains again from the one before it). Nothing is written unless one is quarantined."""
-  if plan.resume.start is not Start.COMPLETE:
-    return plan
   with model.context():
     checkpoints = RunCheckpoints(plan.workdir.checkpoints, plan.exp.checkpoint.keep,
                                  async_save=False)
