@@ -2,7 +2,7 @@
 `meta` item (JSON: the model config and provenance). Used by training, evaluation and
 conversion alike, so it sits below all three.
 
-Training checkpoints (olmo3.train.checkpoints) add items beside these (optimizer state, data
+Training checkpoints (olmo3.train.run_checkpoints) add items beside these (optimizer state, data
 position) in the same layout, so a converted checkpoint and a training step directory restore
 the same way. Orbax writes into a temporary directory and renames it when complete, so a crash
 never leaves a checkpoint that looks complete.
@@ -11,7 +11,9 @@ Verified: the meta records every saved array's shape, dtype and checksum (`array
 digest of itself, and a save of NaN/Inf is refused. A restore first checks that the checkpoint
 fits the target (a mismatch is a CheckpointError naming the parameter and both shapes: a
 config mistake, the files are fine), then reads and verifies: unreadable files, a checksum or
-digest that does not match, or NaN/Inf are CheckpointDamaged, naming the array and directory.
+digest that does not match, or NaN/Inf are CheckpointDamaged, in one form whatever the cause:
+`<step dir> is damaged: <array> in <item dir>: <cause>`, the cause being e.g. `checksum
+mismatch (saved .., read ..)` or `unreadable (<first line of the library's error>)`.
 The checksum is a function of the global array (each element's bits and position, summed
 modulo 2^32 in two lanes), so it is computed where the arrays live, in one pass on their
 devices, and verifies a checkpoint restored onto any mesh.
@@ -24,6 +26,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -39,6 +42,7 @@ from olmo3.config import ModelConfig
 PARAMS, META = "params", "meta"
 ARRAYS, DIGEST = "arrays", "digest"  # meta keys: per-item array records; the meta's own digest
 _HOST_CHUNK = 1 << 22  # elements per step when checksumming a host (numpy) array
+_CAUSE_CHARS = 200  # the most of a library's error a damage message quotes
 # Errors of the machine or the storage service, not of the files: never a reason to set a
 # checkpoint aside.
 _ENVIRONMENT = ("RESOURCE_EXHAUSTED", "Out of memory", "UNAVAILABLE", "DEADLINE_EXCEEDED",
@@ -208,10 +212,51 @@ def save_model(path: str | os.PathLike, cfg: ModelConfig, params: Any,
       PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}))
 
 
+def _chain(error: BaseException) -> list[BaseException]:
+  """`error` and the errors it was raised from, outermost first (as a traceback shows them)."""
+  chain = []
+  while error is not None and all(error is not e for e in chain):
+    chain.append(error)
+    error = error.__cause__ if error.__cause__ is not None else (
+        None if error.__suppress_context__ else error.__context__)
+  return chain
+
+
 def is_environmental(error: BaseException) -> bool:
   """An error of the machine or the storage service (memory, network, permissions), which says
-  nothing about the files."""
-  return isinstance(error, MemoryError) or any(s in str(error) for s in _ENVIRONMENT)
+  nothing about the files. The whole chain is read: Orbax wraps TensorStore's read errors in
+  one that names only the array."""
+  return any(isinstance(e, MemoryError) or any(s in str(e) for s in _ENVIRONMENT)
+             for e in _chain(error))
+
+
+def _cause(error: BaseException) -> str:
+  """Why a read failed, in the library's words and one short line: the first line of the
+  innermost error (TensorStore's: it names the key, the file and what failed, where Orbax's
+  wrapper names the array's whole spec), without the spec TensorStore appends
+  (`[tensorstore_spec='{...}']`), its middle elided past _CAUSE_CHARS."""
+  inner = _chain(error)[-1]
+  line = str(inner).strip().split("\n")[0].split(" See full TensorStore details")[0]
+  line = re.split(r" \[\w+='", line)[0]  # TensorStore's payloads: the spec, source locations
+  line = f"{type(inner).__name__}: {line}" if line else type(inner).__name__
+  if len(line) > _CAUSE_CHARS:
+    half = _CAUSE_CHARS // 2
+    line = f"{line[:half]} … {line[-half:]}"
+  return line
+
+
+def _damaged(path: epath.Path, found: list[tuple[str | None, str]], cause: str
+             ) -> CheckpointDamaged:
+  """The one form of every damage message: the step directory, the first damaged array (or
+  item) and the file holding it (its item's directory; the step directory when the item is not
+  known), the cause, and how many more arrays are damaged."""
+  (item, name), more = found[0], len(found) - 1
+  return CheckpointDamaged(f"{path} is damaged: {name} in {path / item if item else path}: "
+                           f"{cause}" + (f" (and {more} more arrays)" if more else ""))
+
+
+def _item_name(item: str) -> str:
+  return array_name((jax.tree_util.DictKey(item),))
 
 
 def load_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -226,12 +271,12 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
   except Exception as e:  # Orbax raises many types for a damaged file
     if is_environmental(e):
       raise
-    raise CheckpointDamaged(f"{path} is damaged: its '{META}' is unreadable: "
-                            f"{type(e).__name__}: {e}") from e
+    raise _damaged(path, [(META, _item_name(META))], f"unreadable ({_cause(e)})") from e
   if DIGEST in meta:
     digest = meta.pop(DIGEST)
     if _digest(meta) != digest:
-      raise CheckpointDamaged(f"{path} is damaged: its '{META}' does not match its digest")
+      raise _damaged(path, [(META, _item_name(META))], "digest mismatch (its content is not what "
+                     "was saved)")
   return meta
 
 
@@ -248,8 +293,8 @@ def _check_fits(path: epath.Path, item: str, target: Any, records: dict | None) 
            for n, m in _stored_metadata(path, item).items()}
   stored = {n: (tuple(r["shape"]), r["dtype"]) for n, r in records.items()} if records else orbax
   if orbax != stored:
-    raise CheckpointDamaged(f"{path} is damaged: the metadata of '{item}' differs from the "
-                            "arrays its meta records")
+    raise _damaged(path, [(item, _item_name(item))],
+                   f"metadata mismatch (Orbax's differs from the arrays '{META}' records)")
   want = {n: (tuple(s.shape), str(np.dtype(s.dtype))) for n, s in _named_leaves(target).items()}
   what = "parameter" if item == PARAMS else f"'{item}' array"
   for name, (shape, dtype) in want.items():
@@ -272,8 +317,29 @@ def _stored_metadata(path: epath.Path, item: str) -> dict[str, Any]:
   except Exception as e:  # Orbax raises many types for a damaged file
     if is_environmental(e):
       raise
-    raise CheckpointDamaged(f"{path} is damaged: the metadata of '{item}' is unreadable: "
-                            f"{type(e).__name__}: {e}") from e
+    raise _damaged(path, [(item, _item_name(item))],
+                   f"metadata unreadable ({_cause(e)})") from e
+
+
+def _stored_names(target: Any) -> dict[str, str]:
+  """Each array's name (array_name) -> the name Orbax stores it under (its TensorStore key)."""
+  stored = _named_leaves(ocp.tree.get_param_names(target))
+  return {name: stored[name] for name in _named_leaves(target) if name in stored}
+
+
+def _unreadable(path: epath.Path, targets: dict[str, Any], error: BaseException
+                ) -> CheckpointDamaged:
+  """A failed restore as damage, naming the arrays the error names: TensorStore's error quotes
+  the key it could not read (`"<stored name>/<chunk>"`) and Orbax's wrapper the array's path.
+  An error naming no array (e.g. an unreadable OCDBT manifest) names the item whose directory
+  it names, else every item read."""
+  text = "\n".join(str(e) for e in _chain(error))
+  found = [(item, _item_name(item) + name)
+           for item, target in targets.items() for name, key in _stored_names(target).items()
+           if f'"{key}/' in text or f"'{key}/" in text]
+  found = found or [(item, _item_name(item)) for item in targets if f"{path / item}/" in text]
+  found = found or [(None, " or ".join(_item_name(item) for item in targets))]
+  return _damaged(path, found, f"unreadable ({_cause(error)})")
 
 
 def _any_process(flag: bool) -> bool:
@@ -295,7 +361,7 @@ def restore_items(path: str | os.PathLike, targets: dict[str, Any]
   for item, target in targets.items():
     if not (path / item).exists():
       if item in records:  # saved, now gone
-        raise CheckpointDamaged(f"{path} is damaged: its '{item}' item is missing")
+        raise _damaged(path, [(item, _item_name(item))], "missing")
       raise CheckpointError(f"{path}: no '{item}' item" + (
           " (a converted model checkpoint holds parameters only)" if item != PARAMS else ""))
     _check_fits(path, item, target, records.get(item))
@@ -307,11 +373,11 @@ def restore_items(path: str | os.PathLike, targets: dict[str, Any]
   except Exception as e:  # Orbax/TensorStore raise many types for damaged files
     if is_environmental(e):
       raise
-    error = CheckpointDamaged(f"{path} is damaged: {type(e).__name__}: {e}")
+    error = _unreadable(path, targets, e)
     error.__cause__ = e
   if _any_process(error is not None):
     raise error or CheckpointDamaged(f"{path} is damaged: another process could not read it "
-                                     "(its log names the file)")
+                                     "(its log names the array and file)")
   out = {item: restored[item] for item in targets}
   _verify(path, out, records)
   return out, meta
@@ -321,16 +387,17 @@ def _verify(path: epath.Path, items: dict[str, Any], records: dict[str, dict]) -
   """CheckpointDamaged unless every array's checksum is the one recorded (for checkpoints
   that record them) and no array holds NaN/Inf."""
   summaries = summarize(items)
-  saved = {array_name((jax.tree_util.DictKey(item),)) + n: r["checksum"]
+  names = [(item, _item_name(item) + n) for item in items for n in _named_leaves(items[item])]
+  saved = {_item_name(item) + n: r["checksum"]
            for item, arrays in records.items() if item in items for n, r in arrays.items()}
-  bad = [n for n, s in summaries.items() if n in saved and s.checksum != saved[n]]
+  bad = [(item, n) for item, n in names if n in saved and summaries[n].checksum != saved[n]]
   if bad:
-    raise CheckpointDamaged(
-        f"{path} is damaged: {_some(bad)} read back with checksums other than those recorded "
-        f"at save ({bad[0]}: saved {saved[bad[0]]}, read {summaries[bad[0]].checksum})")
-  bad = [n for n, s in summaries.items() if not s.finite]
+    first = bad[0][1]
+    raise _damaged(path, bad, f"checksum mismatch (saved {saved[first]}, read "
+                              f"{summaries[first].checksum})")
+  bad = [(item, n) for item, n in names if not summaries[n].finite]
   if bad:
-    raise CheckpointDamaged(f"{path} is damaged: {_some(bad)} hold NaN/Inf")
+    raise _damaged(path, bad, "NaN/Inf")
 
 
 def restore_params(path: str | os.PathLike, target: Any) -> Any:

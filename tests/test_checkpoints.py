@@ -14,16 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from olmo3 import checkpoint
 from olmo3 import metrics as metrics_lib
 from olmo3.checkpoint import CheckpointDamaged, CheckpointError
-from olmo3.data import sources
 from olmo3.data.order import GlobalOrder
 from olmo3.data.tokens import DataError
-from olmo3.sharded import ShardedModel
+from olmo3.sharded_model import ShardedModel
 from olmo3.train import state as state_lib
-from olmo3.train.checkpoints import OPT_STATE, RunCheckpoints
+from olmo3.train.run_checkpoints import OPT_STATE, RunCheckpoints
+from olmo3.run.plan import RunPlan
 from olmo3.train.loop import train
 
 from train_helpers import micro_experiment, write_corpus
@@ -42,7 +43,7 @@ def trained(tmp_path_factory):
     if not (root / "done").exists():
       root.mkdir(exist_ok=True)
       exp = micro_experiment(write_corpus(root), steps=6, every=2)
-      train(exp, str(root / "run"))
+      train(RunPlan.build(exp, str(root / "run")))
       (root / "done").touch()
   return micro_experiment(str(root / "train.npy"), steps=6, every=2), root / "run"
 
@@ -64,8 +65,7 @@ def _resume(exp, workdir, keep=10):
   checkpoints = RunCheckpoints(workdir / "checkpoints", keep, False)
   with model.context():
     state, position = state_lib.restore_or_init(
-        state_lib.StateLayout(exp, model), checkpoints,
-        sources.token_files(exp.data, exp.model.vocab_size))
+        state_lib.StateLayout(exp, model), checkpoints, RunPlan.build(exp, str(workdir)))
   return state, position, checkpoints
 
 
@@ -75,11 +75,55 @@ def _data_file(step_dir, item):
   return max(files, key=lambda p: p.stat().st_size)
 
 
-def _flip(path, nbytes=16, mask=0xFF):
-  """Flips bits in the middle of a file; its length is unchanged."""
+def _chunk(step_dir, item):
+  """(file, offset, length, array) of the largest array chunk of an item stored in a data file:
+  where OCDBT's b-tree says its compressed bytes lie, and the name a damage message gives the
+  array (the chunk's key is `<Orbax's dotted name>/<chunk index>`)."""
+  kv = ts.KvStore.open({"driver": "file", "path": f"{step_dir / item}/"}).result()
+  manifest = ts.ocdbt.dump(kv).result()
+  assert manifest["versions"][-1]["root_height"] == 0  # one b-tree node: a small checkpoint
+  node = ts.ocdbt.dump(kv, manifest["versions"][-1]["root"]["location"]).result()
+  chunks = []
+  for entry in node["entries"]:
+    if "indirect_value" in entry:  # "value:<prefix>:<file>:<offset>:<length>"
+      prefix, name, offset, length = entry["indirect_value"].removeprefix("value:").rsplit(":", 3)
+      chunks.append((int(length), step_dir / item / prefix / name, int(offset),
+                     entry["key"].decode()))
+  length, path, offset, key = max(chunks)
+  array = f"[{item!r}]" + "".join(f"[{k}]" if k.isdigit() else f"[{k!r}]"
+                                  for k in key.split("/")[0].split("."))
+  return path, offset, length, array
+
+
+def _rewrite_chunk(path, offset, length):
+  """Rewrites a chunk in place, in its file's bytes, as a valid zstd frame of the same length
+  and content size that decodes to zeros (RFC 8878: the frame's header, then RLE blocks of
+  zeros, padded with empty raw blocks): damage that reads back without error, as other values."""
   data = bytearray(path.read_bytes())
-  middle = len(data) // 2
-  for i in range(middle, middle + nbytes):
+  frame = data[offset:offset + length]
+  fhd = frame[4]  # frame header descriptor
+  assert frame[:4] == b"\x28\xb5\x2f\xfd" and fhd & 0x20, "a single-segment zstd frame"
+  start, width = 5 + (0, 1, 2, 4)[fhd & 3], (1, 2, 4, 8)[fhd >> 6]
+  size = int.from_bytes(frame[start:start + width], "little") + (256 if width == 2 else 0)
+  out = bytearray(frame[:start + width])
+  runs = [min(1 << 17, size - i) for i in range(0, size, 1 << 17)]  # a block holds <= 128 KiB
+  room = length - len(out) - 4 * len(runs)  # an RLE block: 3 bytes of header and the byte
+  while room % 3:  # an empty raw block is 3 bytes; one more RLE block changes room mod 3
+    runs, room = [1, runs[0] - 1] + runs[1:], room - 4
+  blocks = [(0, 0)] * (room // 3) + [(1, n) for n in runs]  # (type: 0 raw, 1 RLE; size)
+  for i, (kind, n) in enumerate(blocks):
+    out += ((n << 3) | (kind << 1) | (i == len(blocks) - 1)).to_bytes(3, "little")
+    out += b"\0" * kind
+  assert len(out) == length
+  data[offset:offset + length] = out
+  path.write_bytes(bytes(data))
+
+
+def _flip(path, nbytes=16, mask=0xFF, start=None):
+  """Flips bits at `start` (default: the middle) of a file; its length is unchanged."""
+  data = bytearray(path.read_bytes())
+  start = len(data) // 2 if start is None else start
+  for i in range(start, start + nbytes):
     data[i] ^= mask
   path.write_bytes(bytes(data))
 
@@ -114,18 +158,28 @@ def test_checksums_are_the_same_on_the_host_and_on_any_mesh_and_see_one_bit():
   assert not checkpoint.summarize({"x": np.array([1.0, np.inf], jnp.bfloat16)})["['x']"].finite
 
 
-def test_flipped_bytes_in_opt_state_are_named_quarantined_and_the_run_resumes(
+def _damage_logged(caplog):
+  """The one damage message logged (one line, with no TensorStore spec)."""
+  [message] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+  assert "\n" not in message and "kvstore" not in message and "tensorstore_spec" not in message
+  return message
+
+
+def test_changed_values_in_opt_state_are_named_quarantined_and_the_run_resumes(
     trained, tmp_path, caplog):
   """The user's fault: 16 bytes flipped in an Adam-moment data file restored as NaN, silently.
-  Now the array and the step are named, the step is set aside, training resumes from step 2
-  and reproduces the uninterrupted run's losses."""
+  Here a chunk of an Adam moment reads back without error as other values (zeros): the step,
+  the array and its item's directory are named with the checksums, the step is set aside,
+  training resumes from step 2 and reproduces the uninterrupted run's losses."""
   exp, full = trained
   workdir = _copy(trained, tmp_path)
-  _flip(_data_file(workdir / "checkpoints" / "4", OPT_STATE))
+  step_dir = workdir / "checkpoints" / "4"
+  path, offset, length, array = _chunk(step_dir, OPT_STATE)
+  _rewrite_chunk(path, offset, length)
   with caplog.at_level(logging.ERROR):
-    train(exp, str(workdir))
-  assert "checkpoints/4 is damaged: ['opt_state']" in caplog.text
-  assert "read back with checksums other than those recorded at save" in caplog.text
+    train(RunPlan.build(exp, str(workdir)))
+  assert _damage_logged(caplog).startswith(
+      f"{step_dir} is damaged: {array} in {step_dir / OPT_STATE}: checksum mismatch (saved ")
   assert "4.damaged-1" in _names(workdir / "checkpoints")
 
   def losses(run):
@@ -135,6 +189,36 @@ def test_flipped_bytes_in_opt_state_are_named_quarantined_and_the_run_resumes(
   assert losses(workdir) == losses(full)
   state, _, _ = _resume(exp, workdir)
   assert int(state.step) == 6 and _finite((state.params, state.opt_state))
+
+
+def test_an_unreadable_chunk_in_opt_state_is_named_with_the_librarys_cause(trained, tmp_path,
+                                                                           caplog):
+  """A chunk whose zstd frame no longer decodes (its magic number flipped): the same form as a
+  checksum mismatch, the cause the first line of TensorStore's error, never its spec; the step
+  is set aside and the run resumes from step 2."""
+  exp, _ = trained
+  workdir = _copy(trained, tmp_path)
+  step_dir = workdir / "checkpoints" / "4"
+  path, offset, _, array = _chunk(step_dir, OPT_STATE)
+  _flip(path, nbytes=4, start=offset)
+  with caplog.at_level(logging.ERROR):
+    state, _, _ = _resume(exp, workdir)
+  message = _damage_logged(caplog)
+  assert message.startswith(f"{step_dir} is damaged: {array} in {step_dir / OPT_STATE}: "
+                            "unreadable (ValueError: "), message
+  assert "Unknown frame descriptor" in message
+  assert int(state.step) == 2 and "4.damaged-1" in _names(workdir / "checkpoints")
+
+
+def test_a_storage_outage_under_orbax_s_wrapper_is_not_damage():
+  """Orbax wraps TensorStore's read error in one naming only the array: an outage of the
+  storage service inside it is the environment's, never a reason to set a step aside."""
+  with pytest.raises(Exception) as raised:
+    try:
+      raise ValueError('UNAVAILABLE: Error reading "layers.w/0.0" in OCDBT database at "gs://b/"')
+    except ValueError as e:
+      raise Exception("Encountered error while reading array index: (slice(0, 2, 1),)") from e
+  assert checkpoint.is_environmental(raised.value)
 
 
 def test_one_flipped_bit_in_the_parameters_is_detected(trained, tmp_path):
@@ -196,7 +280,8 @@ def test_rotation_keeps_the_step_the_run_resumed_from(trained, tmp_path):
   workdir = _copy(trained, tmp_path)
   state, position, checkpoints = _resume(exp, workdir, keep=1)
   for step in (6, 8):
-    state_lib.save(checkpoints, state._replace(step=jnp.int32(step)), exp, "", position)
+    state_lib.save(checkpoints, state._replace(step=jnp.int32(step)),
+                   RunPlan.build(exp, str(workdir)), position)
   checkpoints.wait()
   assert checkpoints.steps() == [4, 8]
 
@@ -252,9 +337,8 @@ def test_changed_data_is_refused_naming_the_change(trained, tmp_path):
   own = _changed(exp, paths=(str(corpus),))
   state, _, _ = _resume(exp, workdir)
   checkpoints = RunCheckpoints(tmp_path / "own" / "checkpoints", 3, False)
-  source = sources.token_files(own.data, own.model.vocab_size)
-  state_lib.save(checkpoints, state, own, "",
-                 state_lib.DataPosition(state_lib.data_identity(own.data, source)))
+  plan = RunPlan.build(own, str(tmp_path / "own"))
+  state_lib.save(checkpoints, state, plan, state_lib.DataPosition(plan.identity))
   corpus.write_bytes(corpus.read_bytes()[:-4000])
   with pytest.raises(DataError, match=rf"token file {corpus} held 40000 tokens, now 39000"):
     _resume(own, tmp_path / "own")
@@ -271,7 +355,8 @@ def test_allowed_data_change_continues_at_the_same_instance(trained, tmp_path):
   assert int(state.step) == 4 and position.data_step(4) == 8
   n = 40_000 // 32
   np.testing.assert_array_equal(GlobalOrder(n, 4, 1).batch(8), GlobalOrder(n, 8, 1).batch(4)[:4])
-  state_lib.save(checkpoints, state._replace(step=jnp.int32(5)), half, "", position)
+  state_lib.save(checkpoints, state._replace(step=jnp.int32(5)), RunPlan.build(half, str(workdir)),
+                 position)
   checkpoints.wait()
   _, again, _ = _resume(half, workdir)  # no change since: no override needed
   assert again.data_step(5) == 9
@@ -295,7 +380,7 @@ def test_a_failed_async_save_stops_the_run_at_once_with_its_cause(tmp_path, monk
   monkeypatch.setattr(builtins, "open", full_disk)
   with pytest.raises(CheckpointError, match=r"saving checkpoint step 4 .* failed: OSError: "
                                             r"\[Errno 28\] No space left on device: '.*/4\."):
-    train(exp, str(tmp_path / "run"))
+    train(RunPlan.build(exp, str(tmp_path / "run")))
   monkeypatch.undo()
   logged = [r["step"] for r in metrics_lib.read_jsonl(tmp_path / "run" / "metrics.jsonl")
             if "loss" in r]
