@@ -49,7 +49,7 @@ def experiment(args: argparse.Namespace):
 
 def loop_step_times(exp, workdir: str) -> list[float]:
   """The loop's logged step times (seconds per step), one per row after the first."""
-  from olmo3 import metrics as metrics_lib
+  from olmo3.io import metrics as metrics_lib
   from olmo3.run.plan import RunPlan
   from olmo3.train.loop import train
 

@@ -150,7 +150,7 @@ def from_workdir(workdir: str | os.PathLike, step: int | None = None) -> fdl.Con
   if not history:
     raise ConfigRefError(f"{workdir}: no config.json (not a run workdir)")
   if step is None:
-    from olmo3.checkpoint import run_steps  # JAX: only for a workdir named without a step
+    from olmo3.io.checkpoint import run_steps  # JAX: only for a workdir named without a step
 
     steps = run_steps(record.Workdir(os.fspath(workdir)).checkpoints)
     step = steps[-1] if steps else None

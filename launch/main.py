@@ -81,7 +81,7 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
           if o.schedule is Schedule.STITCHED_COSINE else f"schedule over {o.decay_steps:,}")
   print(f"steps               {exp.train.steps:,} ({over})")
   print(f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})")
-  from olmo3.checkpoint import CheckpointError
+  from olmo3.io.checkpoint import CheckpointError
   from olmo3.data import sources
   from olmo3.data.tokens import DataError
   from olmo3.run.plan import RunPlan
@@ -152,7 +152,7 @@ def experiment() -> tuple[fdl.Config, typing.Any]:
 def check_workdir(workdir: str) -> None:
   """The workdir is writable where it is (a local path, gs://, s3://) and a directory or can be
   created as one (no file where a directory goes)."""
-  from olmo3 import storage
+  from olmo3.io import storage
 
   try:
     storage.check_supported(workdir, writable=True, what="--workdir")
@@ -190,7 +190,7 @@ def new_revision(workdir: str, cfg: fdl.Config) -> dict[str, str] | None:
 def build_plan(exp, workdir: str):
   """The RunPlan, or one line: data that cannot be read, or an init_from that holds no
   checkpoint yet (naming the command that trains it, for a default workdir)."""
-  from olmo3.checkpoint import CheckpointError
+  from olmo3.io.checkpoint import CheckpointError
   from olmo3.data.tokens import DataError
   from olmo3.run import record
   from olmo3.run.plan import RunPlan
@@ -239,10 +239,10 @@ def run(plan, run_record, created: bool) -> dict[str, float]:
   this launch wrote."""
   import jax
 
-  from olmo3.checkpoint import CheckpointError, run_steps
+  from olmo3.io.checkpoint import CheckpointError, run_steps
   from olmo3.data.tokens import DataError
   from olmo3.eval.tasks import TaskError
-  from olmo3.metrics import MetricsError
+  from olmo3.io.metrics import MetricsError
   from olmo3.train.lease import LeaseHeld
   from olmo3.train.loop import train
 
@@ -295,7 +295,7 @@ def main(argv: list[str]) -> None:
 
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(CACHE.value))
-  from olmo3.checkpoint import CheckpointError
+  from olmo3.io.checkpoint import CheckpointError
   from olmo3.data.tokens import DataError
   from olmo3.run.plan import Start
   from olmo3.sharded_model import ShardedModel

@@ -130,7 +130,7 @@ def run_variant(exp, compile_only: str | None, steps: int | None,
     return {"fits": r.fits if r.fits is not None else True, "memory_gb": round(r.total_gb, 3),
             "temp_gb": round(r.temp_gb, 3), "compiled_tflops": r.compiled_tflops_per_step,
             "analytic_tflops": r.analytic_tflops_per_step, "compile_s": round(r.compile_s, 1)}
-  from olmo3 import metrics as metrics_lib
+  from olmo3.io import metrics as metrics_lib
   from olmo3.run.plan import RunPlan
   from olmo3.train.loop import train
 

@@ -336,7 +336,7 @@ class DataConfig(_Validated):
   Token files are given directly (`paths`) or by a mix file (`mix`: lines `label,path` with
   `{TOKENIZER}` in the path, as OLMo-core's mixes; a file path or the name of a mix that the
   installed ai2-olmo-core ships), resolved against `root` (a directory or a URL: gs://bucket,
-  s3://bucket, or http://olmo-data.org, where AI2 serves its files; olmo3.storage).
+  s3://bucket, or http://olmo-data.org, where AI2 serves its files; olmo3.io.storage).
   """
 
   paths: tuple[str, ...] = ()

@@ -18,6 +18,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
+import contextlib  # noqa: E402
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -51,6 +55,66 @@ def random_params(cfg: ModelConfig, seed: int) -> dict:
 
 def write_random_hf_dir(path, cfg: ModelConfig, seed: int = 0, dtype: str = "float32") -> None:
   hf.write_hf_dir(path, cfg, random_params(cfg, seed), dtype=dtype)
+
+
+# The tiers. Process-level tests are marked `@pytest.mark.slow(seconds=N)`: every test that
+# starts another process (a program through subprocess or os.fork, the launcher, JAX in other
+# processes, a multiprocessing / Grain worker pool, a storage server binary), itself or through
+# a fixture. Everything else is in-process and forms the fast tier, `-m "not slow"`, the one a
+# developer runs after each edit. The guard below makes the rule hold: while an unmarked test
+# (and its fixtures) runs, starting a process fails it, naming what it started.
+_STARTERS = [(subprocess.Popen, "_execute_child"), (os, "fork"), (os, "forkpty"),
+             (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"),
+             (multiprocessing.process.BaseProcess, "start")]
+
+
+class ProcessInFastTier(RuntimeError):
+  pass
+
+
+@contextlib.contextmanager
+def _in_process_only(item: pytest.Item):
+  if item.get_closest_marker("slow") is not None:
+    yield
+    return
+  started = []
+
+  def refuse(owner, name):
+    def start(*args, **kwargs):
+      what = f"{getattr(owner, '__name__', owner)}.{name}"
+      if name == "_execute_child":
+        what = f"a subprocess: {args[1]!r}"[:300]
+      started.append(what)
+      raise ProcessInFastTier(
+          f"{item.nodeid} started {what} but is not marked slow: a test that starts a "
+          "process (itself or through a fixture) is process-level and belongs in the slow "
+          "tier, @pytest.mark.slow(seconds=N) (tests/conftest.py)")
+    return start
+
+  saved = [(owner, name, getattr(owner, name)) for owner, name in _STARTERS
+           if hasattr(owner, name)]
+  for owner, name, _ in saved:
+    setattr(owner, name, refuse(owner, name))
+  try:
+    yield
+  finally:
+    for owner, name, real in saved:
+      setattr(owner, name, real)
+    if started:  # even where the code under test caught the error
+      pytest.fail(f"{item.nodeid} is in the fast tier but started {started[0]}: mark it "
+                  "@pytest.mark.slow(seconds=N) (tests/conftest.py: the tiers)", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+  with _in_process_only(item):
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+  with _in_process_only(item):
+    return (yield)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -112,14 +112,14 @@ def environment(env: dict[str, str]):
 
 def make_bucket(url: str) -> None:
   """Creates the bucket of `url` (gs://bucket/... or s3://bucket/...)."""
-  from olmo3 import storage  # pylint: disable=g-import-not-at-top
+  from olmo3.io import storage  # pylint: disable=g-import-not-at-top
 
   storage.filesystem(url).mkdir(url.partition("://")[2].partition("/")[0])
 
 
 def upload_tree(local: str, url: str) -> None:
   """Copies a local directory's files under `url`."""
-  from olmo3 import storage  # pylint: disable=g-import-not-at-top
+  from olmo3.io import storage  # pylint: disable=g-import-not-at-top
 
   for root, _, files in os.walk(local):
     for name in files:

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from olmo3 import checkpoint
-from olmo3 import metrics as metrics_lib
-from olmo3.checkpoint import CheckpointDamaged, CheckpointError
+from olmo3.io import checkpoint
+from olmo3.io import metrics as metrics_lib
+from olmo3.io.checkpoint import CheckpointDamaged, CheckpointError
 from olmo3.data.order import GlobalOrder
 from olmo3.data.tokens import DataError
 from olmo3.sharded_model import ShardedModel

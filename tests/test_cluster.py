@@ -18,7 +18,7 @@ import yaml
 from launch import jobs, refs
 from olmo3 import sharding
 from olmo3.config import MeshConfig
-from olmo3.perf.flags import FLAG_SETS
+from olmo3.xla_flags import FLAG_SETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(ROOT, "launch", "cluster.py")
@@ -180,6 +180,7 @@ def _slurm_job(processes, nodes=2):
                        jobs.job_env(exp), partition="h100", time="7-00:00:00")
 
 
+@pytest.mark.slow(seconds=1)
 def test_slurm_script_one_task_per_gpu(tmp_path):
   """The script's #SBATCH header and srun line, and what each task receives: bash runs it with
   an `srun` that prints its arguments and the flag environment."""
@@ -231,6 +232,7 @@ def _cluster(*args, path=None):
                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
 
+@pytest.mark.slow(seconds=3)
 def test_cli_dry_run_prints_a_valid_manifest():
   done = _cluster("--target=gke", "--accelerator=tpu7x", "--topology=4x8x8", "--image=img:1",
                   "--workdir=gs://b/s1", DATA_ROOT, "--dry_run")
@@ -243,6 +245,7 @@ def test_cli_dry_run_prints_a_valid_manifest():
   jobs.validate_jobset(done.stdout, job)
 
 
+@pytest.mark.slow(seconds=4)
 def test_cli_submits_with_sbatch_and_names_a_missing_tool(tmp_path):
   """Without --dry_run the job goes to the real tool (here an `sbatch` that keeps what it is
   given); a tool that is not on PATH is a one-line error naming it."""

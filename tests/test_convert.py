@@ -10,7 +10,7 @@ from olmo3 import config
 from olmo3 import model as model_lib
 from olmo3.convert import hf
 from olmo3.convert.__main__ import main as convert_main
-from olmo3 import checkpoint
+from olmo3.io import checkpoint
 
 from hf_reference import save_transformers_model
 

@@ -11,8 +11,6 @@ from olmo3.data import audit
 
 from data_helpers import write_files
 
-pytestmark = pytest.mark.slow
-
 
 def _run(paths, processes, devices, steps, start=0, dump=None, workers=0):
   args = audit.parse(["--paths", *paths, "--seq_len", "16", "--global_batch", "8", "--seed", "5",
@@ -34,6 +32,7 @@ def single(files):
 
 
 @pytest.mark.parametrize("processes, devices", [(1, 8), (2, 2), (4, 2)])
+@pytest.mark.slow(seconds=7)
 def test_every_instance_read_once_per_epoch_at_any_process_count(files, single, processes,
                                                                  devices):
   report = _run(files, processes, devices, steps=24)
@@ -46,12 +45,14 @@ def test_every_instance_read_once_per_epoch_at_any_process_count(files, single, 
   assert report["digests"] == single["digests"]  # identical global batches for every P
 
 
+@pytest.mark.slow(seconds=7)
 def test_resume_on_a_different_process_count_continues_the_sequence(files, single):
   report = _run(files, processes=4, devices=1, steps=10, start=9)  # saved on 1 process
   assert report["ok"], report
   assert report["digests"] == {s: d for s, d in single["digests"].items() if 9 <= s < 19}
 
 
+@pytest.mark.slow(seconds=5)
 def test_dump_writes_each_process_rows(files, tmp_path):
   report = _run(files, processes=2, devices=2, steps=2, dump=tmp_path)
   assert report["ok"]
@@ -60,12 +61,14 @@ def test_dump_writes_each_process_rows(files, tmp_path):
   assert not any((a == b).all() for a in rows[0] for b in rows[1])
 
 
+@pytest.mark.slow(seconds=9)
 def test_grain_workers_inside_each_process(files, single):
   report = _run(files, processes=2, devices=2, steps=12, workers=2)
   assert report["ok"], report
   assert report["digests"] == {s: d for s, d in single["digests"].items() if s < 12}
 
 
+@pytest.mark.slow(seconds=7)
 def test_cli_prints_report_and_json(files):
   out = subprocess.run([sys.executable, "-m", "olmo3.data.audit", "--paths", *files,
                         "--seq_len", "16", "--global_batch", "8", "--processes", "2",
@@ -101,6 +104,7 @@ def test_audit_catches_the_double_sharding_bug():
   assert report["duplicates_within_epoch"] == 8 and report["never_read_in_complete_epochs"] == 8
 
 
+@pytest.mark.slow(seconds=5)
 def test_audit_an_experiments_own_pipeline():
   root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
   out = subprocess.run([sys.executable, "launch/audit.py",

@@ -135,6 +135,7 @@ def test_all_masked_batch_gives_zero_loss_not_nan():
   assert np.isfinite(np.asarray(grads)).all()
 
 
+@pytest.mark.slow(seconds=3)
 def test_grain_worker_processes_give_the_same_batches(tmp_path):
   cfg = _cfg(write_files(tmp_path, [2000, 900]))
   plain = _global_batches(cfg, batch_sharding(2), 0, 6)
@@ -222,6 +223,7 @@ print(list(ds))
 """
 
 
+@pytest.mark.slow(seconds=4)
 def test_grain_workers_run_in_a_program_that_never_parsed_absl_flags():
   """Why olmo3.data.grain_compat exists; when the first line changes, delete the workaround."""
   import subprocess

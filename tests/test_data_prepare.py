@@ -68,6 +68,7 @@ def test_prepare_all_formats_split_by_document(tmp_path, tokenizer_file):
   assert held_texts == {t for t in texts if prepare.is_heldout(t, 0.3)}
 
 
+@pytest.mark.slow(seconds=3)
 def test_prepare_is_deterministic_across_runs_and_workers(tmp_path, tokenizer_file):
   _, inputs = _inputs(tmp_path)
   prepare.prepare(inputs, tokenizer_file, str(tmp_path / "one"), 0.2, workers=1, progress=False)
@@ -129,6 +130,7 @@ def test_a_token_file_shorter_than_its_manifest_says_is_refused(tmp_path, tokeni
       prepare.Manifest.load(out)
 
 
+@pytest.mark.slow(seconds=2)
 def test_prepare_cli_and_bad_input(tmp_path, tokenizer_file):
   _, inputs = _inputs(tmp_path)
   cmd = [sys.executable, "-m", "olmo3.data.prepare", "--tokenizer", tokenizer_file,
@@ -251,7 +253,7 @@ def test_held_out_sets_and_tokenizers_that_do_not_match_the_training_data_are_re
     sources.resolve(dataclasses.replace(exp, data=exp.data.replace(mix=None, paths=("x.npy",))))
 
 
-@pytest.mark.slow(seconds=35)
+@pytest.mark.slow(seconds=22)
 def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
   """A user's JSONL: prepare (CLI) -> train with --fdl_set=data.mix='"DIR"' (the run made
   short) -> python -m olmo3.eval. Held-out set and tokenizer come from the manifest; the log

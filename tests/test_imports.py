@@ -8,10 +8,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first. A module imports from its own entry or from lower layers; entries of one layer
 # do not import each other.
 LAYERS = (
-    ("olmo3.storage",),
-    ("olmo3.remat", "olmo3.loss", "olmo3.metrics", "olmo3.orbax_s3", "olmo3.xla_flags"),
+    ("olmo3.io",),
+    ("olmo3.remat", "olmo3.loss", "olmo3.xla_flags"),
     ("olmo3.config",),
-    ("olmo3.sharding", "olmo3.flops", "olmo3.checkpoint"),
+    ("olmo3.sharding", "olmo3.flops"),
     ("olmo3.model", "olmo3.data"),
     ("olmo3.sharded_model", "olmo3.convert", "olmo3.run"),
     ("olmo3.eval",),

@@ -11,7 +11,7 @@ import pytest
 
 from launch import config_files, diffs, refs
 from olmo3.run import record
-from olmo3 import metrics as metrics_lib
+from olmo3.io import metrics as metrics_lib
 from tests.test_reliability import straight  # noqa: F401  (the trained run, shared)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +36,7 @@ def _record(workdir, cfg):
                                        ["x"], 0)
 
 
+@pytest.mark.slow(seconds=4)
 def test_7b_stage2_dry_run():
   out = _main("--fdl_config=experiments.olmo3_7b:stage2", "--dry_run").stdout
   assert "parameters          7,298,617,344" in out
@@ -48,6 +49,7 @@ def test_7b_stage2_dry_run():
           "{'data': 1, 'fsdp': 1, 'sequence': 1, 'tensor': 1} on 1 cpu devices") in out
 
 
+@pytest.mark.slow(seconds=6)
 def test_7b_stage1_dry_run_dotted_form_and_overrides():
   out = _main("--fdl_config=experiments.olmo3_7b.stage1", "--dry_run").stdout
   assert "tokens per step     512 x 8192 = 4,194,304" in out
@@ -61,6 +63,7 @@ def test_7b_stage1_dry_run_dotted_form_and_overrides():
   assert "FLOPs per token     46.557 G" in out
 
 
+@pytest.mark.slow(seconds=4)
 def test_7b_dry_run_lists_ai2_s_held_out_sets_and_tasks():
   from experiments.olmo3_7b import FAST_TASKS
 
@@ -71,6 +74,7 @@ def test_7b_dry_run_lists_ai2_s_held_out_sets_and_tasks():
   assert "arc_challenge_test_mc_5shot_fast" in FAST_TASKS
 
 
+@pytest.mark.slow(seconds=15)
 def test_a_bad_task_stops_the_launch_in_one_line(tmp_path):
   """Before any step: a task in the old `task:variant` form is a config error; an unknown
   label is refused when the evaluator is built, as one line naming it, and the new workdir is
@@ -95,11 +99,13 @@ def test_a_bad_task_stops_the_launch_in_one_line(tmp_path):
     ("--fdl_set=data.seq_len=100000", "data.seq_len=100000: exceeds model.max_seq_len"),
     ("--fiddler=nope", "has no fiddler 'nope'; fiddlers: flag_set, gpu, single_cosine"),
 ])
+@pytest.mark.slow(seconds=2)
 def test_bad_overrides_fail_clearly(flag, message):
   done = _main("--fdl_config=experiments.olmo3_7b:stage1", "--dry_run", flag, check=False)
   assert done.returncode != 0 and message in done.stderr
 
 
+@pytest.mark.slow(seconds=4)
 def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
   changes = diffs.diff(refs.load("experiments.olmo3_7b:stage1"),
                          refs.load("experiments.olmo3_7b:stage2"))
@@ -139,6 +145,7 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
     (["experiments.olmo3_7b:stage1", "experiments.olmo3_7b:nope"],
      "has no experiment 'nope'; experiments: stage1, stage2"),
 ])
+@pytest.mark.slow(seconds=2)
 def test_diff_bad_arguments_fail_clearly(args, message):
   done = subprocess.run([sys.executable, "launch/diff.py", *args], capture_output=True,
                         text=True, cwd=ROOT, env=ENV)
@@ -159,6 +166,7 @@ def test_set_field_checks_the_whole_path():
   assert not hasattr(cfg.train, "stepz") and cfg.train.steps == 7
 
 
+@pytest.mark.slow(seconds=2)
 def test_sweep_with_a_bad_override_path_fails_naming_it(tmp_path):
   """Sweep overrides go through the same checked walker as --fdl_set: a misspelt path stops the
   sweep before any variant runs, and the error names the variant and the path. The sweep module
@@ -249,7 +257,7 @@ def _losses(workdir):
           if "loss" in r}
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=80)
 def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   s1, s2 = tmp_path / "s1", tmp_path / "s2"
   _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
@@ -297,6 +305,7 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   # tests/test_reliability.py::test_two_processes_train_save_and_resume_on_another_mesh.)
 
 
+@pytest.mark.slow(seconds=2)
 def test_workdir_of_another_experiment_is_refused(tmp_path):
   _record(tmp_path, refs.load("experiments.olmo3_tiny:stage1"))
   done = _main("--fdl_config=experiments.olmo3_tiny:stage2", f"--workdir={tmp_path}", *TINY_FAST,
@@ -304,7 +313,7 @@ def test_workdir_of_another_experiment_is_refused(tmp_path):
   assert done.returncode != 0 and "holds a run of a different config" in done.stderr
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=42)
 def test_memorize_fires_the_generalization_gap_alarm(tmp_path):
   # Half-length instances and an evaluation every 5 steps: memorised (and caught) in 35 steps.
   done = _main("--fdl_config=experiments.olmo3_tiny:memorize", f"--workdir={tmp_path}",
@@ -317,6 +326,7 @@ def test_memorize_fires_the_generalization_gap_alarm(tmp_path):
   assert flags[5] == flags[10] == 0 and flags[40] == 1
 
 
+@pytest.mark.slow(seconds=2)
 def test_a_non_finite_hyperparameter_stops_the_launch_in_one_line(tmp_path):
   """1e999 reads as inf: refused when the config is built, before anything is written."""
   done = _main("--fdl_config=experiments.olmo3_tiny:stage1", "--fdl_set=optimizer.peak_lr=1e999",
@@ -375,7 +385,7 @@ def test_a_config_json_naming_other_code_is_refused_before_any_import(tmp_path, 
   assert not side.exists() and "evilmod" not in sys.modules
 
 
-@pytest.mark.parametrize("module, name", [("olmo3.metrics", "os.popen"),
+@pytest.mark.parametrize("module, name", [("olmo3.io.metrics", "os.popen"),
                                           ("olmo3.config", "os.popen"),
                                           ("olmo3.config", "dataclasses.replace")])
 def test_a_config_json_reaching_other_code_through_an_allowed_module_is_refused(
@@ -388,7 +398,7 @@ def test_a_config_json_reaching_other_code_through_an_allowed_module_is_refused(
   path.write_text(path.read_text().replace('"module": "subprocess"', f'"module": "{module}"')
                   .replace('"name": "getoutput"', f'"name": "{name}"'))
   with pytest.raises(refs.ConfigRefError, match=(
-      r"refers to module 'olmo3\.metrics'.*which a config may not name" if module == "olmo3.metrics"
+      r"refers to module 'olmo3\.metrics'.*which a config may not name" if module == "olmo3.io.metrics"
       else rf"refers to olmo3\.config\.{name}, which is not a class or enum member of "
       r"olmo3\.config or olmo3\.remat")):
     config_files.from_workdir(str(tmp_path / "wd"))
@@ -404,6 +414,7 @@ def test_a_run_record_loads_back_and_builds_the_same_experiment(tmp_path):
     config_files.from_workdir(str(tmp_path))
 
 
+@pytest.mark.slow(seconds=2)
 def test_resuming_in_a_workdir_with_a_hostile_config_json_stops_in_one_line(tmp_path):
   """Through the launcher, run from the directory holding evilmod.py."""
   side = _evil_workdir(tmp_path, "evilmod in the cwd")
@@ -434,7 +445,7 @@ def _snapshot(root):
   return out
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.mark.slow(seconds=12)
 def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revision(
     straight, tmp_path_factory, tmp_path):
   """Rerunning a finished run (here with a shorter train.steps) trains nothing and leaves the

@@ -204,7 +204,7 @@ if __name__ == "__main__":
   import fiddle  # noqa: F401
 
   import launch.config_files  # noqa: F401
-  import olmo3.checkpoint  # noqa: F401
+  import olmo3.io.checkpoint  # noqa: F401
   import olmo3.data.sources  # noqa: F401
   import olmo3.train.lease  # noqa: F401
 

@@ -1,4 +1,4 @@
-"""olmo3.metrics: it imports no heavy or TensorFlow-bound library and plants no module (so any
+"""olmo3.io.metrics: it imports no heavy or TensorFlow-bound library and plants no module (so any
 library imports the same before or after it); a mirrored workdir gets every file when the writer
 closes; the Weights & Biases writer, in W&B's offline mode (no network): the run it writes is
 read back from its transaction log and holds exactly the steps and values the TensorBoard writer
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from olmo3 import metrics as metrics_lib
+from olmo3.io import metrics as metrics_lib
 from olmo3.config import AttentionKernel
 
 # What the loop writes: a training row per step, an evaluation merged into the row of its step.
@@ -87,11 +87,11 @@ def _tensorboard(logdir):
   return out
 
 
-# In a fresh process: what importing olmo3.metrics and writing a row brings in.
+# In a fresh process: what importing olmo3.io.metrics and writing a row brings in.
 _IMPORTS_THEN_WRITES = """
 import sys
 before = set(sys.modules)
-from olmo3 import metrics
+from olmo3.io import metrics
 writer = metrics.create_writer(sys.argv[1], True)
 writer.write_scalars(1, {"loss": 2.5})
 writer.close()
@@ -102,8 +102,9 @@ import torch  # installed (the test extra) and importable: nothing hid it
 """
 
 
+@pytest.mark.slow(seconds=4)
 def test_metrics_import_without_torch_tensorflow_or_planted_modules(tmp_path):
-  """No import-order trick: olmo3.metrics and the TensorBoard writer import neither torch
+  """No import-order trick: olmo3.io.metrics and the TensorBoard writer import neither torch
   (tensorboardX would, ≈2 s), TensorFlow, tensorboardX nor CLU (a stand-in planted for a CLU
   module shows as one), block no import (a None entry), and events still land."""
   done = subprocess.run([sys.executable, "-c", _IMPORTS_THEN_WRITES, str(tmp_path)],

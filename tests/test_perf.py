@@ -17,9 +17,9 @@ from olmo3 import model as model_lib
 from olmo3 import remat as remat_lib
 from olmo3.config import DataConfig, Experiment, ModelConfig, Remat
 from olmo3.loss import lm_loss, token_nll
-from olmo3.perf import aot
-from olmo3.perf import flags as flags_lib
-from olmo3.perf.flags import FLAG_SETS
+from olmo3.train import aot
+from olmo3 import xla_flags as flags_lib
+from olmo3.xla_flags import FLAG_SETS
 
 from conftest import random_params
 
@@ -143,9 +143,9 @@ def test_custom_remat_names_are_checked():
 def _compile_tiny(topologies, libtpu_args=""):
   """Compiles the tiny train step for each topology in one process (libtpu reads its flags
   once per process)."""
-  code = ("import sys; sys.path.insert(0, '.'); from launch import configs; import fiddle as fdl;"
-          "from olmo3.perf import aot;"
-          "exp = fdl.build(configs.resolve('experiments.olmo3_tiny:stage1', "
+  code = ("import sys; sys.path.insert(0, '.'); from launch import refs; import fiddle as fdl;"
+          "from olmo3.train import aot;"
+          "exp = fdl.build(refs.resolve('experiments.olmo3_tiny:stage1', "
           "['data.global_batch_size=8']));"
           f"[print(aot.compile_train_step(exp, t).format()) for t in {list(topologies)!r}]")
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
@@ -154,7 +154,7 @@ def _compile_tiny(topologies, libtpu_args=""):
 
 @pytest.mark.parametrize("topologies, flag_set", [(["tpu7x:2x2x1"], "tpu7x"),
                                                   (["v5p:2x2x1*2"], "v5p")])
-@pytest.mark.seconds(20)
+@pytest.mark.slow(seconds=14)
 def test_compile_for_tpu_topologies_with_their_flag_sets(topologies, flag_set):
   done = _compile_tiny(topologies, " ".join(FLAG_SETS[flag_set].libtpu))
   assert done.returncode == 0, done.stderr[-3000:]
@@ -164,6 +164,7 @@ def test_compile_for_tpu_topologies_with_their_flag_sets(topologies, flag_set):
     assert "8 x TPU v5, mesh {'data': 2, 'fsdp': 4, 'sequence': 1, 'tensor': 1}" in done.stdout
 
 
+@pytest.mark.slow(seconds=10)
 def test_libtpu_rejects_an_unknown_flag():
   """The compile fails because libtpu read the flag and refused it (not because libtpu is
   missing: the same command compiles with the v5p set above; v6e's set is the same flags)."""
@@ -179,21 +180,21 @@ def test_shipped_sweeps_build_every_variant():
   import fiddle as fdl
 
   from experiments import olmo3_7b, olmo3_tiny
-  from launch import configs
+  from launch import refs
 
   for ref, sweep in (("experiments.olmo3_tiny:stage1", olmo3_tiny.mfu_sweep),
                      ("experiments.olmo3_7b:stage1", olmo3_7b.mfu_sweep)):
     names = set()
     for overrides in sweep():
-      cfg = configs.load(ref)
+      cfg = refs.load(ref)
       for path, value in overrides.items():
-        configs.set_field(cfg, path, value)
+        refs.set_field(cfg, path, value)
       fdl.build(cfg)
-      names.add(configs.variant_name(overrides))
+      names.add(refs.variant_name(overrides))
     assert len(names) == len(sweep()) == 12  # distinct names: results never overwrite
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=30)
 def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
   (tmp_path / "small_sweep.py").write_text(
       "def sweep():\n"
@@ -239,7 +240,7 @@ def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
   assert 0 < low <= median <= high and float(row["loss"]) > 0
 
 
-@pytest.mark.seconds(15)
+@pytest.mark.slow(seconds=12)
 def test_each_sweep_variant_gets_its_own_flag_set(tmp_path):
   """Flags only apply before JAX starts, so every variant runs in a process of its own: an
   unknown XLA flag aborts that variant's process (XLA refuses it), the other variant compiles."""
@@ -267,6 +268,7 @@ def test_each_sweep_variant_gets_its_own_flag_set(tmp_path):
   assert set(rows) == {"xla_flags=off", "xla_flags=on"}
 
 
+@pytest.mark.slow(seconds=15)
 def test_mfu_gpu_benchmark_smoke_mode():
   done = subprocess.run([sys.executable, "benchmarks/mfu_gpu.py", "--smoke", "--steps", "2"],
                         capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)

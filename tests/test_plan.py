@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from olmo3.checkpoint import CheckpointError
+from olmo3.io.checkpoint import CheckpointError
 from olmo3.run.plan import RunPlan, Start, decide_start, stage_end
 from olmo3.run.record import Workdir, read_history
 
@@ -37,7 +37,7 @@ app.run(main.main)
 """
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=25)
 def test_each_mix_is_read_once_per_launch(tmp_path):
   """A tiny launch that trains, evaluates its held-out split and checkpoints: the training mix
   and the held-out mix are each listed once, and no manifest is read twice for one mix."""

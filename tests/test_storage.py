@@ -1,4 +1,4 @@
-"""olmo3.storage and everything a run keeps in object storage, against real servers started
+"""olmo3.io.storage and everything a run keeps in object storage, against real servers started
 here: an HTTP server with Range support and injected latency / failures (AI2 serves its token
 files over HTTP), fake-gcs-server for gs:// and moto's S3 server for s3://."""
 
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from benchmarks.http_range_server import RangeServer
-from olmo3 import checkpoint, orbax_s3, storage
-from olmo3 import metrics as metrics_lib
+from olmo3.io import checkpoint, orbax_s3, storage
+from olmo3.io import metrics as metrics_lib
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.data.tokens import DataError, TokenFiles, write_token_file
 from tests import storage_servers
@@ -165,7 +165,7 @@ def s3_env():
 
 @pytest.mark.seconds(15)
 def test_orbax_checkpoints_on_s3_commit_by_file_and_restore(s3_env, tmp_path):
-  """Orbax 0.12.8 cannot write s3:// (olmo3.orbax_s3 says why): a model checkpoint saved to
+  """Orbax 0.12.8 cannot write s3:// (olmo3.io.orbax_s3 says why): a model checkpoint saved to
   the S3 server restores verified, and a step directory without its commit file is not listed
   (an object store names a step before it is complete)."""
   import jax
@@ -192,8 +192,8 @@ def gcs_env():
     yield env
 
 
-@pytest.mark.slow(seconds=60)
 @pytest.mark.parametrize("store", ["gs", "s3"])
+@pytest.mark.slow(seconds=30)
 def test_a_run_kept_in_a_bucket_is_killed_resumes_from_it_and_matches_the_local_run(
     store, request, straight, tmp_path):
   """Data (a prepared directory: training files and held-out split), checkpoints, metrics and

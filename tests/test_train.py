@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from olmo3.config import OptimizerConfig, Schedule
-from olmo3 import metrics as metrics_lib
+from olmo3.io import metrics as metrics_lib
 from olmo3.train import optim
 from olmo3.sharded_model import ShardedModel
 from olmo3.train import state as state_lib

@@ -19,12 +19,13 @@ import tempfile
 from etils import epath
 
 from olmo3 import model as model_lib
+from olmo3.config import ModelConfig
 from olmo3.convert import hf, parity
-from olmo3 import checkpoint
+from olmo3.io import checkpoint
 
 
 def _restore_host(ckpt: str):
-  cfg = checkpoint.load_model_config(ckpt)
+  cfg = ModelConfig(**checkpoint.load_meta(ckpt)["model_config"])
   target = checkpoint.host_target(model_lib.param_shapes(cfg))
   return cfg, checkpoint.restore_params(ckpt, target)
 

@@ -1,7 +1,7 @@
 """Held-out LM sets, as OLMo's perplexity sets (OLMo-core's NumpyPaddedFSLDataset): one
 document per instance, truncated to seq_len, right-padded with PAD, padding masked. Documents
 end with EOS in the token files. The files (validation sets: small) are read whole when the set
-is opened, from local disk or a URL (olmo3.storage: gs://, s3://, http(s)://), and checked
+is opened, from local disk or a URL (olmo3.io.storage: gs://, s3://, http(s)://), and checked
 there, so a missing file or a token the model cannot embed stops a run before its first step."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from olmo3 import storage
+from olmo3.io import storage
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, is_local, token_count
 from olmo3.loss import IGNORE
 

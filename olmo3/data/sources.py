@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from etils import epath
 
-from olmo3 import storage
+from olmo3.io import storage
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import embedded, prepare
 from olmo3.data.tokens import UNLABELLED, DataError, TokenFiles
@@ -32,7 +32,7 @@ _MANIFEST = "manifest.json"
 
 class MixFile(NamedTuple):
   label: str  # the source it belongs to: a mix line's first column
-  path: str  # a local path or a URL (olmo3.storage)
+  path: str  # a local path or a URL (olmo3.io.storage)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@
 never span files) and numbers them across files in mix order, as OLMo-core's fixed-length
 numpy dataset does. Each file belongs to a source (its mix label; files given without labels
 form one source, `UNLABELLED`), so every instance has one. Local files are memory-mapped; remote
-ones (gs://, s3://, http(s)://: olmo3.storage) are read by range, a whole step's rows in one
+ones (gs://, s3://, http(s)://: olmo3.io.storage) are read by range, a whole step's rows in one
 concurrent batch (`read`), and their sizes are looked up once (concurrently) and cached.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from olmo3 import storage
+from olmo3.io import storage
 
 TOKEN_DTYPE = np.dtype("<u4")
 _SCAN_TOKENS = 1 << 24  # tokens per chunk when validating a file

@@ -19,7 +19,7 @@ import sys
 
 from etils import epath
 
-from olmo3 import storage
+from olmo3.io import storage
 from olmo3.config import Experiment, MeshConfig
 from olmo3.run import record
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: --workdir {args.workdir}: no such run directory", file=sys.stderr)
     return 2
 
-  from olmo3.checkpoint import restore_params, run_steps
+  from olmo3.io.checkpoint import restore_params, run_steps
   from olmo3.eval.evaluator import Evaluator
   from olmo3.sharded_model import ShardedModel
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from absl import logging
 
-from olmo3 import checkpoint, storage
+from olmo3.io import checkpoint, storage
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import pipeline, sources
 from olmo3.data.tokens import TokenFiles, token_counts

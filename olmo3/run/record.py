@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from etils import epath
 
-from olmo3 import storage
+from olmo3.io import storage
 
 RUNS = "runs"  # where a run's workdir goes by default (relative to the working directory)
 
@@ -67,7 +67,7 @@ class Workdir:
 
   @property
   def file_sizes(self) -> str:
-    """Remote token files' sizes, looked up once (olmo3.storage.SizeCache)."""
+    """Remote token files' sizes, looked up once (olmo3.io.storage.SizeCache)."""
     return storage.join(self.root, "file_sizes.json")
 
   @property

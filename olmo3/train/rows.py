@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from olmo3 import metrics as metrics_lib
+from olmo3.io import metrics as metrics_lib
 from olmo3.flops import peak_flops_per_device
 from olmo3.run.plan import RunPlan
 from olmo3.train import logs

@@ -1,9 +1,9 @@
 """A training run's checkpoints: WORKDIR/checkpoints/<step>/{params, opt_state, meta}.
 
-Each step directory is a model checkpoint (olmo3.checkpoint) with the optimizer state beside
+Each step directory is a model checkpoint (olmo3.io.checkpoint) with the optimizer state beside
 the parameters, verified the same way (checksums, digest, no NaN/Inf). Orbax commits a step by
 renaming its temporary directory (on object stores, where nothing renames atomically, by writing
-a `commit_success.txt` last: olmo3.orbax_s3), so only complete steps are ever listed. Async saves overlap
+a `commit_success.txt` last: olmo3.io.orbax_s3), so only complete steps are ever listed. Async saves overlap
 training: a failed one is raised at the next step (`check`), with its cause, and is never
 listed; its temporary directory is removed when the run restarts.
 
@@ -26,8 +26,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from olmo3 import orbax_s3, storage
-from olmo3.checkpoint import (ARRAYS, META, PARAMS, CheckpointError, array_records,
+from olmo3.io import orbax_s3, storage
+from olmo3.io.checkpoint import (ARRAYS, META, PARAMS, CheckpointError, array_records,
                               restore_items, sealed)
 
 OPT_STATE = "opt_state"
@@ -132,6 +132,6 @@ class RunCheckpoints:
 def restore_train_state(step_dir: str | os.PathLike, params_target: Any, opt_target: Any
                         ) -> tuple[Any, Any, dict[str, Any]]:
   """(params, opt_state, meta) of a training checkpoint, onto the targets' shardings, checked
-  and verified (olmo3.checkpoint.restore_items)."""
+  and verified (olmo3.io.checkpoint.restore_items)."""
   items, meta = restore_items(step_dir, {PARAMS: params_target, OPT_STATE: opt_target})
   return items[PARAMS], items[OPT_STATE], meta

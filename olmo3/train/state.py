@@ -1,7 +1,7 @@
 """The train state: its layout on the mesh, and where it comes from (resume, fall back,
 initialise from another run, or fresh) and goes to (a checkpoint).
 
-Resume order: this run's newest checkpoint that reads back verified (olmo3.checkpoint); a
+Resume order: this run's newest checkpoint that reads back verified (olmo3.io.checkpoint); a
 damaged one is named and, with checkpoint.fallback, quarantined for the one before it; then
 checkpoint.init_from (parameters and optimizer moments; step, schedule and data position start
 at 0); then fresh parameters. A checkpoint that does not fit the model (shapes, dtypes,
@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from olmo3.checkpoint import CheckpointDamaged, CheckpointError, resolve_step_dir
+from olmo3.io.checkpoint import CheckpointDamaged, CheckpointError, resolve_step_dir
 from olmo3.config import Experiment
 from olmo3.data.tokens import DataError
 from olmo3.run.plan import RunPlan, decide_start

@@ -26,7 +26,7 @@ from etils import epath
 from orbax.checkpoint._src.path import atomicity, gcs_utils, step as step_lib
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
-from olmo3 import storage
+from olmo3.io import storage
 
 _S3 = "s3://"
 

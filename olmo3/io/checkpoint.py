@@ -36,8 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from olmo3 import orbax_s3, storage
-from olmo3.config import ModelConfig
+from olmo3.io import orbax_s3, storage
 
 PARAMS, META = "params", "meta"
 ARRAYS, DIGEST = "arrays", "digest"  # meta keys: per-item array records; the meta's own digest
@@ -198,9 +197,10 @@ def sealed(meta: dict[str, Any]) -> dict[str, Any]:
   return {**meta, DIGEST: _digest(meta)}
 
 
-def save_model(path: str | os.PathLike, cfg: ModelConfig, params: Any,
+def save_model(path: str | os.PathLike, cfg: Any, params: Any,
                meta: dict[str, Any] | None = None) -> None:
-  """Saves a parameter tree (nested dict of arrays) and its model config; refuses to overwrite."""
+  """Saves a parameter tree (nested dict of arrays) and its model config (a dataclass: a
+  ModelConfig, recorded as meta["model_config"]); refuses to overwrite."""
   path = storage.absolute(path)
   if path.exists():
     raise CheckpointError(f"{path} already exists; refusing to overwrite")
@@ -278,10 +278,6 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
       raise _damaged(path, [(META, _item_name(META))], "digest mismatch (its content is not what "
                      "was saved)")
   return meta
-
-
-def load_model_config(path: str | os.PathLike) -> ModelConfig:
-  return ModelConfig(**load_meta(path)["model_config"])
 
 
 def _check_fits(path: epath.Path, item: str, target: Any, records: dict | None) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 from absl import logging
 
-from olmo3 import storage
+from olmo3.io import storage
 
 METRICS_JSONL = "metrics.jsonl"
 
