@@ -47,12 +47,10 @@ class Prepared:
 
   @property
   def tokenizer(self) -> str:
-    """What tasks load the tokenizer from: the copy beside the tokens, else (directories
-    prepared before the copy was written) the name the manifest records."""
+    """What tasks load the tokenizer from: the copy `prepare` writes beside the tokens."""
     if self.builtin:
       return "embedded"
-    copy = self.directory / prepare.TOKENIZER_FILE
-    return os.fspath(copy) if copy.exists() else self.manifest.tokenizer
+    return os.fspath(self.directory / prepare.TOKENIZER_FILE)
 
   def mix(self, split: str) -> str:
     """The mix name of a split of this directory."""

@@ -272,22 +272,21 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
     if is_environmental(e):
       raise
     raise _damaged(path, [(META, _item_name(META))], f"unreadable ({_cause(e)})") from e
-  if DIGEST in meta:
-    digest = meta.pop(DIGEST)
-    if _digest(meta) != digest:
-      raise _damaged(path, [(META, _item_name(META))], "digest mismatch (its content is not what "
-                     "was saved)")
+  digest = meta.pop(DIGEST, None) if isinstance(meta, dict) else None
+  if digest is None or _digest(meta) != digest:
+    raise _damaged(path, [(META, _item_name(META))], "digest mismatch (its content is not what "
+                   "was saved)")
   return meta
 
 
-def _check_fits(path: epath.Path, item: str, target: Any, records: dict | None) -> None:
+def _check_fits(path: epath.Path, item: str, target: Any, records: dict) -> None:
   """Raises CheckpointError (nothing wrong with the files: the model or optimizer does not
   match) unless `item` holds exactly the target's arrays with its shapes and dtypes, as the
-  meta's records say (a checkpoint without them: as Orbax's metadata says). Orbax's metadata
-  must be readable and agree with the records (CheckpointDamaged)."""
+  meta's records say. Orbax's metadata must be readable and agree with the records
+  (CheckpointDamaged)."""
   orbax = {n: (tuple(m.shape), str(np.dtype(m.dtype)))
            for n, m in _stored_metadata(path, item).items()}
-  stored = {n: (tuple(r["shape"]), r["dtype"]) for n, r in records.items()} if records else orbax
+  stored = {n: (tuple(r["shape"]), r["dtype"]) for n, r in records.items()}
   if orbax != stored:
     raise _damaged(path, [(item, _item_name(item))],
                    f"metadata mismatch (Orbax's differs from the arrays '{META}' records)")
@@ -299,7 +298,7 @@ def _check_fits(path: epath.Path, item: str, target: Any, records: dict | None) 
     if stored[name][0] != shape:
       raise CheckpointError(f"{path}: {what} {name} has shape {stored[name][0]} in the "
                             f"checkpoint; the model expects {shape}")
-    if records and stored[name][1] != dtype:
+    if stored[name][1] != dtype:
       raise CheckpointError(f"{path}: {what} {name} has dtype {stored[name][1]} in the "
                             f"checkpoint; the model expects {dtype}")
   extra = sorted(set(stored) - set(want))
@@ -355,12 +354,12 @@ def restore_items(path: str | os.PathLike, targets: dict[str, Any]
   meta = load_meta(path)
   records = meta.get(ARRAYS, {})
   for item, target in targets.items():
-    if not (path / item).exists():
-      if item in records:  # saved, now gone
-        raise _damaged(path, [(item, _item_name(item))], "missing")
+    if item not in records:  # never saved (its meta records every item saved)
       raise CheckpointError(f"{path}: no '{item}' item" + (
           " (a converted model checkpoint holds parameters only)" if item != PARAMS else ""))
-    _check_fits(path, item, target, records.get(item))
+    if not (path / item).exists():  # saved, now gone
+      raise _damaged(path, [(item, _item_name(item))], "missing")
+    _check_fits(path, item, target, records[item])
   error = None
   try:
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())

@@ -31,7 +31,7 @@ from olmo3.io.checkpoint import (ARRAYS, META, PARAMS, CheckpointError, array_re
                               restore_items, sealed)
 
 OPT_STATE = "opt_state"
-_QUARANTINED = re.compile(r"(\d+)\.damaged(?:-(\d+))?")  # `<step>.damaged` from older versions
+_QUARANTINED = re.compile(r"(\d+)\.damaged-(\d+)")  # `<step>.damaged-<n>`
 
 
 class _KeepVerified:
@@ -68,14 +68,14 @@ class RunCheckpoints:
 
   def quarantined(self) -> list[epath.Path]:
     """The damaged steps set aside, by step then by when."""
-    found = [(int(m[1]), int(m[2] or 0), p) for p in self.directory.glob("*")
+    found = [(int(m[1]), int(m[2]), p) for p in self.directory.glob("*")
              if (m := _QUARANTINED.fullmatch(p.name))] if self.directory.exists() else []
     return [p for *_, p in sorted(found)]
 
   def quarantine(self, step: int) -> epath.Path:
     """Moves a damaged step out of the list, to `<step>.damaged-<n>` with an n no earlier
     quarantine of this step used. Every process calls it; the first renames."""
-    n = 1 + max((int(m[2] or 0) for p in self.quarantined()
+    n = 1 + max((int(m[2]) for p in self.quarantined()
                  if (m := _QUARANTINED.fullmatch(p.name)) and int(m[1]) == step), default=0)
     if jax.process_count() > 1:
       n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
