@@ -10,7 +10,9 @@ launch/diff.py or launch.config_files.from_workdir), config.txt, command.txt, ex
 history.jsonl, metrics.jsonl, TensorBoard events and checkpoints; rerunning the same command
 resumes from the latest checkpoint, and a resume with a changed config adds revision n
 (config.<n>.json, experiment.<n>.json) without rewriting earlier ones. A rerun with nothing to
-train writes nothing; a mistake is one line, found before anything is written. The
+train writes nothing; a mistake is one line, found before anything is written. A launch works
+its facts out once (olmo3.run.plan.RunPlan: data, stage end, where the run starts), prints it
+with --dry_run, records its summary and trains it. The
 experiment's flag set is applied to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX starts, and a job
 that spans several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or
 SLURM / TPU pod environments) joins with jax.distributed.initialize().
