@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from olmo3 import platforms
+
 
 def _write_files(directory: str, files: int, tokens_per_file: int) -> list[str]:
   from olmo3.data.tokens import write_token_file
@@ -82,6 +84,7 @@ def olmo_core(paths, args, workers: int, work_dir: str) -> float:
 
 
 def main() -> None:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--files", type=int, default=8)

@@ -28,6 +28,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from olmo3 import platforms
+
 
 def experiment(args: argparse.Namespace):
   """The experiment at the benchmark's size: evaluation off, checkpoints at the last step only."""
@@ -93,6 +95,7 @@ def bare_step(exp) -> Callable[[], float]:
 
 
 def main() -> None:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--fdl_config", default="experiments.olmo3_tiny:stage1")

@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from olmo3 import platforms
+
 
 def ours(exp, tokens, steps):
   import jax
@@ -93,6 +95,7 @@ def reference(cfg, tokens, steps):
 
 
 def main() -> None:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--fdl_config", default="experiments.olmo3_tiny:stage1")

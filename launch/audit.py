@@ -16,6 +16,7 @@ import fiddle as fdl
 from absl import app, flags
 
 from launch import refs
+from olmo3 import platforms
 from olmo3.data import audit
 
 CONFIG = flags.DEFINE_string(
@@ -38,6 +39,7 @@ def audit_argv() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   if len(argv) > 1:
     sys.exit(f"error: unexpected arguments: {argv[1:]}\n"
              "Run 'python launch/audit.py --help' for the flags.")

@@ -27,6 +27,7 @@ import fiddle as fdl
 from absl import app, flags
 
 from launch import jobs, refs
+from olmo3 import platforms
 from olmo3.config import Experiment
 
 FDL_CONFIG = flags.DEFINE_string(
@@ -51,8 +52,11 @@ IMAGE = flags.DEFINE_string("image", None, "container image holding this reposit
 WORKING_DIR = flags.DEFINE_string("working_dir", None,
                                   "the repository's directory in the image (default: its WORKDIR)")
 MAX_RESTARTS = flags.DEFINE_integer(
-    "max_restarts", 0, "restarts of the whole job after a failure (each resumes from the last "
-    "checkpoint)", lower_bound=0)
+    "max_restarts", jobs.DEFAULT_MAX_RESTARTS, "restarts of the whole job after a failure "
+    "(each resumes from the last checkpoint; 0: a failure ends the job)", lower_bound=0)
+SHM_SIZE = flags.DEFINE_string(
+    "shm_size", jobs.DEFAULT_SHM_SIZE, "each pod's /dev/shm (memory-backed; Grain's worker "
+    "processes pass batches through it), a Kubernetes quantity (gke)")
 GRACE = flags.DEFINE_integer(
     "termination_grace_period_s", 600, "seconds a pod has after SIGTERM (it saves a checkpoint "
     "at the next step boundary)", lower_bound=1)
@@ -97,8 +101,9 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
   _require(WORKDIR, f"with --target={target.value} (a pod's own disk does not outlive it)")
   slices = jobs.tpu_slices(ACCELERATOR.value, TOPOLOGY.value, NUM_SLICES.value)
   jobs.check_experiment(exp, target, slices.devices, slices.num_slices)
-  job = jobs.PodJob(name, slices, IMAGE.value, command, env, MAX_RESTARTS.value, GRACE.value,
-                    WORKING_DIR.value, QUEUE.value)
+  shm = jobs.check_quantity(SHM_SIZE.value, SHM_SIZE.name)
+  job = jobs.PodJob(name, slices, IMAGE.value, command, env, MAX_RESTARTS.value, shm,
+                    GRACE.value, WORKING_DIR.value, QUEUE.value)
   if target is jobs.Target.GKE:
     manifest = jobs.render_jobset(job)
     return manifest, ["kubectl", "apply", "-f", "-"], manifest
@@ -108,6 +113,7 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
 
 
 def main(argv: list[str]) -> None:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   if len(argv) > 1:
     refs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/cluster.py")
   refs.make_cwd_importable()

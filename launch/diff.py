@@ -17,6 +17,7 @@ import sys
 from absl import app, flags
 
 from launch import config_files, diffs, refs
+from olmo3 import platforms
 
 JSON = flags.DEFINE_bool("json", False, "print a JSON list of changes")
 
@@ -30,6 +31,7 @@ def format_table(changes: list[diffs.Change], a: str, b: str) -> str:
 
 
 def main(argv: list[str]) -> None:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   if len(argv) != 3:
     sys.exit(f"error: expected two experiments or run workdirs (A B), got {argv[1:]}\n"
              "Run 'python launch/diff.py --help' for usage.")

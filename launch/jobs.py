@@ -44,6 +44,13 @@ CHIPS_PER_HOST = 4  # every multi-host slice of these kinds: 4 chips per TPU VM
 # A SLURM job with a time limit has its tasks sent SIGTERM this long before it (sbatch
 # --signal), time for the step in flight and a checkpoint save.
 SIGNAL_BEFORE_LIMIT_S = 600
+# A failed host restarts the whole JobSet this many times (each restart resumes from the last
+# checkpoint): a weeks-long run outlives many host failures.
+DEFAULT_MAX_RESTARTS = 20
+# /dev/shm of each pod: Grain's reader processes (data.num_workers) hand batches to the
+# launcher through shared memory, and a container's default (64 MiB) cannot hold a step's.
+DEFAULT_SHM_SIZE = "16Gi"
+SHM_VOLUME = "dshm"
 
 
 class Target(enum.Enum):
@@ -235,11 +242,19 @@ class PodJob:
   image: str
   command: Command
   env: Mapping[str, str]
-  max_restarts: int = 0  # JobSet restarts every slice; the run resumes from its checkpoint
+  max_restarts: int = DEFAULT_MAX_RESTARTS  # restarts of every slice; each resumes
+  shm_size: str = DEFAULT_SHM_SIZE  # /dev/shm (memory-backed) for Grain's worker processes
   # SIGTERM is honoured at the next step boundary, which then saves a checkpoint: give it time.
   grace_period_s: int = 600
   working_dir: str | None = None  # the repository in the image (None: the image's WORKDIR)
   queue: str | None = None  # a Kueue LocalQueue
+
+
+def check_quantity(value: str, flag: str) -> str:
+  """A Kubernetes memory quantity (16Gi, 512Mi, 8G), or LaunchError naming the flag."""
+  if not re.fullmatch(r"[1-9]\d*(\.\d+)?(Ki|Mi|Gi|Ti|k|M|G|T)?", value):
+    raise LaunchError(f"--{flag}={value!r}: expected a Kubernetes quantity such as 16Gi")
+  return value
 
 
 def jobset(job: PodJob) -> dict[str, Any]:
@@ -251,6 +266,7 @@ def jobset(job: PodJob) -> dict[str, Any]:
       # 8471: the TPU runtime between hosts and slices; 8080: the TPU metrics endpoint.
       "ports": [{"containerPort": 8471}, {"containerPort": 8080}],
       "resources": {"limits": {TPU_RESOURCE: s.chips_per_host}},
+      "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
   }
   if job.working_dir:
     container["workingDir"] = job.working_dir
@@ -266,12 +282,16 @@ def jobset(job: PodJob) -> dict[str, Any]:
       "dnsPolicy": "ClusterFirstWithHostNet",
       "terminationGracePeriodSeconds": job.grace_period_s,
       "containers": [container],
+      "volumes": [{"name": SHM_VOLUME,
+                   "emptyDir": {"medium": "Memory", "sizeLimit": job.shm_size}}],
   }
   return {
       "apiVersion": JOBSET_API,
       "kind": "JobSet",
       "metadata": metadata,
       "spec": {
+          # Any failure (a host lost, an OOM, a launcher that exits non-zero) recreates every
+          # pod; the restarted launchers resume from the last checkpoint (docs/launch.md).
           "failurePolicy": {"maxRestarts": job.max_restarts},
           # Stable pod hostnames: GKE builds TPU_WORKER_HOSTNAMES from them.
           "network": {"enableDNSHostnames": True},
@@ -322,6 +342,7 @@ def validate_jobset(text: str, job: PodJob) -> dict[str, Any]:
       (("spec", "replicatedJobs", 0, "replicas"), s.num_slices),
       (("spec", "replicatedJobs", 0, "template", "spec", "parallelism"), s.hosts),
       (("spec", "replicatedJobs", 0, "template", "spec", "completions"), s.hosts),
+      (("spec", "failurePolicy", "maxRestarts"), job.max_restarts),
   ]
   for path, want in expected:
     got = _get(doc, *path)
@@ -349,6 +370,11 @@ def validate_jobset(text: str, job: PodJob) -> dict[str, Any]:
       raise LaunchError(f"manifest: env {var} is {env.get(var)!r}, not {value!r}")
   if _get(container, "command") != job.command.argv():
     raise LaunchError(f"manifest: the command is not {job.command.shell()!r}")
+  shm = [v for v in _get(pod, "volumes") or [] if v.get("name") == SHM_VOLUME]
+  mounts = [m for m in _get(container, "volumeMounts") or [] if m.get("name") == SHM_VOLUME]
+  if (len(shm) != 1 or shm[0].get("emptyDir") != {"medium": "Memory", "sizeLimit": job.shm_size}
+      or [m.get("mountPath") for m in mounts] != ["/dev/shm"]):
+    raise LaunchError(f"manifest: /dev/shm is not a {job.shm_size} memory volume")
   return doc
 
 
@@ -415,9 +441,11 @@ def slurm_script(job: SlurmJob) -> str:
   JAX's SLURM detection joins them (the coordinator is the first node of SLURM_STEP_NODELIST,
   its port derived from SLURM_JOB_ID)."""
   check_slurm(job.nodes, job.gpus_per_node)
+  # --requeue: a preempted (or failed-node) job goes back in the queue and, when it runs again,
+  # resumes from its checkpoint; --open-mode=append keeps the earlier runs' output.
   header = [f"--job-name={job.name}", f"--nodes={job.nodes}",
             f"--ntasks-per-node={job.tasks_per_node}", f"--gpus-per-node={job.gpus_per_node}",
-            "--exclusive", f"--output={job.name}-%j.out"]
+            "--exclusive", f"--output={job.name}-%j.out", "--open-mode=append", "--requeue"]
   header += [f"--{k}={v}" for k, v in (("partition", job.partition), ("account", job.account),
                                         ("time", job.time)) if v]
   if job.time:  # SIGTERM to the tasks before the limit: the run saves a step and exits 0

@@ -12,10 +12,13 @@ resumes from the latest checkpoint, and a resume with a changed config adds revi
 (config.<n>.json, experiment.<n>.json) without rewriting earlier ones. A rerun with nothing to
 train writes nothing; a mistake is one line, found before anything is written. A launch works
 its facts out once (olmo3.run.plan.RunPlan: data, stage end, where the run starts), prints it
-with --dry_run, records its summary and trains it. The
-experiment's flag set is applied to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX starts, and a job
-that spans several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or
-SLURM / TPU pod environments) joins with jax.distributed.initialize().
+with --dry_run, records its summary and trains it. A launch that stops before its first step,
+whatever stopped it, takes back what it wrote. SIGINT / SIGTERM stop the run at the end of the
+step under way (no further step or evaluation), save it and exit 0, the last line saying
+"interrupted at step N; saved; rerun the same command to resume". The experiment's flag set
+is applied to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX starts, and a job that spans several
+processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or SLURM / TPU pod
+environments) joins with jax.distributed.initialize().
 """
 
 from __future__ import annotations
@@ -93,9 +96,11 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
   except DataError as e:
     print(f"data                cannot be resolved here: {e}")
     resolved = None
+  described = False  # the plan's lines say what there is to evaluate
   try:  # the files' sizes and the start, when the data is reachable from here
     if resolved is not None:
       print("\n".join(RunPlan.from_resolved(resolved, workdir, FLAGS.value).describe()))
+      described = True
   except (DataError, CheckpointError) as e:  # e.g. AI2's data on a laptop
     print(f"plan                unknown here: {e}")
   ev = exp.eval if resolved is None else resolved.exp.eval
@@ -104,7 +109,7 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
   for mix, files in resolved.heldout if resolved is not None else ():
     labels = list(sources.by_set(list(files)))
     print(f"held-out            {mix}: {len(labels)} sets, {cadence}: {', '.join(labels)}")
-  if not ev.heldout:
+  if not ev.heldout and not described:
     print("held-out            none (eval.heldout=()): the generalization-gap alarm is off")
   print(f"downstream tasks    {len(ev.tasks)}, {cadence}"
         + (f" ({ev.task_limit} documents each)" if ev.task_limit else "")
@@ -195,11 +200,11 @@ def build_plan(exp, workdir: str):
   from olmo3.io.checkpoint import CheckpointError
   from olmo3.data.tokens import DataError
   from olmo3.run import record
-  from olmo3.run.plan import RunPlan
+  from olmo3.run.plan import InitFromError, RunPlan
 
   try:
     return RunPlan.build(exp, workdir, FLAGS.value)
-  except DataError as e:
+  except (DataError, InitFromError) as e:
     sys.exit(f"error: {e}")
   except CheckpointError:
     source, hint = exp.checkpoint.init_from, "train the run that writes it first"
@@ -236,33 +241,66 @@ def begin(plan, revision: dict[str, str] | None):
   return run_record
 
 
-def run(plan, run_record, created: bool) -> dict[str, float]:
-  """train(plan); a one-line error when it stops before its first step, having taken back what
-  this launch wrote."""
-  import jax
-
-  from olmo3.io.checkpoint import CheckpointError, run_steps
+def run(plan, run_record, created: bool) -> str:
+  """train(plan); the launch's last line (the metrics, or where a signal stopped it). A run
+  that stops before its first step (an error, or a signal) takes back what this launch wrote,
+  whatever stopped it; an error is then one line when it has a one-line form (the user's
+  data, tasks, checkpoints, the lease, metrics, storage), else raised on with its traceback."""
+  from olmo3.io.checkpoint import CheckpointError
   from olmo3.data.tokens import DataError
   from olmo3.eval.tasks import TaskError
+  from olmo3.io import errors, storage
   from olmo3.io.metrics import MetricsError
-  from olmo3.train.lease import LeaseHeld
-  from olmo3.train.loop import train
+  from olmo3.run.record import RecordError
+  from olmo3.train.lease import LeaseHeld, LeaseLost
+  from olmo3.train.loop import Progress, train
+  from olmo3.train.skips import TrainingStopped
 
-  checkpoints = plan.workdir.checkpoints
-  had_checkpoints = checkpoints.exists()
+  progress = Progress()
   try:
-    return train(plan, preemption=PREEMPTION)
-  except (DataError, TaskError, CheckpointError, LeaseHeld, MetricsError) as e:  # one line
-    logging.error("%s", e)
-    if jax.process_index() == 0 and (run_steps(checkpoints) or [0])[-1] == plan.resume.step:
-      # Nothing trained: take back what this launch wrote.
-      if created:
-        epath.Path(plan.workdir.root).rmtree()
-      else:
-        run_record.undo()
-        if not had_checkpoints and checkpoints.exists() and not any(checkpoints.iterdir()):
-          checkpoints.rmdir()  # made by this launch's checkpoint manager, still empty
-    sys.exit(f"error: {e}")
+    last = train(plan, preemption=PREEMPTION, progress=progress)
+  except BaseException as e:
+    if progress.steps == 0:
+      with storage.attempts_once():  # the store may be down: cleanup never in the way of `e`
+        take_back(plan, run_record, created)
+    if isinstance(e, (DataError, TaskError, CheckpointError, LeaseHeld, MetricsError,
+                      LeaseLost, TrainingStopped, RecordError, OSError)):  # OSError: storage
+      verbose = errors.traceback_wanted(logging.get_verbosity())
+      logging.error("%s", e, exc_info=verbose)
+      if not verbose:
+        sys.exit(errors.one_line(e))
+    raise
+  step = progress.interrupted
+  if progress.steps == 0:  # a signal before the first step, or nothing left to train
+    take_back(plan, run_record, created)
+    if step is None:
+      return ""
+    return (f"interrupted before step {step + 1}; nothing trained, nothing written; rerun the "
+            f"same command to {'resume' if step else 'start'}")
+  if step is None:
+    return summary(last) if last else ""
+  if step == plan.end:  # complete: the signal only cut its final evaluation short
+    return (f"interrupted at step {step}, the last; saved; the run is complete but its final "
+            f"evaluation did not run: python -m olmo3.eval --workdir {plan.workdir.root} "
+            f"--step {step} scores it")
+  return (f"interrupted at step {step}; saved; rerun the same command to resume"
+          + (f" (step {step}'s evaluation did not run)" if progress.evaluation_skipped else ""))
+
+
+def take_back(plan, run_record, created: bool) -> None:
+  """What this launch wrote, on a run that trained nothing: the workdir as it was found
+  (process 0; the others wrote nothing of their own)."""
+  import jax
+
+  if jax.process_index() != 0:
+    return
+  try:
+    if created:
+      epath.Path(plan.workdir.root).rmtree(missing_ok=True)
+    else:
+      run_record.undo()
+  except OSError as e:  # never in the way of the reason the run stopped
+    logging.warning("could not take back what this launch wrote in %s: %s", plan.workdir.root, e)
 
 
 def summary(last: dict[str, float]) -> str:
@@ -312,14 +350,32 @@ def main(argv: list[str]) -> None:
     print(f"{workdir}: the run is complete at step {plan.resume.step} (train.steps="
           f"{exp.train.steps}); nothing to train, nothing written")
     return
+  if plan.stage_change:
+    logging.warning("%s", plan.stage_change)
   created = not epath.Path(workdir).exists()
   run_record = begin(plan, revision)
   logging.info("training %s in %s on %d %s devices", FLAGS.value, workdir, jax.device_count(),
                jax.default_backend())
-  last = run(plan, run_record, created)
-  if jax.process_index() == 0 and last:
-    print(summary(last))
+  last_line = run(plan, run_record, created)
+  if last_line and jax.process_index() == 0:
+    print(last_line)
+
+
+def _one_line_errors() -> tuple[type[BaseException], ...]:
+  """What a launch reports in one line wherever it happens (before train(): the workdir,
+  storage and lease checks; `run` reports train()'s own, having taken back what it wrote)."""
+  from olmo3.config import ConfigError
+  from olmo3.io.checkpoint import CheckpointError
+  from olmo3.data.tokens import DataError
+  from olmo3.run.record import RecordError
+  from olmo3.train.lease import LeaseHeld, LeaseLost
+  from olmo3.train.skips import TrainingStopped
+
+  return (ConfigError, DataError, CheckpointError, RecordError, LeaseHeld, LeaseLost,
+          TrainingStopped, OSError)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from olmo3.io import errors as errors_lib
+
+  app.run(errors_lib.reported(main, _one_line_errors, logging.get_verbosity))

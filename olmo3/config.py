@@ -490,9 +490,10 @@ class CheckpointConfig(_Validated):
   every: int = resumable(1000, ge=1)
   keep: int = resumable(3, ge=1)
   async_save: bool = resumable(True)
-  # Initialise from another run's checkpoint (a step directory, or a run's checkpoints
-  # directory: its latest step): parameters and optimizer moments; step, schedule and data
-  # position start fresh. Used when the workdir has no checkpoint of its own.
+  # Initialise from another run's checkpoint (a step directory, or a run's workdir or
+  # checkpoints directory: the checkpoint at the end of its stage, olmo3.run.plan.init_from_step):
+  # parameters and optimizer moments; step, schedule and data position start fresh. Used when
+  # the workdir has no checkpoint of its own.
   init_from: str | None = None
   # A damaged latest checkpoint (missing or truncated files) is reported by name; with
   # fallback the run resumes from the previous one instead of stopping.

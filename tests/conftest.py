@@ -5,16 +5,25 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache per test session, shared by the xdist workers and every
-# launcher subprocess (they inherit the environment): a restarted run loads its executables
-# instead of recompiling them, which is what makes the many-restart tests affordable.
+# One persistent compilation cache, shared by the xdist workers and every launcher subprocess
+# (they inherit the environment): a restarted run loads its executables instead of recompiling
+# them, which is what makes the many-restart tests affordable. It is kept between sessions
+# ($OLMO3_CACHE/jax-tests, at most 2 GiB, least recently used entries evicted first), so a
+# session after an edit compiles only what the edit changed (an entry's key is the program,
+# the flags and the jax/jaxlib versions). OLMO3_TEST_JAX_CACHE=fresh: a fresh one for this
+# session, removed at exit (what every session did before).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import atexit
-  import shutil
-  import tempfile
+  if os.environ.get("OLMO3_TEST_JAX_CACHE") == "fresh":
+    import atexit
+    import shutil
+    import tempfile
 
-  _cache = tempfile.mkdtemp(prefix="olmo3-test-jax-cache-")
-  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    _cache = tempfile.mkdtemp(prefix="olmo3-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  else:
+    _cache = os.path.join(os.path.expanduser(os.environ.get("OLMO3_CACHE", "~/.cache/olmo3")),
+                          "jax-tests")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
@@ -61,11 +70,15 @@ def write_random_hf_dir(path, cfg: ModelConfig, seed: int = 0, dtype: str = "flo
 # starts another process (a program through subprocess or os.fork, the launcher, JAX in other
 # processes, a multiprocessing / Grain worker pool, a storage server binary), itself or through
 # a fixture. Everything else is in-process and forms the fast tier, `-m "not slow"`, the one a
-# developer runs after each edit. The guard below makes the rule hold: while an unmarked test
-# (and its fixtures) runs, starting a process fails it, naming what it started.
+# developer runs after each edit (a long in-process test stays there, marked
+# `@pytest.mark.seconds(N)` to start early). `_tiers` holds both rules: while an unmarked
+# test (its fixtures included) runs, starting a process fails it, naming what it started;
+# a test marked slow that passes without starting any process fails too (it belongs in the
+# fast tier).
 _STARTERS = [(subprocess.Popen, "_execute_child"), (os, "fork"), (os, "forkpty"),
              (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"),
              (multiprocessing.process.BaseProcess, "start")]
+_STARTED = pytest.StashKey[list]()
 
 
 class ProcessInFastTier(RuntimeError):
@@ -73,55 +86,63 @@ class ProcessInFastTier(RuntimeError):
 
 
 @contextlib.contextmanager
-def _in_process_only(item: pytest.Item):
-  if item.get_closest_marker("slow") is not None:
-    yield
-    return
-  started = []
+def _tiers(item: pytest.Item, last_phase: bool):
+  slow = item.get_closest_marker("slow") is not None
+  started = item.stash.setdefault(_STARTED, [])
 
-  def refuse(owner, name):
+  def watch(owner, name, real):
     def start(*args, **kwargs):
-      what = f"{getattr(owner, '__name__', owner)}.{name}"
-      if name == "_execute_child":
-        what = f"a subprocess: {args[1]!r}"[:300]
+      what = (f"a subprocess {args[1]!r}"[:300] if name == "_execute_child" else
+              f"{getattr(owner, '__name__', owner)}.{name}")
       started.append(what)
+      if slow:
+        return real(*args, **kwargs)
       raise ProcessInFastTier(
           f"{item.nodeid} started {what} but is not marked slow: a test that starts a "
-          "process (itself or through a fixture) is process-level and belongs in the slow "
-          "tier, @pytest.mark.slow(seconds=N) (tests/conftest.py)")
+          "process (itself or through a fixture) belongs in the slow tier, "
+          "@pytest.mark.slow(seconds=N) (tests/conftest.py: the tiers)")
     return start
 
   saved = [(owner, name, getattr(owner, name)) for owner, name in _STARTERS
            if hasattr(owner, name)]
-  for owner, name, _ in saved:
-    setattr(owner, name, refuse(owner, name))
+  for owner, name, real in saved:
+    setattr(owner, name, watch(owner, name, real))
   try:
     yield
   finally:
     for owner, name, real in saved:
       setattr(owner, name, real)
-    if started:  # even where the code under test caught the error
-      pytest.fail(f"{item.nodeid} is in the fast tier but started {started[0]}: mark it "
-                  "@pytest.mark.slow(seconds=N) (tests/conftest.py: the tiers)", pytrace=False)
+  # Reached only when the phase passed (an error or a skip propagates past this point).
+  if started and not slow:  # also where the code under test caught ProcessInFastTier
+    pytest.fail(f"{item.nodeid} is in the fast tier but started {started[0]}: mark it "
+                "@pytest.mark.slow(seconds=N) (tests/conftest.py: the tiers)", pytrace=False)
+  if last_phase and slow and not started:
+    pytest.fail(f"{item.nodeid} is marked slow but started no process: an in-process test "
+                "belongs in the fast tier (@pytest.mark.seconds(N) if it is long; "
+                "tests/conftest.py: the tiers)", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
-  with _in_process_only(item):
+  with _tiers(item, last_phase=False):
     return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-  with _in_process_only(item):
+  with _tiers(item, last_phase=True):
     return (yield)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
   """Longest first: `@pytest.mark.slow(seconds=N)` and `@pytest.mark.seconds(N)` (rough, on 2
-  cores) order the long tests ahead of the rest, longest first. With -n 2 and --maxschedchunk=1 (pyproject) the two
-  workers start on them and the short tests fill in around them, instead of a long test
-  starting last and running alone."""
+  cores, measured) order the long tests ahead of the rest. With -n 2 and --maxschedchunk=1
+  (pyproject) each xdist worker holds one test and the next, and takes another whenever it
+  finishes one: the long tests start first and the short ones fill in around them, instead of
+  a long test starting last and running alone. xdist hands out the first 2 x workers tests in
+  pairs (worker i: positions 2i and 2i + 1), so those positions get the longest test with the
+  shortest of them, the second longest with the second shortest, and so on; after them, the
+  order is longest first."""
 
   def seconds(item: pytest.Item) -> float:
     slow, timed = item.get_closest_marker("slow"), item.get_closest_marker("seconds")
@@ -130,3 +151,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     return 0.0 if slow is None else float(slow.kwargs.get("seconds", 1))
 
   items.sort(key=lambda item: -seconds(item))  # stable: otherwise file order
+  workers = getattr(config, "workerinput", {}).get("workercount", 0)
+  if 1 < workers and 2 * workers <= len(items):
+    first = items[:2 * workers]
+    items[:2 * workers] = [x for i in range(workers) for x in (first[i], first[-1 - i])]

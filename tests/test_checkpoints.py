@@ -393,3 +393,21 @@ def test_a_failed_async_save_stops_the_run_at_once_with_its_cause(tmp_path, monk
     if not _names(checkpoints) or time.time() > deadline:
       break
   assert _names(checkpoints) == []
+
+
+@pytest.mark.parametrize("how", ["emptied", "without meta"])
+def test_a_committed_step_emptied_or_without_its_meta_is_damage_set_aside(trained, tmp_path,
+                                                                           caplog, how):
+  """Inside the run's own checkpoints a committed step missing its meta is damage (quarantined,
+  the run falls back), not "not a model checkpoint" stopping every resume."""
+  exp, _ = trained
+  workdir = _copy(trained, tmp_path)
+  step_dir = workdir / "checkpoints" / "4"
+  for part in list(step_dir.iterdir()) if how == "emptied" else [step_dir / "meta"]:
+    shutil.rmtree(part) if part.is_dir() else part.unlink()
+  with caplog.at_level(logging.ERROR):
+    state, _, _ = _resume(exp, workdir)
+  assert int(state.step) == 2
+  assert _damage_logged(caplog).startswith(f"{step_dir} is damaged: ['meta'] in "
+                                           f"{step_dir / 'meta'}: missing")
+  assert "4.damaged-1" in _names(workdir / "checkpoints")

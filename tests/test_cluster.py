@@ -190,7 +190,8 @@ def test_slurm_script_one_task_per_gpu(tmp_path):
             if line.startswith("#SBATCH")]
   assert header == ["--job-name=olmo3-7b-stage1", "--nodes=2", "--ntasks-per-node=8",
                     "--gpus-per-node=8", "--exclusive", "--output=olmo3-7b-stage1-%j.out",
-                    "--partition=h100", "--time=7-00:00:00", "--signal=TERM@600"]
+                    "--open-mode=append", "--requeue", "--partition=h100",
+                    "--time=7-00:00:00", "--signal=TERM@600"]
   assert "JAX_LOCAL_DEVICE_IDS" not in script  # JAX gives each task GPU SLURM_LOCALID
   fake = tmp_path / "bin" / "srun"
   fake.parent.mkdir()
@@ -267,3 +268,25 @@ def test_cli_submits_with_sbatch_and_names_a_missing_tool(tmp_path):
   assert done.stderr.strip().splitlines()[-1] == (
       "error: --target=gke submits with kubectl, which is not on PATH (--dry_run prints the job "
       "instead)")
+
+
+def test_cluster_jobs_restart_by_default_with_room_in_dev_shm():
+  """A failed host (an OOM, a SIGKILL, a hard preemption) restarts the JobSet, which resumes
+  from the checkpoint; each pod's /dev/shm is a memory volume Grain's workers can fill; a
+  preempted SLURM job is requeued."""
+  slices = jobs.tpu_slices("tpu7x", "4x4x4", 1)
+  job = jobs.PodJob("olmo3-7b-stage1", slices, "img:1", _command(), jobs.job_env(_exp()))
+  doc = jobs.validate_jobset(jobs.render_jobset(job), job)
+  assert doc["spec"]["failurePolicy"] == {"maxRestarts": jobs.DEFAULT_MAX_RESTARTS} != {
+      "maxRestarts": 0}
+  pod = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+  assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                          "sizeLimit": "16Gi"}}]
+  assert pod["containers"][0]["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+  no_shm = jobs.render_jobset(job).replace("mountPath: /dev/shm", "mountPath: /tmp/shm")
+  with pytest.raises(jobs.LaunchError, match="/dev/shm is not a 16Gi memory volume"):
+    jobs.validate_jobset(no_shm, job)
+  with pytest.raises(jobs.LaunchError, match="--shm_size='lots'"):
+    jobs.check_quantity("lots", "shm_size")
+  script = jobs.slurm_script(_slurm_job(jobs.Processes.PER_GPU))
+  assert "#SBATCH --requeue\n" in script and "#SBATCH --open-mode=append\n" in script

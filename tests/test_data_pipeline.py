@@ -233,3 +233,19 @@ def test_grain_workers_run_in_a_program_that_never_parsed_absl_flags():
                         timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.splitlines() == ["unparsed flags fail", "[0, 1, 2, 3]"]
+
+
+def test_a_token_file_cut_short_after_it_was_counted_is_an_error_not_a_crash(tmp_path):
+  """Reading a memory map past the end of a file cut short since kills the process (SIGBUS):
+  each read checks the file still holds what was counted, and names it."""
+  path = tmp_path / "t.npy"
+  tokens.write_token_file(path, np.arange(10_000, dtype=np.uint32) % 1000)
+  files = tokens.TokenFiles([path], 128, 1000, validate_tokens=True)
+  assert files.read([70]).shape == (1, 128)  # mapped
+  os.truncate(path, 4 * 1000)
+  with pytest.raises(DataError, match=rf"token file {path} holds 1000 tokens; it held 10000 "
+                                      "when this launch counted them: it was cut short"):
+    files.read([70])
+  os.remove(path)
+  with pytest.raises(DataError, match=rf"token file {path} is gone; it held 10000"):
+    files.read([0])

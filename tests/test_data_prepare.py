@@ -302,3 +302,23 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
   report = json.loads((run / "eval_report.json").read_text())["steps"]["2"]
   assert list(report["heldout"]) == ["mine"]
   assert report["heldout"]["mine"]["ce_loss"] == pytest.approx(in_loop[0], rel=1e-5)
+
+
+def test_the_held_out_split_has_a_floor_of_documents_and_none_only_when_asked():
+  texts = [f"document {i}" for i in range(300)]
+  ranks = sorted(prepare._rank(t) for t in texts)  # pylint: disable=protected-access
+  # 1% of 300 is about 3 documents: the floor (a tenth of them, at most 100) takes the 30
+  # documents with the smallest hashes, the fraction's own among them.
+  cut = prepare.heldout_cut(texts, 0.01, 100)
+  held = [t for t in texts if prepare._rank(t) < cut]  # pylint: disable=protected-access
+  assert len(held) == 30 and cut == ranks[29] + 1
+  assert {t for t in texts if prepare.is_heldout(t, 0.01)} <= set(held)
+  assert prepare.heldout_cut(texts, 0.2, 10) == 0.2 * 2.0**64  # the fraction reaches the floor
+  assert prepare.heldout_cut(texts, 0.0, 100) == 0  # none, only when asked
+  assert prepare.heldout_cut(texts[:9], 0.01, 100) == 0.01 * 2.0**64  # too few for a floor
+  # The fraction alone reaches the floor early: the documents after that are never read.
+  def endless():
+    yield from texts
+    raise AssertionError("read past the floor")
+  assert prepare.heldout_cut(endless(), 0.5, 20) == 0.5 * 2.0**64
+  assert prepare.DEFAULT_HELDOUT_FRACTION > 0  # the CLI's default holds documents out

@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first. A module imports from its own entry or from lower layers; entries of one layer
 # do not import each other.
 LAYERS = (
-    ("olmo3.io",),
+    ("olmo3.io", "olmo3.platforms"),
     ("olmo3.remat", "olmo3.loss", "olmo3.xla_flags"),
     ("olmo3.config",),
     ("olmo3.sharding", "olmo3.flops"),
@@ -111,3 +111,38 @@ def test_the_checks_catch_what_they_name():
                                "olmo3.model (layer 4) imports olmo3.train.loop (layer 7)"]
   assert cycles(edges) == [["olmo3.data.a", "olmo3.data.b", "olmo3.data.a"],
                            ["olmo3.model", "olmo3.train.loop", "olmo3.model"]]
+
+
+def test_every_program_picks_the_platform_first():
+  """Every command-line program (a module run as __main__) calls olmo3.platforms.choose() in
+  the function its __main__ block runs, before anything that touches JAX (the launcher through
+  logs.configure): on a machine without an accelerator none of them probes for a TPU. The
+  launcher and `python -m olmo3.eval` are run that way in tests/test_launch_lifecycle.py."""
+  missing = []
+  for path in sorted([*(ROOT / "olmo3").rglob("*.py"), *(ROOT / "launch").glob("*.py"),
+                      *(ROOT / "benchmarks").glob("*.py")]):
+    tree = ast.parse(path.read_text())
+    mains = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    if not mains:
+      continue
+    if path.name in ("mfu_gpu.py",  # needs the GPU, never the CPU choice
+                     "train_parity_olmo_core.py"):  # always on the CPU: sets JAX_PLATFORMS
+      continue
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    named = {n.id for n in ast.walk(mains[0]) if isinstance(n, ast.Name)}  # main, app.run(main)
+    entry_points = [functions[name] for name in sorted(named) if name in functions]
+    if not any(_chooses_first(f) for f in entry_points):
+      missing.append(f"{path.relative_to(ROOT)}: {[f.name for f in entry_points]}")
+  assert missing == []
+
+
+def _chooses_first(function: ast.FunctionDef) -> bool:
+  """`function` calls platforms.choose() (or logs.configure) in its body before anything
+  that names JAX (argument checks may come first)."""
+  for statement in function.body:
+    source = ast.unparse(statement)
+    if source.startswith(("platforms.choose()", "logs.configure(")):
+      return True
+    if "jax" in source:
+      return False
+  return False

@@ -398,7 +398,8 @@ def test_a_config_json_reaching_other_code_through_an_allowed_module_is_refused(
   path.write_text(path.read_text().replace('"module": "subprocess"', f'"module": "{module}"')
                   .replace('"name": "getoutput"', f'"name": "{name}"'))
   with pytest.raises(refs.ConfigRefError, match=(
-      r"refers to module 'olmo3\.metrics'.*which a config may not name" if module == "olmo3.io.metrics"
+      r"refers to module 'olmo3\.io\.metrics'.*which a config may not name"
+      if module == "olmo3.io.metrics"
       else rf"refers to olmo3\.config\.{name}, which is not a class or enum member of "
       r"olmo3\.config or olmo3\.remat")):
     config_files.from_workdir(str(tmp_path / "wd"))
@@ -476,6 +477,7 @@ def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revi
   assert _snapshot(workdir) == before
   done = launch("--fdl_set=train.steps=10")
   assert done.returncode == 0, done.stderr[-3000:]
+  assert "extending the run from 9 to 10 steps" in done.stderr  # raised steps: announced
   history = record.read_history(workdir)
   assert [(h.launch, h.revision, h.start_step, h.config, h.experiment) for h in history] == [
       (1, 0, 0, "config.json", "experiment.json"),

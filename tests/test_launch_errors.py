@@ -153,6 +153,10 @@ def _cases(tmp) -> list[dict]:
                                 "Run 'python launch/diff.py --help' for usage."]}),
       dict(name="eval of a missing run", program="olmo3.eval", argv=["--workdir", new("no_run")],
            rc=2, expect={"last": f"error: --workdir {tmp / 'no_run'}: no such run directory"}),
+      dict(name="prepare with a negative floor", program="olmo3.data.prepare", rc=2,
+           argv=["--input", "x.jsonl", "--tokenizer", "t.json", "--out", new("prepared"),
+                 "--heldout_min_documents", "-1"], absent=[new("prepared")],
+           expect={"last": "error: --heldout_min_documents=-1: must be >= 0"}),
       # absl's --help exits 1 after printing the usage (its convention for every absl program).
       dict(name="audit's help", program="audit", argv=["--help"],
            expect={"contains": ["Audit an experiment's own input pipeline", "--processes:",

@@ -145,6 +145,7 @@ def _log(writer, rows, evals):
   wandb.teardown()
 
 
+@pytest.mark.slow(seconds=6)
 def test_wandb_offline_run_holds_what_tensorboard_got_and_resumes(tmp_path, monkeypatch):
   monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
   monkeypatch.setenv("WANDB_SILENT", "true")

@@ -80,3 +80,53 @@ def test_a_plan_sizes_the_files_and_ends_at_the_epoch_it_is_told(tmp_path):
   assert RunPlan.build(once, str(tmp_path / "run")).end == plan.steps_per_epoch
   assert stage_end(once, 7) == 7 and stage_end(exp, 7) == 1000
   assert not (tmp_path / "run").exists()  # building a plan writes nothing
+
+
+def _history(workdir, *launches):
+  """history.jsonl of launches (start_step, the stage end its plan set)."""
+  workdir.mkdir(parents=True, exist_ok=True)
+  (workdir / "history.jsonl").write_text("".join(json.dumps(
+      {"launch": n, "revision": 0, "start_step": start, "config": "config.json",
+       "experiment": "experiment.json", "command": [], "time": "", "plan": {"end": end}})
+      + "\n" for n, (start, end) in enumerate(launches, start=1)))
+
+
+def test_init_from_a_run_means_the_checkpoint_at_the_end_of_its_stage(tmp_path):
+  from olmo3.run.plan import InitFromError, init_from_step
+
+  run = tmp_path / "s1"
+  for step in (50, 100, 110):
+    (run / "checkpoints" / str(step)).mkdir(parents=True)
+  # Launch 1 trained to its end (100); launch 2, raised to 120, stopped at 110.
+  _history(run, (0, 100), (100, 120))
+  assert init_from_step(str(run)) == str(run / "checkpoints" / "100")
+  assert init_from_step(str(run / "checkpoints")) == str(run / "checkpoints" / "100")
+  (run / "checkpoints" / "110" / "params").mkdir()  # a step directory names itself
+  assert init_from_step(str(run / "checkpoints" / "110")) == str(run / "checkpoints" / "110")
+  (run / "checkpoints" / "120").mkdir()  # the extension finished: its end is the stage's
+  assert init_from_step(str(run)) == str(run / "checkpoints" / "120")
+  # A run that never reached its end: refused, naming the step to give instead.
+  unfinished = tmp_path / "half"
+  (unfinished / "checkpoints" / "40").mkdir(parents=True)
+  _history(unfinished, (0, 100))
+  with pytest.raises(InitFromError, match=r"has not reached the end of its stage \(step 100; "
+                                          r"its newest checkpoint is step 40\).*checkpoints/40"):
+    init_from_step(str(unfinished))
+  # No history (trained without the launcher): its newest checkpoint.
+  bare = tmp_path / "bare"
+  (bare / "checkpoints" / "7").mkdir(parents=True)
+  assert init_from_step(str(bare)) == str(bare / "checkpoints" / "7")
+
+
+def test_raising_train_steps_on_a_finished_run_is_announced(tmp_path):
+  from olmo3.run.plan import Resume, stage_change
+
+  workdir = Workdir(str(tmp_path))
+  _history(tmp_path, (0, 100))
+  assert stage_change(workdir, Resume(Start.RESUME, 100), 120) == (
+      "extending the run from 100 to 120 steps (it was complete at step 100; the stage's end "
+      "is now step 120)")
+  assert stage_change(workdir, Resume(Start.RESUME, 60), 120) == (
+      "the stage now ends at step 120, not 100 as the last launch set it")
+  assert stage_change(workdir, Resume(Start.RESUME, 60), 100) is None  # unchanged
+  assert stage_change(workdir, Resume(Start.COMPLETE, 100), 100) is None

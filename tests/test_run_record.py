@@ -83,3 +83,26 @@ def test_a_workdir_holding_config_json_without_history_is_revision_0(tmp_path):
   _begin(run_record, longer, {}, ["resume"], 5)
   assert [(h.launch, h.revision, h.config) for h in record.read_history(tmp_path)] == [
       (1, 0, "config.json"), (2, 1, "config.1.json")]
+
+
+def test_undo_takes_back_whatever_the_launch_added_but_a_set_aside_checkpoint(tmp_path):
+  """Besides the record, a launch that trained nothing may have written an event file, an
+  empty checkpoints directory, a lease: undo removes what was not there when `begin` started,
+  keeping what was (and a damaged step the launch set aside, kept for inspection)."""
+  cfg = refs.load("experiments.olmo3_tiny:stage1")
+  (tmp_path / "notes.txt").write_text("mine")
+  (tmp_path / "tensorboard").mkdir()
+  (tmp_path / "tensorboard" / "events.1").write_text("old")
+  (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+  run_record = record.RunRecord(str(tmp_path))
+  before = record.Workdir(str(tmp_path)).listing()
+  _begin(run_record, cfg, {"steps": 1}, ["x"], 4)
+  (tmp_path / "tensorboard" / "events.2").write_text("new")  # the trainer's writers
+  (tmp_path / "metrics.jsonl").write_text("")
+  (tmp_path / "wandb").mkdir()
+  (tmp_path / "wandb" / "run").write_text("")
+  (tmp_path / "checkpoints" / "4").rename(tmp_path / "checkpoints" / "4.damaged-1")
+  run_record.undo()
+  assert record.Workdir(str(tmp_path)).listing() == before
+  assert (tmp_path / "tensorboard" / "events.1").read_text() == "old"
+  assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["4.damaged-1"]

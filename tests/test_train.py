@@ -355,6 +355,7 @@ def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(mo
 
   from absl import logging as absl_logging
 
+  from olmo3 import platforms
   from olmo3.train import logs
 
   def record(path, level=py_logging.INFO):
@@ -376,11 +377,11 @@ def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(mo
     assert handler.filter(record(library))
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
-    monkeypatch.setattr(logs, "has_accelerator", lambda: True)
+    monkeypatch.setattr(platforms, "has_accelerator", lambda: True)
     logs.configure(0)
     assert "JAX_PLATFORMS" not in os.environ  # a TPU or GPU machine: JAX chooses
     assert "TPU_WORKER_HOSTNAMES" not in os.environ
-    monkeypatch.setattr(logs, "has_accelerator", lambda: False)
+    monkeypatch.setattr(platforms, "has_accelerator", lambda: False)
     logs.configure(0)
     assert os.environ["JAX_PLATFORMS"] == "cpu"  # no accelerator: libtpu is never loaded
     assert os.environ["TPU_WORKER_HOSTNAMES"] == "localhost"  # but for topology compiles

@@ -18,7 +18,7 @@ import tempfile
 
 from etils import epath
 
-from olmo3 import model as model_lib
+from olmo3 import model as model_lib, platforms
 from olmo3.config import ModelConfig
 from olmo3.convert import hf, parity
 from olmo3.io import checkpoint
@@ -97,6 +97,7 @@ def check_parity(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   parser = argparse.ArgumentParser(prog="python -m olmo3.convert", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from olmo3 import platforms
 from olmo3.config import DataConfig
 
 
@@ -224,6 +225,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, data: DataConfig | None = None) -> int:
   """The CLI; `data` audits a given config (launch/audit.py passes an experiment's)."""
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   args = parse(argv)
   if args._worker:
     worker(args)

@@ -103,8 +103,10 @@ def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: 
       with open(jsonl, "w") as f:
         for name, text in docs:
           f.write(json.dumps({"id": name, "text": text}) + "\n")
+      # The fraction alone, no floor: the split (and every tiny run's numbers) as it always
+      # was, and the one `train_texts` above drew the tokenizer's documents from.
       prepare_lib.prepare([jsonl], tokenizer, str(out), heldout_fraction, workers=1,
-                          progress=progress, tokenizer_name="embedded")
+                          progress=progress, tokenizer_name="embedded", heldout_min_documents=0)
     logging.info("prepared the embedded corpus (%d documents) in %.0f s", len(docs),
                  time.perf_counter() - started)
   return out

@@ -1,13 +1,18 @@
 """python -m olmo3.data.prepare: documents -> OLMo-format token files + manifest.json.
 
   python -m olmo3.data.prepare --input PATTERN [--input ...] --tokenizer TOKENIZER --out DIR \\
-      [--heldout_fraction F] [--workers N]
+      [--heldout_fraction F] [--heldout_min_documents N] [--workers N]
 
 Inputs are plain text files (one document each), JSONL / JSONL.gz or Parquet (one document per
 record, field `text`). TOKENIZER is a tokenizer.json path or a Hugging Face hub name (OLMo 3:
 allenai/dolma2-tokenizer). Every document gets EOS appended. Documents, never instances, are
 split between train and held-out, by a hash of the document's text: deterministic, independent
 of the worker count, and exact duplicates always land in the same split.
+
+A held-out split is made unless asked not to (`--heldout_fraction 0`): by default 1% of the
+documents, and at least 100 (never more than a tenth of them), so that a run on the directory
+evaluates documents it never trains on and its generalization-gap alarm can fire. The floor
+holds out the documents with the smallest hashes: the same rule, a lower cut.
 
 Output: DIR/train/part-NNNNN.npy and DIR/heldout/part-NNNNN.npy (raw uint32 tokens), the
 tokenizer they were made with (DIR/tokenizer.json) and DIR/manifest.json. DIR is a data source
@@ -25,6 +30,7 @@ import dataclasses
 import glob
 import gzip
 import hashlib
+import heapq
 import itertools
 import json
 import multiprocessing
@@ -32,16 +38,20 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 from etils import epath
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from olmo3 import platforms
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
 
 SPLITS = ("train", "heldout")
+DEFAULT_HELDOUT_FRACTION = 0.01  # of the documents, held out unless --heldout_fraction 0
+DEFAULT_HELDOUT_MIN_DOCUMENTS = 100  # the floor: a held-out loss over fewer is mostly noise
+_FLOOR_SHARE = 10  # the floor never holds out more than 1/_FLOOR_SHARE of the documents
 TOKENIZER_FILE = "tokenizer.json"  # beside manifest.json: the tokenizer of the token files
 TOKENS_PER_FILE = 1 << 27  # 512 MB per token file
 _DOCS_PER_CHUNK = 256
@@ -89,9 +99,40 @@ def read_documents(path: str) -> Iterator[str]:
       yield f.read()
 
 
-def is_heldout(text: str, fraction: float) -> bool:
+def _rank(text: str) -> int:
+  """A document's place in the held-out order: its text's hash, as a 64-bit integer."""
   digest = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).digest()
-  return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
+  return int.from_bytes(digest[:8], "big")
+
+
+def is_heldout(text: str, fraction: float) -> bool:
+  """Held out by the fraction alone (`heldout_cut` may lower the cut for a floor)."""
+  return _rank(text) < fraction * 2.0**64
+
+
+def heldout_cut(texts: Iterable[str], fraction: float, min_documents: int) -> int:
+  """The rank below which a document is held out: `fraction` of the rank range, or, when that
+  holds out fewer than min(min_documents, a tenth of the documents), just above the rank of
+  the last document the floor takes (its exact duplicates with it). Reads `texts` only until
+  the fraction alone is known to reach `min_documents`. No held-out split when fraction is 0."""
+  cut = int(fraction * 2.0**64)  # exact: the float is an integer at this magnitude
+  if fraction == 0 or min_documents <= 0:
+    return cut
+  below, total, smallest = 0, 0, []  # smallest: the min_documents lowest ranks (negated heap)
+  for text in texts:
+    rank = _rank(text)
+    total += 1
+    below += rank < cut
+    if below >= min_documents:
+      return cut
+    if len(smallest) < min_documents:
+      heapq.heappush(smallest, -rank)
+    elif rank < -smallest[0]:
+      heapq.heapreplace(smallest, -rank)
+  floor = min(min_documents, total // _FLOOR_SHARE)
+  if below >= floor or floor == 0:
+    return cut
+  return sorted(-r for r in smallest)[floor - 1] + 1
 
 
 def load_tokenizer(name: str) -> Tokenizer:
@@ -126,12 +167,17 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
           _worker_tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
-def _chunks(files: Sequence[str], fraction: float) -> Iterator[tuple[list[str], list[bool]]]:
+def _documents(files: Sequence[str]) -> Iterator[str]:
+  for path in files:
+    yield from read_documents(path)
+
+
+def _chunks(files: Sequence[str], cut: int) -> Iterator[tuple[list[str], list[bool]]]:
   texts, held = [], []
   for path in files:
     for text in read_documents(path):
       texts.append(text)
-      held.append(is_heldout(text, fraction))
+      held.append(_rank(text) < cut)
       if len(texts) == _DOCS_PER_CHUNK:
         yield texts, held
         texts, held = [], []
@@ -192,8 +238,35 @@ class Manifest:
     except (ValueError, TypeError, KeyError) as e:  # malformed JSON, missing or unknown keys
       raise DataError(f"{path} is not a readable manifest ({type(e).__name__}: {e}); prepare "
                       "the data again (python -m olmo3.data.prepare)") from None
+    manifest._check_entries(directory, path)
     manifest._check_files(directory, path)
     return manifest
+
+  def _check_entries(self, directory: str | os.PathLike, path: epath.Path) -> None:
+    """Every listed file lies inside `directory`: a relative path without '..' (or a URL, or a
+    drive) that no symbolic link leads out of. A manifest is data someone else may have
+    written: one naming ../x or /etc/passwd would have a run train on (and an error quote)
+    whatever file that is."""
+    root = os.fspath(directory)
+    local = "://" not in root
+    real_root = os.path.realpath(root) if local else None
+    for split, info in self.splits.items():
+      entries = info.get("files") if isinstance(info, dict) else None
+      if not isinstance(entries, list):
+        raise DataError(f"{path}: split {split!r} has no list of files; prepare the data again "
+                        "(python -m olmo3.data.prepare)")
+      for entry in entries:
+        parts = entry.replace("\\", "/").split("/") if isinstance(entry, str) else []
+        if (not parts or entry.startswith(("/", "\\")) or "://" in entry or ":" in parts[0]
+            or any(p in ("", ".", "..") for p in parts)):
+          raise DataError(f"{path}: file {entry!r} of split {split!r} is not a plain path "
+                          "inside its directory (no absolute path, URL, '.' or '..'); the "
+                          "manifest was not written by olmo3.data.prepare or was edited")
+        if local:
+          real = os.path.realpath(os.path.join(root, entry))
+          if os.path.commonpath([real, real_root]) != real_root:
+            raise DataError(f"{path}: file {entry!r} of split {split!r} leads outside its "
+                            f"directory through a symbolic link (to {real})")
 
   def _check_files(self, directory: str | os.PathLike, path: epath.Path) -> None:
     for split, info in self.splits.items():
@@ -216,15 +289,19 @@ class Manifest:
 
 
 def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
-            heldout_fraction: float = 0.0, workers: int = 1, eos: str | None = None,
-            progress: bool = True, tokenizer_name: str | None = None) -> Manifest:
+            heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, workers: int = 1,
+            eos: str | None = None, progress: bool = True, tokenizer_name: str | None = None,
+            heldout_min_documents: int = DEFAULT_HELDOUT_MIN_DOCUMENTS) -> Manifest:
   """Tokenises `inputs` into `out` (see the module docstring). Returns the manifest, whose
   `tokenizer` is `tokenizer_name`, else the name or path `tokenizer` was given as."""
   if not 0 <= heldout_fraction < 1:
     raise DataError(f"--heldout_fraction={heldout_fraction}: must be in [0, 1)")
+  if heldout_min_documents < 0:
+    raise DataError(f"--heldout_min_documents={heldout_min_documents}: must be >= 0")
   files = expand_inputs(inputs)
   tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
   eos_token = eos_id(tok, eos)
+  cut = heldout_cut(_documents(files), heldout_fraction, heldout_min_documents)
   os.makedirs(out, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=".staging-", dir=out)
   try:
@@ -234,7 +311,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
     _init_worker(tok.to_str())
     bar = tqdm(unit="doc", disable=not progress, desc=f"tokenizing {len(files)} files")
     try:
-      chunks = _chunks(files, heldout_fraction)
+      chunks = _chunks(files, cut)
       # A bounded window of chunks at a time: memory stays flat whatever the input size, and
       # the output order is the input order whatever the worker count.
       while window := list(itertools.islice(chunks, 4 * max(workers, 1))):
@@ -280,19 +357,28 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
 
 
 def main(argv: list[str] | None = None) -> int:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   parser = argparse.ArgumentParser(prog="python -m olmo3.data.prepare", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--input", action="append", required=True,
                       help="a file or glob pattern (repeatable): .txt, .jsonl[.gz], .parquet")
   parser.add_argument("--tokenizer", required=True, help="tokenizer.json path or hub name")
   parser.add_argument("--out", required=True)
-  parser.add_argument("--heldout_fraction", type=float, default=0.0)
+  parser.add_argument(
+      "--heldout_fraction", type=float, default=DEFAULT_HELDOUT_FRACTION,
+      help=f"documents held out for evaluation (default {DEFAULT_HELDOUT_FRACTION}, at least "
+      "--heldout_min_documents of them); 0: no held-out split, and a run on the directory "
+      "evaluates no held-out set, so its generalization-gap alarm cannot fire")
+  parser.add_argument(
+      "--heldout_min_documents", type=int, default=DEFAULT_HELDOUT_MIN_DOCUMENTS,
+      help=f"the floor of held-out documents (default {DEFAULT_HELDOUT_MIN_DOCUMENTS}; never "
+      f"more than 1/{_FLOOR_SHARE} of the documents): small inputs still get a held-out set")
   parser.add_argument("--workers", type=int, default=1)
   parser.add_argument("--eos", default=None, help="EOS token string (default: <|endoftext|>)")
   args = parser.parse_args(argv)
   try:
     manifest = prepare(args.input, args.tokenizer, args.out, args.heldout_fraction,
-                       args.workers, args.eos)
+                       args.workers, args.eos, heldout_min_documents=args.heldout_min_documents)
   except DataError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

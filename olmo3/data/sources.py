@@ -66,6 +66,10 @@ def prepared(mix: str, split: str = "train") -> Prepared | None:
   if builtin:
     directory, split, label = epath.Path(embedded.corpus_dir()), EMBEDDED[mix], EMBEDDED_LABEL
   else:
+    if storage.scheme(mix) in storage.READ_ONLY_SCHEMES:  # etils has no http(s) paths
+      raise DataError(f"mix {mix!r}: a mix file or prepared directory is read from a local "
+                      "path, gs:// or s3://, not over HTTP (token files may be: a local mix "
+                      "file with data.root='http(s)://...')")
     directory = epath.Path(mix)
     if (directory.name in prepare.SPLITS and not (directory / _MANIFEST).exists()
         and (directory.parent / _MANIFEST).exists()):
@@ -196,6 +200,8 @@ class Resolved:
   train: tuple[MixFile, ...]  # the training token files, labelled with their sources
   heldout: tuple[tuple[str, tuple[MixFile, ...]], ...]  # (held-out mix, its files), in order
   train_files: TokenFiles | None = None  # `train` opened and sized (when resolve was asked to)
+  # Why there is no held-out set, when there is none (a run's startup warning says it).
+  no_heldout: str | None = None
 
 
 def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved:
@@ -214,12 +220,26 @@ def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved
   launch reports first, before what follows from the data's other settings."""
   data, ev, model = exp.data, exp.eval, exp.model
   train = prepared(data.mix) if data.mix else None
+  no_heldout = None
   if ev.heldout is None:
     has_docs = (train is not None
                 and train.manifest.splits.get("heldout", {}).get("documents", 0) > 0)
     heldout = (train.mix("heldout"),) if has_docs else ()
     splits: list[Prepared | None] = [prepared(m, "heldout") for m in heldout]
+    if train is not None and not has_docs:
+      fraction = train.manifest.heldout_fraction
+      no_heldout = (f"DataConfig.mix={data.mix!r} has no held-out split (" + (
+          f"prepared with --heldout_fraction {fraction}: prepare it again without it"
+          if not fraction else "too few documents to hold any out")
+          + ", or name held-out sets in eval.heldout)")
+    elif train is None:
+      no_heldout = ("EvalConfig.heldout=None takes the held-out split of the training data's "
+                    "prepared directory, and " + (f"DataConfig.mix={data.mix!r}" if data.mix
+                                                  else "data.paths")
+                    + " is none (name held-out sets in eval.heldout)")
   else:
+    if not ev.heldout:
+      no_heldout = "EvalConfig.heldout=() names none"
     # A directory named bare means its held-out split: spelled out, so that read_mix, which
     # reads a bare directory as training data, reads the right files.
     splits = [prepared(m, "heldout") for m in ev.heldout]
@@ -264,7 +284,7 @@ def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved
                       "is only comparable on the training tokenizer")
   resolved = dataclasses.replace(exp, eval=dataclasses.replace(
       ev, heldout=heldout, heldout_root=root, tokenizer=tokenizer))
-  return Resolved(resolved, tuple(training), tuple(per_mix), opened)
+  return Resolved(resolved, tuple(training), tuple(per_mix), opened, no_heldout)
 
 
 def heldout_sets(exp: Experiment) -> dict[str, tuple[str, ...]]:

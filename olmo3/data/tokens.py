@@ -108,9 +108,13 @@ class TokenFiles:
     memory maps, remote ones in one concurrent batch of ranged reads."""
     out: list[np.ndarray | None] = [None] * len(spans)
     remote = []
+    checked = set()
     for i, (file, start, count) in enumerate(spans):
       path = self.paths[file]
       if is_local(path):
+        if file not in checked:
+          self._check_size(file)
+          checked.add(file)
         if file not in self._maps:
           self._maps[file] = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
         out[i] = np.asarray(self._maps[file][start:start + count])
@@ -122,6 +126,20 @@ class TokenFiles:
     for i, chunk in zip(remote, chunks):
       out[i] = np.frombuffer(chunk, TOKEN_DTYPE)
     return out  # type: ignore[return-value]
+
+  def _check_size(self, file: int) -> None:
+    """A local file is still as long as when it was counted: reading a memory map past the
+    end of a file cut short since would kill the process (SIGBUS) instead of raising."""
+    path, counted = self.paths[file], int(self.file_tokens[file])
+    try:
+      tokens = os.stat(path).st_size // TOKEN_DTYPE.itemsize
+    except FileNotFoundError:
+      tokens = None
+    if tokens is None or tokens < counted:
+      now = "is gone" if tokens is None else f"holds {tokens} tokens"
+      raise DataError(f"token file {path} {now}; it held {counted} when this launch counted "
+                      "them: it was cut short, moved or replaced since. Restore it (each launch "
+                      "counts the data afresh)")
 
   def _check_file(self, file: int) -> None:
     for start in range(0, int(self.file_tokens[file]), _SCAN_TOKENS):

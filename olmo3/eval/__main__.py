@@ -19,6 +19,7 @@ import sys
 
 from etils import epath
 
+from olmo3 import platforms
 from olmo3.io import storage
 from olmo3.config import Experiment, MeshConfig
 from olmo3.run import record
@@ -37,6 +38,7 @@ def load_experiment(workdir: str, step: int | None = None) -> Experiment:
 
 
 def main(argv: list[str] | None = None) -> int:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   parser = argparse.ArgumentParser(prog="python -m olmo3.eval", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", required=True)
@@ -108,5 +110,19 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
+def _one_line_errors() -> tuple[type[BaseException], ...]:
+  """What this program reports as one `error:` line (OLMO3_TRACEBACK=1 shows the traceback):
+  a run's files that cannot be used (config, checkpoint, data, tasks, record) and the
+  storage's failures (a missing file, a store down past the retry budget)."""
+  from olmo3.config import ConfigError
+  from olmo3.data.tokens import DataError
+  from olmo3.eval.tasks import TaskError
+  from olmo3.io.checkpoint import CheckpointError
+
+  return (ConfigError, CheckpointError, DataError, TaskError, record.RecordError, OSError)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  from olmo3.io import errors
+
+  sys.exit(errors.reported(main, _one_line_errors)())

@@ -44,6 +44,8 @@ from typing import Any
 
 from etils import epath
 
+from olmo3 import platforms
+
 DEFAULT_TOLERANCE = 0.005
 DEFAULT_METRICS = r"^(ce_loss$|eval/(?!.*/ppl$)|downstream/)"
 ALARM_PREFIX = "alarm/"  # the loop's alarms: 1 at an evaluation where it fired, else 0
@@ -490,6 +492,7 @@ def _regex(text: str) -> re.Pattern[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   parser = argparse.ArgumentParser(prog="python -m olmo3.eval.compare", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("ours", help="run workdir, metrics.jsonl, .jsonl or .csv")

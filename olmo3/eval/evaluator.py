@@ -12,7 +12,7 @@ replicated, so each process computes the same metrics.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +25,17 @@ from olmo3.data import pipeline, sources
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.eval import tasks as tasks_lib
 from olmo3.sharded_model import ShardedModel
+
+class Stopped(Exception):
+  """An evaluation given `stop` was asked to stop before it finished: nothing is scored."""
+
+
+def _asked(stop: Callable[[], bool] | None) -> None:
+  """Raises Stopped when `stop` says so: asked between batches, so a signal does not wait for
+  a whole evaluation (every process asks at the same batches)."""
+  if stop is not None and stop():
+    raise Stopped
+
 
 class Evaluator:
   def __init__(self, exp: Experiment, model: ShardedModel,
@@ -78,41 +89,55 @@ class Evaluator:
     rows = pipeline.HostRows.of(self.model.batch_sharding, *batch["input_ids"].shape)
     return rows.to_global(rows.take(batch))
 
-  def heldout_metrics(self, params: Any) -> dict[str, dict[str, float]]:
+  def heldout_metrics(self, params: Any, stop: Callable[[], bool] | None = None
+                      ) -> dict[str, dict[str, float]]:
     """{set: {ce_loss, ppl, tokens}}: token-mean cross-entropy and perplexity over each set
-    (or its first train.eval_batches batches), summed batch by batch."""
+    (or its first train.eval_batches batches), summed batch by batch. Raises Stopped when
+    `stop()` says so before a batch."""
     with self.model.context():
-      return {name: self._heldout(params, docs) for name, docs in self.heldout.items()}
+      return {name: self._heldout(params, docs, stop) for name, docs in self.heldout.items()}
 
-  def _heldout(self, params: Any, docs: HeldoutDocs) -> dict[str, float]:
+  def _heldout(self, params: Any, docs: HeldoutDocs, stop: Callable[[], bool] | None
+               ) -> dict[str, float]:
     total, count = 0.0, 0
     for i, batch in enumerate(docs.batches(self.exp.eval.batch_size)):
       if self.exp.train.eval_batches is not None and i >= self.exp.train.eval_batches:
         break
+      _asked(stop)
       ce, n = self._summed_nll(params, self._put(batch))
       total += float(ce)
       count += int(n)
     ce = total / max(count, 1)
     return {"ce_loss": ce, "ppl": math.exp(min(ce, 700.0)), "tokens": float(count)}
 
-  def task_metrics(self, params: Any) -> dict[str, dict]:
-    """{task: {metric: value (OLMo-core's names), "docs": documents scored}}."""
+  def task_metrics(self, params: Any, stop: Callable[[], bool] | None = None
+                   ) -> dict[str, dict]:
+    """{task: {metric: value (OLMo-core's names), "docs": documents scored}}. Raises Stopped
+    when `stop()` says so before a batch."""
     if not self.tasks:
       return {}
     exp = self.exp
-    with self.model.context():
-      return tasks_lib.evaluate(
-          self.tasks, exp.data.seq_len, exp.eval.batch_size, exp.model.pad_token_id,
-          lambda b: self._row_logprob(params, self._put(b)),
-          lambda b: self._choice_logprobs(params, self._put(b)))
 
-  def evaluate(self, params: Any) -> dict[str, float]:
+    def row_logprob(batch):
+      _asked(stop)
+      return self._row_logprob(params, self._put(batch))
+
+    def choice_logprobs(batch):
+      _asked(stop)
+      return self._choice_logprobs(params, self._put(batch))
+
+    with self.model.context():
+      return tasks_lib.evaluate(self.tasks, exp.data.seq_len, exp.eval.batch_size,
+                                exp.model.pad_token_id, row_logprob, choice_logprobs)
+
+  def evaluate(self, params: Any, stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """Held-out CE/PPL per set and downstream task metrics, as flat metric names
-    (eval/<set>/ce_loss, eval/<set>/ppl, downstream/<task>/<metric>)."""
+    (eval/<set>/ce_loss, eval/<set>/ppl, downstream/<task>/<metric>). `stop` is asked before
+    each batch: when it says so, Stopped is raised and nothing is scored."""
     out = {}
-    for name, result in self.heldout_metrics(params).items():
+    for name, result in self.heldout_metrics(params, stop).items():
       out.update({f"eval/{name}/{k}": v for k, v in result.items() if k != "tokens"})
-    for name, result in self.task_metrics(params).items():
+    for name, result in self.task_metrics(params, stop).items():
       out.update({f"downstream/{name}/{k}": v for k, v in result.items() if k != "docs"})
     if jax.process_count() > 1:
       _check_same_on_every_process(out)

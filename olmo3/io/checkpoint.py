@@ -279,6 +279,16 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
   return meta
 
 
+def check_run_step(path: str | os.PathLike) -> None:
+  """A committed step of a run's own checkpoints holds its meta (Orbax committed the step with
+  every item in it): a step without it (emptied, or partly deleted) is damage, to be set aside
+  like any other, where a directory given as a model checkpoint is merely not one."""
+  path = storage.absolute(path)
+  if not (path / META).exists():
+    raise _damaged(path, [(META, _item_name(META))], "missing (the step was committed with it: "
+                   "emptied or partly deleted since)")
+
+
 def _check_fits(path: epath.Path, item: str, target: Any, records: dict) -> None:
   """Raises CheckpointError (nothing wrong with the files: the model or optimizer does not
   match) unless `item` holds exactly the target's arrays with its shapes and dtypes, as the

@@ -101,10 +101,13 @@ class JsonlWriter(MetricWriter):
 
   A run resuming from step N first drops the lines of steps after N (logged after its last
   checkpoint, before a crash: they are logged again) and a torn last line, so the file never
-  repeats a step."""
+  repeats a step. Lines that are no metric row (not JSON, no integer `step`: a torn write in
+  the middle, a hand edit) never stop a resume: each is reported by file and line and moved to
+  `metrics.jsonl.set-aside`. `name` is the file as the user knows it (a bucket's URL for a
+  local mirror)."""
 
-  def __init__(self, path: str | os.PathLike, resumed_at: int = 0):
-    _drop_after(path, resumed_at)
+  def __init__(self, path: str | os.PathLike, resumed_at: int = 0, name: str | None = None):
+    _drop_after(path, resumed_at, name or os.fspath(path))
     self._file = open(path, "a", buffering=1)
     self._pending: dict[str, Any] = {}
 
@@ -125,20 +128,49 @@ class JsonlWriter(MetricWriter):
     self._file.close()
 
 
-def _drop_after(path: str | os.PathLike, step: int) -> None:
-  """Rewrites `path` (atomically) without its lines of steps after `step` and without a last
-  line a crash cut short."""
+SET_ASIDE = ".set-aside"  # metrics.jsonl.set-aside: the lines a resume could not read as rows
+
+
+def _row_step(line: str) -> tuple[int | None, str]:
+  """(the step of a metrics.jsonl line, '') or (None, why it is no metric row)."""
+  try:
+    row = json.loads(line)
+  except ValueError as e:
+    return None, f"not JSON ({e})"
+  step = row.get("step") if isinstance(row, dict) else None
+  if type(step) is not int:  # pylint: disable=unidiomatic-typecheck  # bool is no step
+    return None, f"no integer 'step' (step={step!r})"
+  return step, ""
+
+
+def _drop_after(path: str | os.PathLike, step: int, name: str) -> None:
+  """Rewrites `path` (atomically) without its lines of steps after `step`, without a last line
+  a crash cut short, and without lines that are no metric row: those are logged (`name`:line)
+  and appended to `path` + SET_ASIDE, never deleted."""
   if not os.path.exists(path):
     return
-  with open(path) as f:
+  with open(path, errors="surrogateescape") as f:  # undecodable bytes: set aside as they are
     lines = f.read().split("\n")
-  kept = []
-  for line in lines[:-1]:  # the part after the last newline is empty or torn
-    if line.strip() and json.loads(line)["step"] <= step:
+  kept, aside = [], []
+  for number, line in enumerate(lines[:-1], start=1):  # after the last newline: empty or torn
+    if not line.strip():
+      continue
+    row_step, why = _row_step(line)
+    if row_step is None:
+      aside.append(line + "\n")
+      if len(aside) <= 5:
+        logging.warning("%s:%d: %s; set aside in %s%s", name, number, why, name, SET_ASIDE)
+    elif row_step <= step:
       kept.append(line + "\n")
+  if len(aside) > 5:
+    logging.warning("%s: %d more lines that are no metric rows set aside in %s%s", name,
+                    len(aside) - 5, name, SET_ASIDE)
+  if aside:
+    with open(f"{os.fspath(path)}{SET_ASIDE}", "a", errors="surrogateescape") as f:
+      f.writelines(aside)
   if len(kept) != len(lines) - 1 or lines[-1]:
     tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "w", errors="surrogateescape") as f:
       f.writelines(kept)
     os.replace(tmp, path)
 
@@ -155,8 +187,12 @@ def create_writer(workdir: str | os.PathLike, is_main_process: bool, resumed_at:
   if local != workdir and storage.exists(storage.join(workdir, METRICS_JSONL)):
     with open(os.path.join(local, METRICS_JSONL), "wb") as f:  # continued, then uploaded whole
       f.write(storage.read_bytes(storage.join(workdir, METRICS_JSONL)))
+  if local != workdir and storage.exists(storage.join(workdir, METRICS_JSONL + SET_ASIDE)):
+    with open(os.path.join(local, METRICS_JSONL + SET_ASIDE), "wb") as f:  # kept, added to
+      f.write(storage.read_bytes(storage.join(workdir, METRICS_JSONL + SET_ASIDE)))
   writer = MultiWriter([LogWriter(), TensorBoardWriter(os.path.join(local, "tensorboard")),
-                        JsonlWriter(os.path.join(local, METRICS_JSONL), resumed_at)])
+                        JsonlWriter(os.path.join(local, METRICS_JSONL), resumed_at,
+                                    storage.join(workdir, METRICS_JSONL))])
   return writer if local == workdir else MirroredWriter(writer, local, workdir)
 
 

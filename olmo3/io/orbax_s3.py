@@ -1,4 +1,5 @@
-"""Orbax checkpoints on S3: the one place this repo works around Orbax.
+"""Orbax checkpoints on S3, and within the storage retry budget: the one place this repo works
+around Orbax.
 
 Why: orbax-checkpoint 0.12.8 writes arrays through TensorStore, whose `s3` key-value driver is
 complete, but Orbax builds a TensorStore spec only for `gs://` URLs and local absolute paths: an
@@ -14,6 +15,11 @@ TensorStore reads them), and
 so object-store saves are committed by that file everywhere (Orbax's own default for gs://).
 `is_committed` is the matching check for readers that list step directories themselves.
 tests/test_storage.py saves, lists and restores through a real S3 server (moto).
+
+`install()` also bounds TensorStore's own retries on GCS and S3 (Orbax builds every
+TensorStore context from two module dicts): by default TensorStore retries a request 32 times
+up to 32 s apart, so a save into a store that went down would outlast the storage retry budget
+(`OLMO3_STORAGE_RETRY_S`, olmo3.io.storage) by a quarter of an hour.
 """
 
 from __future__ import annotations
@@ -68,13 +74,19 @@ def install() -> None:
   tensorstore_utils._normalize_path = _normalize_path  # pylint: disable=protected-access
   tensorstore_utils._use_gcs_driver = _use_gcs_driver  # pylint: disable=protected-access
   gcs_utils.get_kvstore_for_gcs = get_kvstore_for_gcs
+  for name in ("_BASE_TS_CONTEXT", "_DEFAULT_OCDBT_TS_CONTEXT"):  # deep-copied at each use
+    base = getattr(tensorstore_utils, name)
+    setattr(tensorstore_utils, name, storage.tensorstore_context(base))
 
 
 def temporary_path_class(directory: str | os.PathLike):
   """How a save into `directory` is committed: a `commit_success.txt` on object stores, a
   rename on local disks (None: Orbax's default, which is that)."""
   install()
-  return atomicity.CommitFileTemporaryPath if storage.is_url(os.fspath(directory)) else None
+  if not storage.is_url(os.fspath(directory)):
+    return None
+  storage.configure_clients()  # Orbax's own file operations (through etils) are budgeted too
+  return atomicity.CommitFileTemporaryPath
 
 
 def is_committed(step_dir: str | os.PathLike) -> bool:

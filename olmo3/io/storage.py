@@ -10,29 +10,239 @@ S3-compatible stores) for S3. HTTP(S) is how AI2 serves its token files publicly
 
 Reads of token files are ranged (only the bytes an instance needs), concurrent (a bounded number
 of requests in flight per host, `OLMO3_STORAGE_CONCURRENCY`, default 64), batched (one call reads a
-whole step's rows) and retried with exponential backoff on transient errors (connection resets,
-timeouts, HTTP 429 / 5xx). A file that is not there is a `FileNotFoundError` at once.
+whole step's rows) and retried with exponential backoff on transient errors (connection refused
+or reset, timeouts, HTTP 408 / 429 / 5xx). A file that is not there is a `FileNotFoundError` at
+once.
+
+Outages end in bounded time. Every request has a deadline (`OLMO3_STORAGE_TIMEOUT_S`, default
+60 s: connecting, and each read of the answer), and an operation's transient failures are
+retried with backoff within one budget (`OLMO3_STORAGE_RETRY_S`, default 180 s): a store that
+comes back within it loses nothing; past it the operation raises `StorageError` naming itself
+and its URL. The same limits reach the libraries' own clients (fsspec's gcsfs / s3fs, which
+etils.epath uses, and TensorStore's, which Orbax uses: `tensorstore_context`). A run's cleanup
+after a failure runs under `attempts_once()` (one attempt per operation), so it ends quickly
+and never hides the error that stopped the run.
+
+Conditional writes (`read_versioned`, `create_exclusive`, `replace_if`) let a writer change a
+file only if nobody else did meanwhile: a local file through a link (create) or a rename-aside
+(replace); GCS with an `ifGenerationMatch` precondition, S3 with `If-None-Match` / `If-Match`
+(both stores check them on the server). `olmo3.train.lease` uses them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import email.utils
 import functools
+import itertools
 import json
+import logging as py_logging
+import math
 import os
 import random
+import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 READ_WRITE_SCHEMES = ("gs", "s3")
 READ_ONLY_SCHEMES = ("http", "https")
-ATTEMPTS = 6  # a transient error is retried 5 times: 0.25, 0.5, 1, 2, 4 s (+ jitter) apart
-_FIRST_BACKOFF_S = 0.25
+RETRY_ENV, TIMEOUT_ENV = "OLMO3_STORAGE_RETRY_S", "OLMO3_STORAGE_TIMEOUT_S"
+DEFAULT_RETRY_S, DEFAULT_TIMEOUT_S = 180.0, 60.0
+_FIRST_BACKOFF_S = 0.25  # then doubled (+ jitter) up to _MAX_BACKOFF_S, within the budget
+_MAX_BACKOFF_S = 15.0
 
 
 class StorageError(OSError):
   """A remote read or write failed for good (after retries). The message names the URL."""
+
+
+class PreconditionFailed(StorageError):
+  """A conditional write found the file changed (or present) since it was read."""
+
+
+def seconds_setting(name: str, default: float) -> float:
+  """A positive number of seconds from the environment variable `name` (default when unset);
+  StorageError naming the variable when it is not one."""
+  value = os.environ.get(name)
+  if value is None or value == "":
+    return default
+  try:
+    seconds = float(value)
+  except ValueError:
+    seconds = math.nan
+  if not (math.isfinite(seconds) and seconds > 0):
+    raise StorageError(f"{name}={value!r}: expected a positive number of seconds")
+  return seconds
+
+
+def retry_budget_s() -> float:
+  """How long an operation's transient failures are retried (OLMO3_STORAGE_RETRY_S)."""
+  return seconds_setting(RETRY_ENV, DEFAULT_RETRY_S)
+
+
+def request_timeout_s() -> float:
+  """Each request's deadline to connect and to read its answer (OLMO3_STORAGE_TIMEOUT_S)."""
+  return seconds_setting(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+_once_lock = threading.Lock()
+_once_depth = 0  # > 0 inside `attempts_once()` blocks
+
+
+@contextlib.contextmanager
+def attempts_once():
+  """Within the block (in any thread), remote operations are tried once, without retries: a
+  run's cleanup after a failure (the store may be down) ends quickly and never replaces the
+  error that stopped the run."""
+  global _once_depth
+  with _once_lock:
+    _once_depth += 1
+  try:
+    yield
+  finally:
+    with _once_lock:
+      _once_depth -= 1
+
+
+def _budget() -> float:
+  return 0.0 if _once_depth else retry_budget_s()
+
+
+class OutOfBudget(StorageError):
+  """An operation's transient failures outlasted the retry budget."""
+
+  def __init__(self, operation: str, error: BaseException, attempts: int, seconds: float):
+    self.cause_text = f"{type(error).__name__}: {first_line(error)}"
+    self.tail = (f"(after {attempts} attempt{'s' * (attempts > 1)} in {seconds:.0f} s; "
+                 f"transient errors are retried for {RETRY_ENV}={retry_budget_s():g} s)")
+    super().__init__(f"{operation} failed: {self.cause_text} {self.tail}")
+
+  def named(self, operation: str) -> StorageError:
+    """The same failure, named as the caller knows the operation (a gs:// URL, not the
+    request's)."""
+    return StorageError(f"{operation} failed: {self.cause_text} {self.tail}")
+
+
+def first_line(error: BaseException) -> str:
+  """An error's message, its first line only (libraries append request dumps)."""
+  lines = str(error).strip().splitlines()
+  return lines[0][:300] if lines else ""
+
+
+class _QuietRetries(py_logging.Filter):
+  """gcsfs logs a traceback each time its own retries run out; the error is ours to report
+  (once, in one line), so those records are dropped."""
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    return not (record.name.startswith("gcsfs") and record.levelno >= py_logging.WARNING
+                and record.exc_info is not None)
+
+
+def _silence_library_retries() -> None:
+  logger = py_logging.getLogger("gcsfs")
+  if not any(isinstance(f, _QuietRetries) for f in logger.filters):
+    logger.addFilter(_QuietRetries())
+
+
+def client_options() -> dict[str, dict[str, Any]]:
+  """Per protocol, the fsspec options that give every request a deadline (gcsfs's
+  `requests_timeout`; s3fs's connect / read timeouts, botocore's retries left to us)."""
+  timeout = request_timeout_s()
+  return {"gcs": {"requests_timeout": timeout},
+          "s3": {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
+                                   "retries": {"max_attempts": 2, "mode": "standard"}}}}
+
+
+def configure_clients() -> None:
+  """Puts `client_options` into fsspec's configuration, so every gcsfs / s3fs instance (etils'
+  and Orbax's too) gets them, budgets the clients' requests (`_budget_client_requests`) and
+  keeps gcsfs's retry tracebacks out of the log. Idempotent; options already configured (a
+  user's FSSPEC_* variables) win."""
+  import fsspec.config  # pylint: disable=g-import-not-at-top
+
+  for protocol, options in client_options().items():
+    aliases = ("gs", "gcs") if protocol == "gcs" else ("s3", "s3a")
+    for alias in aliases:
+      conf = fsspec.config.conf.setdefault(alias, {})
+      for key, value in options.items():
+        conf.setdefault(key, value)
+  _silence_library_retries()
+  _budget_client_requests()
+
+
+_VERBS = {"GET": "reading", "HEAD": "reading", "POST": "writing", "PUT": "writing",
+          "PATCH": "writing", "DELETE": "removing"}
+
+
+def _gcs_operation(fs, method: str, path: str, *args, **kwargs) -> str:
+  """A gcsfs request in the user's words: what it does and to which gs:// object."""
+  verb = _VERBS.get(method.upper(), method)
+  if path.startswith("b/") and args:  # b/{bucket}/o/{object}, b/{bucket}/o (a listing)
+    if path == "b/{}/o" and verb == "reading":
+      verb = "listing"
+    key = args[1] if len(args) > 1 else kwargs.get("prefix", "")
+    return f"{verb} gs://{args[0]}/{key}".rstrip("/")
+  if "/b/" in path:  # an upload: .../upload/storage/v1/b/{bucket}/o, the name in its body
+    return f"{verb} an object in gs://{path.rsplit('/b/', 1)[1].split('/')[0]}"
+  return f"{verb} {fs._format_path(path, args)}"  # pylint: disable=protected-access
+
+
+def _s3_operation(fs, method, *args, **kwargs) -> str:
+  """An s3fs call in the user's words: what it does and to which s3:// object."""
+  del fs, args
+  name = getattr(method, "__name__", str(method))
+  verb = ("listing" if name.startswith("list") else "reading" if name.startswith(("get", "head"))
+          else "removing" if name.startswith("delete") else "writing")
+  return f"{verb} s3://{kwargs.get('Bucket', '')}/{kwargs.get('Key', kwargs.get('Prefix', ''))}"
+
+
+@functools.cache
+def _budget_client_requests() -> None:
+  """Every request gcsfs and s3fs send, whoever calls them (this module, etils.epath for the
+  run's directories and records, Orbax's file operations), is retried within the retry budget:
+  the one place these clients are patched. Why: gcsfs retries 6 times on a fixed schedule of
+  its own (about 35 s per call with the server down, a traceback logged each time), s3fs does
+  not retry a refused connection at all, and neither can be configured per instance."""
+  try:
+    import gcsfs  # pylint: disable=g-import-not-at-top
+
+    request = gcsfs.GCSFileSystem._request  # pylint: disable=protected-access
+    inner = getattr(request, "__wrapped__", None)  # without gcsfs's own retry decorator
+    if inner is not None:
+      # pylint: disable-next=protected-access
+      gcsfs.GCSFileSystem._request = _budgeted(inner, _gcs_operation)
+  except ImportError:
+    pass
+  try:
+    import s3fs  # pylint: disable=g-import-not-at-top
+
+    s3fs.S3FileSystem._call_s3 = _budgeted(  # pylint: disable=protected-access
+        s3fs.S3FileSystem._call_s3, _s3_operation)  # pylint: disable=protected-access
+  except ImportError:
+    pass
+
+
+def tensorstore_context(base: dict[str, Any]) -> dict[str, Any]:
+  """`base` (a TensorStore context spec) with GCS and S3 request retries that end within the
+  retry budget (TensorStore's default, 32 retries up to 32 s apart, outlasts an outage by a
+  quarter of an hour), and AWS credentials from the environment when they are there."""
+  budget, delay, total, retries = retry_budget_s(), 1.0, 0.0, 0
+  while total < budget:
+    total += delay
+    delay = min(2 * delay, 32.0)
+    retries += 1
+  spec = {"max_retries": retries, "initial_delay": "1s", "max_delay": "32s"}
+  context = {**base, "gcs_request_retries": dict(spec), "s3_request_retries": dict(spec)}
+  if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+    # Credentials in the environment come first in AWS's chain anyway; naming them keeps
+    # TensorStore's AWS SDK from looking for ~/.aws/config and logging, at ERROR, that it is
+    # missing (twice per file, per thread).
+    context["aws_credentials"] = {"type": "environment"}
+  return context
 
 
 def scheme(path: str | os.PathLike) -> str:
@@ -52,6 +262,8 @@ def check_supported(path: str | os.PathLike, *, writable: bool = False,
   s = scheme(path)
   if not s:
     return
+  if s in READ_WRITE_SCHEMES:
+    configure_clients()  # before etils or Orbax make their first client of the store
   if s in READ_ONLY_SCHEMES and writable:
     raise ValueError(f"{what} {os.fspath(path)}: {s}:// is read-only; a workdir or anything "
                      "written must be a local path, gs:// or s3://")
@@ -86,13 +298,15 @@ def _filesystem(protocol: str, pid: int):
   del pid
   import fsspec  # pylint: disable=g-import-not-at-top  # only runs that touch URLs pay for it
 
+  configure_clients()
   if protocol in READ_ONLY_SCHEMES:
     # fsspec's default HTTP session has a 5-minute total timeout per request and no retries
-    # (retries are ours, below); a range read that stalls for a minute is a transient error.
+    # (retries are ours, below); a range read that stalls is a transient error.
     import aiohttp  # pylint: disable=g-import-not-at-top
 
+    timeout = request_timeout_s()
     return fsspec.filesystem("http", client_kwargs={
-        "timeout": aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=60)})
+        "timeout": aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)})
   return fsspec.filesystem(protocol, skip_instance_cache=True)
 
 
@@ -107,25 +321,50 @@ def _host(path: str) -> str:
   return path.partition("://")[2].partition("/")[0]
 
 
-def _is_transient(error: BaseException) -> bool:
-  """Worth retrying: the network or the service, not the request."""
-  if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError)):
-    return False
-  status = getattr(error, "status", None) or getattr(error, "code", None)
-  if isinstance(status, int):
-    return status == 408 or status == 429 or status >= 500
+def _transient_types() -> tuple[type, ...]:
+  """The network's errors as each client raises them (imported only where installed)."""
+  types: list[type] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
   try:
     import aiohttp  # pylint: disable=g-import-not-at-top
 
-    if isinstance(error, aiohttp.ClientError):
-      return True
+    types.append(aiohttp.ClientError)
   except ImportError:
     pass
-  return isinstance(error, (ConnectionError, TimeoutError, asyncio.TimeoutError))
+  try:  # s3fs hands botocore's own (EndpointConnectionError for a refused connection)
+    from botocore import exceptions  # pylint: disable=g-import-not-at-top
+
+    types += [exceptions.ConnectionError, exceptions.HTTPClientError]
+  except ImportError:
+    pass
+  try:  # gcsfs's (a 502 becomes requests' ProxyError; a token refresh may fail on the way)
+    from google.auth import exceptions as auth_exceptions  # pylint: disable=g-import-not-at-top
+    from requests import exceptions as requests_exceptions  # pylint: disable=g-import-not-at-top
+
+    types += [requests_exceptions.ConnectionError, requests_exceptions.Timeout,
+              requests_exceptions.ChunkedEncodingError, auth_exceptions.RefreshError]
+  except ImportError:
+    pass
+  return tuple(types)
+
+
+def _is_transient(error: BaseException) -> bool:
+  """Worth retrying: the network or the service, not the request."""
+  if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, FileExistsError,
+                        StorageError)):  # StorageError: retried (or refused) already
+    return False
+  status = getattr(error, "status", None) or getattr(error, "code", None)
+  if isinstance(status, int):  # an expired token is refreshed by the next attempt (as gcsfs)
+    return (status in (408, 429) or status >= 500
+            or (status == 401 and "Invalid Credentials" in str(error)))
+  if isinstance(error, _transient_types()):
+    return True
+  # s3fs wraps what botocore raised in an OSError of its own: the cause says what it was.
+  cause = error.__cause__
+  return cause is not None and cause is not error and _is_transient(cause)
 
 
 def _backoff(attempt: int) -> float:
-  return _FIRST_BACKOFF_S * 2 ** attempt * (1 + 0.25 * random.random())
+  return min(_FIRST_BACKOFF_S * 2 ** attempt, _MAX_BACKOFF_S) * (1 + 0.25 * random.random())
 
 
 def concurrency() -> int:
@@ -136,25 +375,46 @@ def concurrency() -> int:
   return int(value)
 
 
-def _retried(call, url: str):
-  """An async factory: `call()` awaited, retried on transient errors with backoff."""
-  async def attempt_all():
-    for attempt in range(ATTEMPTS):
+def _budgeted(call: Callable[..., Awaitable[Any]], operation: Callable[..., str]
+              ) -> Callable[..., Awaitable[Any]]:
+  """`call` retried on transient errors with backoff within the retry budget; past it
+  OutOfBudget naming `operation(*args, **kwargs)`."""
+  @functools.wraps(call)
+  async def attempt_all(*args, **kwargs):
+    start, budget = time.monotonic(), _budget()
+    for attempt in itertools.count():
       try:
-        return await call()
+        return await call(*args, **kwargs)
       except Exception as e:  # pylint: disable=broad-except  # classified just below
         if not _is_transient(e):
           raise
-        if attempt == ATTEMPTS - 1:
-          raise StorageError(f"{url}: {type(e).__name__}: {e} (after {ATTEMPTS} attempts)"
-                             ) from e
-        await asyncio.sleep(_backoff(attempt))
+        pause = _backoff(attempt)
+        if time.monotonic() - start + pause > budget:
+          raise OutOfBudget(operation(*args, **kwargs), e, attempt + 1,
+                            time.monotonic() - start) from e
+        await asyncio.sleep(pause)
     raise AssertionError("unreachable")
 
   return attempt_all
 
 
-def _remote_all(calls: Sequence[tuple[str, Callable[[Any, str], Awaitable[Any]]]]) -> list[Any]:
+def _retried(call, url: str, what: str = "reading"):
+  """An async factory: `call()` awaited, retried on transient errors with backoff within the
+  retry budget (the clients' own requests are budgeted too: `configure_clients`); the error
+  names `what` and `url`."""
+  budgeted = _budgeted(call, lambda: f"{what} {url}")
+
+  async def named():
+    try:
+      return await budgeted()
+    except OutOfBudget as e:
+      raise e.named(f"{what} {url}") from e.__cause__
+
+  return named
+
+
+def _remote_all(calls: Sequence[tuple[str, Callable[[Any, str], Awaitable[Any]]]],
+                what: str = "reading") -> list[Any]:
   """`await call(fs, url)` for each (url, call), all at once: at most `concurrency()` in flight
   per host, each retried on transient errors. The results, in order."""
   from fsspec import asyn  # pylint: disable=g-import-not-at-top
@@ -173,7 +433,7 @@ def _remote_all(calls: Sequence[tuple[str, Callable[[Any, str], Awaitable[Any]]]
       async def one(i):
         url, call = calls[i]
         async with gates[_host(url)]:
-          return await _retried(lambda: call(fs, url), url)()
+          return await _retried(lambda: call(fs, url), url, what)()
 
       return await asyncio.gather(*(one(i) for i in indices))
 
@@ -182,18 +442,29 @@ def _remote_all(calls: Sequence[tuple[str, Callable[[Any, str], Awaitable[Any]]]
   return out
 
 
-def _sync_retried(call, url: str):
-  """`call()` retried on transient errors, for the synchronous filesystems' calls."""
-  for attempt in range(ATTEMPTS):
+def _sync_retried(call, url: str, what: str = "reading"):
+  """`call()` retried on transient errors within the retry budget, for the synchronous
+  filesystems' calls; the error names `what` and `url`."""
+  start, budget = time.monotonic(), _budget()
+  for attempt in itertools.count():
     try:
       return call()
+    except OutOfBudget as e:  # a client's request ran out of the budget: name it as ours
+      raise e.named(f"{what} {url}") from e.__cause__
     except Exception as e:  # pylint: disable=broad-except  # classified just below
       if not _is_transient(e):
         raise
-      if attempt == ATTEMPTS - 1:
-        raise StorageError(f"{url}: {type(e).__name__}: {e} (after {ATTEMPTS} attempts)") from e
-      time.sleep(_backoff(attempt))
+      pause = _backoff(attempt)
+      if time.monotonic() - start + pause > budget:
+        raise OutOfBudget(f"{what} {url}", e, attempt + 1, time.monotonic() - start) from e
+      time.sleep(pause)
   raise AssertionError("unreachable")
+
+
+def retried(call: Callable[[], Any], url: str, what: str) -> Any:
+  """`call()` (any client's call on `url`, e.g. through etils.epath) retried on transient
+  errors within the retry budget; StorageError naming `what` and `url` past it."""
+  return _sync_retried(call, url, what)
 
 
 def exists(path: str | os.PathLike) -> bool:
@@ -201,7 +472,7 @@ def exists(path: str | os.PathLike) -> bool:
   if not is_url(text):
     return os.path.exists(text)
   fs = filesystem(text)
-  return bool(_sync_retried(lambda: fs.exists(text), text))
+  return bool(_sync_retried(lambda: fs.exists(text), text, "looking up"))
 
 
 def is_dir(path: str | os.PathLike) -> bool:
@@ -211,7 +482,7 @@ def is_dir(path: str | os.PathLike) -> bool:
   if scheme(text) in READ_ONLY_SCHEMES:
     return False  # HTTP has files only
   fs = filesystem(text)
-  return bool(_sync_retried(lambda: fs.isdir(text), text))
+  return bool(_sync_retried(lambda: fs.isdir(text), text, "looking up"))
 
 
 async def _http_size(fs, url: str) -> int | None:
@@ -249,7 +520,7 @@ def sizes(paths: Sequence[str | os.PathLike]) -> list[int | None]:
   out = [None if is_url(t) else (os.path.getsize(t) if os.path.isfile(t) else None)
          for t in texts]
   remote = [i for i, t in enumerate(texts) if is_url(t)]
-  for i, size in zip(remote, _remote_all([(texts[i], _size) for i in remote])):
+  for i, size in zip(remote, _remote_all([(texts[i], _size) for i in remote], "looking up")):
     out[i] = size
   return out
 
@@ -313,7 +584,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
         os.remove(tmp)
     return
   fs = filesystem(text)
-  _sync_retried(lambda: fs.pipe_file(text, data), text)
+  _sync_retried(lambda: fs.pipe_file(text, data), text, "writing")
 
 
 class SizeCache:
@@ -348,3 +619,179 @@ class SizeCache:
     if self._unsaved and self.path is not None:
       write_bytes_atomic(self.path, json.dumps(self._known, indent=0, sort_keys=True).encode())
       self._unsaved = False
+
+
+# --- conditional writes (olmo3.train.lease) ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Versioned:
+  """A file's bytes as read, and what a conditional write checks they are still: the object's
+  generation (GCS) or ETag (S3); on a local disk the bytes themselves."""
+
+  data: bytes
+  version: str
+  modified: float  # seconds since the epoch by the store's clock (a local file's mtime)
+
+
+def _is_precondition_failure(error: BaseException) -> bool:
+  """A write refused because its precondition failed: gcsfs and s3fs's `mode="create"` raise
+  FileExistsError; s3fs turns a failed If-Match into an OSError whose cause says 412."""
+  if isinstance(error, (FileExistsError, PreconditionFailed)):
+    return True
+  for e in (error, error.__cause__):
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+      code = response.get("Error", {}).get("Code")
+      status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+      if code == "PreconditionFailed" or status == 412:
+        return True
+  return False
+
+
+async def _gcs_upload(fs, url: str, data: bytes, generation: str) -> str:
+  """A GCS object written only if its generation is `generation` ("0": only if absent): the
+  JSON API's multipart upload with ifGenerationMatch, as gcsfs's own `mode="create"` does it.
+  The new generation."""
+  bucket, key, _ = fs.split_path(url)
+  metadata = json.dumps({"name": key})
+  body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{metadata}\n--==0==\n"
+          "Content-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
+  out = await fs._call(  # pylint: disable=protected-access
+      "POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o",  # pylint: disable=protected-access
+      uploadType="multipart", headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+      data=body, json_out=True, ifGenerationMatch=generation)
+  fs.invalidate_cache(url)
+  return str(out["generation"])
+
+
+async def _read_versioned(fs, url: str) -> Versioned | None:
+  if scheme(url) == "gs":
+    bucket, key, _ = fs.split_path(url)
+    try:
+      # pylint: disable-next=protected-access
+      headers, data = await fs._call("GET", "b/{}/o/{}", bucket, key, alt="media")
+    except FileNotFoundError:
+      return None
+    modified = email.utils.parsedate_to_datetime(headers["Last-Modified"]).timestamp()
+    return Versioned(bytes(data), str(headers["X-Goog-Generation"]), modified)
+  bucket, key, _ = fs.split_path(url)
+  try:
+    # pylint: disable-next=protected-access
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+  except FileNotFoundError:
+    return None
+  data = await response["Body"].read()
+  return Versioned(data, str(response["ETag"]), response["LastModified"].timestamp())
+
+
+def read_versioned(path: str | os.PathLike) -> Versioned | None:
+  """The file's bytes and version (None: no such file)."""
+  text = os.fspath(path)
+  check_supported(text, writable=True)
+  if not is_url(text):
+    try:
+      with open(text, "rb") as f:
+        return Versioned(f.read(), "", os.fstat(f.fileno()).st_mtime)
+    except FileNotFoundError:
+      return None
+  return _remote_all([(text, _read_versioned)])[0]
+
+
+def _conditional(text: str, write: Callable[[Any, str], Awaitable[str]]) -> str:
+  """A remote conditional write, retried on transient errors; PreconditionFailed when refused."""
+  try:
+    return _remote_all([(text, write)], "writing")[0]
+  except Exception as e:  # pylint: disable=broad-except  # classified just below
+    if _is_precondition_failure(e):
+      raise PreconditionFailed(f"{text} was changed by another writer") from e
+    raise
+
+
+def _link_new(text: str, data: bytes) -> None:
+  """Creates a local file holding `data`, whole, only if none is there: written beside it and
+  linked into place (a link never replaces a file), so no reader ever sees it partial."""
+  os.makedirs(os.path.dirname(os.path.abspath(text)), exist_ok=True)
+  tmp = f"{text}.{uuid.uuid4().hex}.tmp"
+  try:
+    with open(tmp, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    try:
+      os.link(tmp, text)
+    except FileExistsError:
+      raise PreconditionFailed(f"{text} exists") from None
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(tmp)
+
+
+def create_exclusive(path: str | os.PathLike, data: bytes) -> str:
+  """Creates the file with `data` only if it does not exist (PreconditionFailed if it does);
+  its version."""
+  text = os.fspath(path)
+  check_supported(text, writable=True)
+  if not is_url(text):
+    _link_new(text, data)
+    return ""
+  if scheme(text) == "gs":
+    return _conditional(text, lambda fs, url: _gcs_upload(fs, url, data, "0"))
+
+  async def s3_create(fs, url):
+    # pylint: disable-next=protected-access
+    return str((await fs._pipe_file(url, data, mode="create"))["ETag"])
+
+  return _conditional(text, s3_create)
+
+
+def replace_if(path: str | os.PathLike, data: bytes, expected: Versioned) -> str:
+  """Replaces the file with `data` only if it is still `expected` (as `read_versioned` gave it):
+  PreconditionFailed if another writer changed or removed it meanwhile. The new version.
+
+  A local file is renamed aside (of two renames of one file, one fails), compared, and the new
+  file linked into place; one that changed meanwhile is put back."""
+  text = os.fspath(path)
+  check_supported(text, writable=True)
+  if not is_url(text):
+    aside = f"{text}.{uuid.uuid4().hex}.aside"
+    try:
+      os.rename(text, aside)
+    except FileNotFoundError:
+      raise PreconditionFailed(f"{text} was removed by another writer") from None
+    try:
+      with open(aside, "rb") as f:
+        moved = f.read()
+      if moved != expected.data:
+        with contextlib.suppress(FileExistsError):
+          os.link(aside, text)  # put back what another writer wrote (unless a third did)
+        raise PreconditionFailed(f"{text} was changed by another writer")
+    finally:
+      os.unlink(aside)
+    _link_new(text, data)
+    return ""
+  if scheme(text) == "gs":
+    return _conditional(text, lambda fs, url: _gcs_upload(fs, url, data, expected.version))
+
+  async def s3_replace(fs, url):
+    # pylint: disable-next=protected-access
+    out = await fs._pipe_file(url, data, IfMatch=expected.version)
+    return str(out["ETag"])
+
+  return _conditional(text, s3_replace)
+
+
+def remove(path: str | os.PathLike) -> None:
+  """Removes a file (nothing if it is not there)."""
+  text = os.fspath(path)
+  if not is_url(text):
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(text)
+    return
+  fs = filesystem(text)
+
+  def rm():
+    with contextlib.suppress(FileNotFoundError):
+      fs.rm_file(text)
+
+  _sync_retried(rm, text, "removing")

@@ -11,8 +11,13 @@ Where a run starts (`Resume`), from what the workdir holds when the launch begin
 - COMPLETE: that checkpoint already reaches the stage's end (the launcher has the trainer's
   restore confirm it before it says so);
 - INIT_FROM: no checkpoint of its own, and checkpoint.init_from names one (its parameters and
-  moments; step, schedule and data position start at 0);
+  moments; step, schedule and data position start at 0): a step directory, or a run's workdir
+  (or its checkpoints directory), which means the checkpoint at the end of that run's stage
+  (`init_from_step`), not its newest;
 - FRESH: neither: step 0 from train.seed.
+
+A resumed run whose stage now ends elsewhere than its last launch's did (train.steps raised on
+a finished run) says so (`RunPlan.stage_change`: "extending the run from 100 to 120 steps").
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from olmo3.io import checkpoint, storage
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import pipeline, sources
 from olmo3.data.tokens import TokenFiles, token_counts
+from olmo3.run import record
 from olmo3.run.record import Workdir
 
 
@@ -73,16 +79,75 @@ def stage_end(exp: Experiment, steps_per_epoch: int) -> int:
   return min(exp.train.steps, exp.train.stop_at_epoch * steps_per_epoch)
 
 
+class InitFromError(checkpoint.CheckpointError):
+  """checkpoint.init_from names a run whose stage's end has no checkpoint (not finished), or
+  whose record cannot be read. The message names the field and what to do."""
+
+
+def init_from_step(init_from: str) -> str:
+  """The checkpoint step directory `checkpoint.init_from` means: a step directory is itself; a
+  run's workdir or checkpoints directory means the checkpoint at the end of its stage: the
+  newest committed step that ended the stage of the launch that wrote it (its history line's
+  plan). A raised train.steps makes the extended end the stage's end once it is reached; a run
+  recorded without stage ends (trained without the launcher) means its newest checkpoint.
+  CheckpointError when there is no checkpoint; InitFromError when none ends a stage."""
+  path = storage.absolute(init_from)
+  if (path / checkpoint.PARAMS).exists():
+    return os.fspath(path)
+  directory = path / "checkpoints" if (path / "checkpoints").exists() else path
+  steps = checkpoint.run_steps(directory)
+  if not steps:
+    return os.fspath(checkpoint.resolve_step_dir(init_from))  # its error names what is missing
+  try:
+    history = record.read_history(directory.parent)  # the run's workdir
+  except record.RecordError as e:
+    raise InitFromError(f"CheckpointConfig.init_from={init_from!r}: {e}") from None
+  if not any("end" in h.plan for h in history):
+    return os.fspath(directory / str(steps[-1]))
+
+  def stage_end(step: int) -> int | None:
+    """The end that the launch that wrote `step` set for its stage."""
+    launch = record.producer(history, step)
+    return launch.plan.get("end") if launch is not None else None
+
+  finished = [s for s in steps if stage_end(s) == s]
+  if finished:
+    return os.fspath(directory / str(finished[-1]))
+  raise InitFromError(
+      f"CheckpointConfig.init_from={init_from!r}: that run has not reached the end of its stage "
+      f"(step {stage_end(steps[-1])}; its newest checkpoint is step {steps[-1]}): finish it "
+      f"first (rerun its command), or name a step directory, e.g. "
+      f"checkpoint.init_from='{directory / str(steps[-1])}'")
+
+
 def decide_start(workdir: Workdir, init_from: str | None, end: int) -> Resume:
   """Where a run in `workdir` starts (the module docstring): from its committed checkpoints'
   names and init_from's, reading no array. CheckpointError when the run has no checkpoint and
-  init_from holds none."""
+  init_from holds none (InitFromError: none at the end of its stage)."""
   steps = checkpoint.run_steps(workdir.checkpoints)
   if steps:
     return Resume(Start.COMPLETE if steps[-1] >= end else Start.RESUME, steps[-1])
   if init_from:
-    return Resume(Start.INIT_FROM, init_from=os.fspath(checkpoint.resolve_step_dir(init_from)))
+    return Resume(Start.INIT_FROM, init_from=init_from_step(init_from))
   return Resume(Start.FRESH)
+
+
+def stage_change(workdir: Workdir, resume: Resume, end: int) -> str | None:
+  """What a resumed run says when its stage now ends elsewhere than its last launch's did
+  (history.jsonl): "extending the run from 100 to 120 steps" when that launch had finished."""
+  if resume.start is not Start.RESUME:
+    return None
+  try:
+    history = record.read_history(workdir.root)
+  except record.RecordError:
+    return None  # the launcher reports an unreadable record itself
+  previous = history[-1].plan.get("end") if history else None
+  if previous is None or previous == end:
+    return None
+  if resume.step >= previous:
+    return (f"extending the run from {previous} to {end} steps (it was complete at step "
+            f"{resume.step}; the stage's end is now step {end})")
+  return f"the stage now ends at step {end}, not {previous} as the last launch set it"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +162,11 @@ class RunPlan:
   end: int  # the step the stage ends at
   resume: Resume
   size_cache: storage.SizeCache  # the workdir's remote sizes: the trainer saves what was found
+  # Why the generalization-gap alarm cannot fire (no held-out set is evaluated), or None:
+  # the trainer's startup warning, one line.
+  alarm_off: str | None = None
+  # A resumed run's changed stage end (`stage_change`), or None: the launcher announces it.
+  stage_change: str | None = None
 
   @classmethod
   def build(cls, exp: Experiment, workdir: str, name: str = "") -> RunPlan:
@@ -125,8 +195,13 @@ class RunPlan:
                       "%d steps per epoch): the stage ends at step %d", exp.train.steps,
                       exp.train.stop_at_epoch, exp.train.stop_at_epoch * per_epoch,
                       len(train_files), per_epoch, end)
+    why = ("TrainConfig.eval_every=0: the run never evaluates" if not evaluates
+           else None if heldout else resolved.no_heldout or "no held-out set resolved")
+    resume = decide_start(where, exp.checkpoint.init_from, end)
     return cls(exp, where, name, train_files, heldout, data_identity(exp.data, train_files),
-               per_epoch, end, decide_start(where, exp.checkpoint.init_from, end), cache)
+               per_epoch, end, resume, cache,
+               why and f"no held-out evaluation: {why}, so the generalization-gap alarm cannot "
+               "fire", stage_change(where, resume, end))
 
   def summary(self) -> dict[str, Any]:
     """What the run record keeps of the plan (plain JSON; each checkpoint's meta holds the
@@ -152,7 +227,8 @@ class RunPlan:
     resume = self.resume
     start = {Start.FRESH: "fresh, from train.seed",
              Start.INIT_FROM: f"initialised from {resume.init_from}",
-             Start.RESUME: f"resumes from step {resume.step:,} of {self.workdir.checkpoints}",
+             Start.RESUME: f"resumes from step {resume.step:,} of {self.workdir.checkpoints}"
+                           + (f"; {self.stage_change}" if self.stage_change else ""),
              Start.COMPLETE: f"complete at step {resume.step:,}: nothing to train"}
     lines = [f"training data       {where}",
              f"task tokenizer      {'none' if exp.eval.tokenizer is None else exp.eval.tokenizer}",
@@ -161,4 +237,6 @@ class RunPlan:
              f"start               {start[resume.start]}"]
     lines += [f"held-out set        {s.name}: {len(s.paths)} files, {sum(s.tokens):,} tokens"
               for s in self.heldout]
+    if self.alarm_off:
+      lines.append(f"held-out set        none: {self.alarm_off}")
     return lines

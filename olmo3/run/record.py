@@ -82,6 +82,21 @@ class Workdir:
   def metrics(self) -> epath.Path:
     return self.path("metrics.jsonl")
 
+  def listing(self) -> set[str]:
+    """The workdir's entries, and those of its directories but checkpoints/ (paths relative
+    to the workdir; empty when there is no workdir): what a launch compares with to take back
+    what it added (`RunRecord.undo`). Inside checkpoints/ a launch that trained nothing adds
+    nothing of its own; it may set a damaged step aside there, which must stay."""
+    root = epath.Path(self.root)
+    if not root.exists():
+      return set()
+    found = set()
+    for entry in root.iterdir():
+      found.add(entry.name)
+      if entry.name != "checkpoints" and entry.is_dir():
+        found.update(f"{entry.name}/{child.name}" for child in entry.iterdir())
+    return found
+
 
 class RecordError(ValueError):
   """An unreadable run record. The message names the file (and line)."""
@@ -171,14 +186,16 @@ def write_experiment(workdir: str, experiment: dict[str, Any]) -> None:
 
 class RunRecord:
   """A workdir's run record: `begin` writes this launch's revision (if its config is new) and
-  history line, `undo` removes exactly what `begin` wrote (a launch that stops before its first
-  step leaves nothing behind). The config files' texts come from the launcher (Fiddle lives
-  there): this class only lays them out."""
+  history line, `undo` takes back what `begin` wrote and everything else the launch added to
+  the workdir since (a launch that stops before its first step leaves the workdir as it found
+  it). The config files' texts come from the launcher (Fiddle lives there): this class only
+  lays them out."""
 
   def __init__(self, workdir: str):
     self.workdir = Workdir(workdir)
     self._written: list[epath.Path] = []
     self._history_before: str | None = None
+    self._found: set[str] | None = None  # the workdir's listing when `begin` started
 
   def history(self) -> list[Launch]:
     """The recorded launches; a workdir holding config.json without a history (lost, or
@@ -202,6 +219,7 @@ class RunRecord:
     Fiddle serializes and prints it, written as a new revision (never rewriting an earlier
     one). `experiment` is the plain Experiment (Experiment.to_dict) the run executes, `plan`
     what the launch worked out (olmo3.run.plan.RunPlan.summary), kept in its history line."""
+    self._found = self.workdir.listing()
     epath.Path(self.workdir.root).mkdir(parents=True, exist_ok=True)
     history = self.history()
     revision = history[-1].revision if history else 0
@@ -230,11 +248,22 @@ class RunRecord:
     return launch
 
   def undo(self) -> None:
-    """Removes what `begin` wrote (the history as it was before)."""
+    """Removes what `begin` wrote (the history as it was before) and every entry the workdir
+    gained since `begin` started (`Workdir.listing`: the trainer's event file, metrics.jsonl,
+    an empty checkpoints/, ...). For a launch that trained nothing: files it rewrote keep
+    their new contents (metrics.jsonl without the rows after the newest checkpoint, which
+    any resume drops)."""
     path = self.workdir.history
     for written in reversed(self._written):
       if written == path and self._history_before is not None:
         _write(path, self._history_before)
       else:
         written.unlink(missing_ok=True)
-    self._written, self._history_before = [], None
+    if self._found is not None:
+      for name in sorted(self.workdir.listing() - self._found, reverse=True):  # children first
+        entry = self.workdir.path(name)
+        if entry.is_dir():
+          entry.rmtree(missing_ok=True)
+        else:
+          entry.unlink(missing_ok=True)
+    self._written, self._history_before, self._found = [], None, None

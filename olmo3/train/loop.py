@@ -3,7 +3,15 @@ stage's end, starting where the plan says (olmo3.train.state restores, verifies 
 back), writing metric rows (olmo3.train.rows), evaluating (olmo3.train.evaluation) and
 checkpointing on the configured cadences, and stopping cleanly at a step boundary on SIGTERM /
 SIGINT or past train.max_consecutive_skips (olmo3.train.skips). It holds the workdir's lease
-(olmo3.train.lease) while it runs.
+(olmo3.train.lease) while it runs, and reports what it got done in a `Progress`. A lease it
+can no longer renew stops it at the next step boundary the processes agree on, saving that
+step when the storage allows, with LeaseLost. Whatever stops a run, the cleanup on the way out
+(the last async save, the metrics' upload, the lease's release) never replaces the error:
+after a storage failure each remote operation is tried once, and a failure is logged.
+
+A signal stops the run at the end of the step it came during: no further step and no
+evaluation (one under way is abandoned between batches), then that step is saved, whatever
+the checkpoint cadence; a signal during a save stops the run once that save is made.
 
 The host never waits for a step it does not need: batches reach the devices ahead of their
 step (`pipeline.DevicePrefetch`), a log step's row is fetched after the next step is dispatched,
@@ -14,12 +22,17 @@ evaluation and checkpoint steps (and a preemption's save) wait for their own ste
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import signal
+from collections.abc import Callable
+from typing import NoReturn
 
 import jax
 from absl import logging
 from etils import epath
 
 from olmo3.data import pipeline
+from olmo3.io import storage
 from olmo3.run import record
 from olmo3.run.plan import RunPlan
 from olmo3.sharded_model import ShardedModel
@@ -27,32 +40,88 @@ from olmo3.train import logs
 from olmo3.train import state as state_lib
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.evaluation import LoopEvaluation
-from olmo3.train.lease import Lease, hold
+from olmo3.train.lease import Lease, LeaseLost, hold
 from olmo3.train.preemption import EXCHANGE_EVERY, Preemption
 from olmo3.train.rows import MetricRows, open_writer
 from olmo3.train.skips import SkipLimit
 from olmo3.train.step import jit_train_step
 
 
+@dataclasses.dataclass
+class Progress:
+  """What a `train` call got done, for its caller to read when it returns or raises."""
+
+  steps: int = 0  # steps it dispatched (0: it stopped before its first step: nothing trained)
+  interrupted: int | None = None  # the step a signal stopped it at (saved, when steps > 0)
+  signal: str | None = None  # that signal's name (SIGINT, SIGTERM)
+  evaluation_skipped: bool = False  # that step's evaluation was due and did not run
+
+
 def train(plan: RunPlan, model: ShardedModel | None = None,
-          preemption: Preemption | None = None) -> dict[str, float]:
+          preemption: Preemption | None = None,
+          progress: Progress | None = None) -> dict[str, float]:
   """Trains to plan.end; returns the last logged metrics ({} when there was nothing to
   train). `model` (default: the experiment's mesh over all devices) chooses the devices and
   the forward function; `preemption` (default: installed here) lets a launcher catch SIGTERM /
-  SIGINT from its own start."""
+  SIGINT from its own start; `progress`, when given, is filled in as the run goes."""
   preemption = preemption or Preemption()
-  epath.Path(plan.workdir.root).mkdir(parents=True, exist_ok=True)
+  progress = progress if progress is not None else Progress()
+  storage.retried(lambda: epath.Path(plan.workdir.root).mkdir(parents=True, exist_ok=True),
+                  plan.workdir.root, "creating the workdir")
   lease = Lease(plan.workdir.root)
   hold(lease)
   try:
-    return _train(plan, model or ShardedModel.for_experiment(plan.exp), preemption)
-  finally:
+    last = _train(plan, model or ShardedModel.for_experiment(plan.exp), preemption, progress,
+                  lease)
+  except BaseException as e:
     preemption.restore()
     if jax.process_index() == 0:
-      lease.release()
+      with _cleanup_after(e):
+        lease.release()  # never raises
+    raise
+  preemption.restore()
+  if jax.process_index() == 0:
+    lease.release()
+  return last
 
 
-def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption) -> dict[str, float]:
+def _cleanup_after(error: BaseException) -> contextlib.AbstractContextManager:
+  """Where the cleanup after `error` runs: after a storage failure (the store may be down) each
+  remote operation is tried once, so the run ends quickly with that error."""
+  return storage.attempts_once() if isinstance(error, OSError) else contextlib.nullcontext()
+
+
+def _quietly(what: str, cleanup: Callable[[], None]) -> None:
+  """Runs a cleanup whose failure must not replace the error that stopped the run."""
+  try:
+    cleanup()
+  except Exception as e:  # pylint: disable=broad-except  # logged; the first error is raised
+    logging.warning("%s failed too: %s: %s", what, type(e).__name__, storage.first_line(e))
+
+
+def _stop_without_lease(preemption: Preemption, step: int, save: Callable[[], None]
+                        ) -> NoReturn:
+  """The run lost its lease (on this process or another): saves `step` if the storage allows
+  and stops with LeaseLost saying why."""
+  why = preemption.reason or "another process of this job lost the workdir lease"
+  try:
+    save()
+  except Exception as e:  # pylint: disable=broad-except  # the lease is the reason to stop
+    raise LeaseLost(f"{why}; saving step {step} failed too ({type(e).__name__}: "
+                    f"{storage.first_line(e)})") from e
+  raise LeaseLost(f"{why}. Saved step {step}; rerun the same command to resume once the "
+                  "workdir is free")
+
+
+def _signal_name(number: int | None) -> str:
+  try:
+    return signal.Signals(number).name
+  except ValueError:
+    return f"signal {number}"
+
+
+def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
+           progress: Progress, lease: Lease) -> dict[str, float]:
   exp = plan.exp
   layout = state_lib.StateLayout(exp, model)
   evaluation = LoopEvaluation(plan, model) if LoopEvaluation.wanted(plan) else None
@@ -65,6 +134,8 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption) -> dict[s
     source = plan.train_files
     logging.info("training data: %d files, sources %s, %d instances of %d tokens",
                  len(source.paths), list(source.source_names), len(source), exp.data.seq_len)
+    if plan.alarm_off:
+      logging.warning("%s", plan.alarm_off)
     step_fn = jit_train_step(exp, model, layout, len(source.source_names))
     with logs.Heartbeat("initialising or restoring the train state"):
       state, data_position = state_lib.restore_or_init(layout, checkpoints, plan)
@@ -73,8 +144,9 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption) -> dict[s
       logging.info("already at step %d of %d: nothing to do", start, end)
       return {}
     if preemption.agreed():  # signalled during startup: nothing new to save
-      logging.warning("preempted (signal %s) before step %d: stopping; rerun the same command "
-                      "to resume", preemption.signal, start + 1)
+      progress.interrupted, progress.signal = start, _signal_name(preemption.signal)
+      logging.warning("interrupted (%s) before step %d: stopping; nothing trained",
+                      progress.signal, start + 1)
       return {}
     loader = pipeline.Loader(exp.data, model.batch_sharding,
                              start_step=data_position.data_step(start), num_steps=end - start,
@@ -98,12 +170,15 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption) -> dict[s
       with contextlib.closing(batches):
         for step, batch in enumerate(batches, start=start + 1):
           checkpoints.check()  # a failed async save stops the run here, not a save later
+          if not preemption.stop_requested and (lost := lease.lost()):
+            preemption.request_stop(lost)  # never a step more than the processes agree on
           if step == start + 1:  # the first call traces and compiles (minutes for the 7B)
             with logs.Heartbeat(f"compiling the train step (steps {start + 1}-{end} to go)"):
               state, step_metrics = step_fn(state, batch)
             rows.restart_clock(start)  # step times and the ETA are the steps', not the compile's
           else:
             state, step_metrics = step_fn(state, batch)
+          progress.steps += 1
           if rows.pending:
             wait_for_step()  # the previous step's row, while this step runs
           if skips is not None:
@@ -112,27 +187,47 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption) -> dict[s
           rows.add(step, step_metrics, row=step % exp.train.log_every == 0 or last_step)
           evaluate = evaluation is not None and (step % exp.train.eval_every == 0 or last_step)
           checkpoint = step % exp.checkpoint.every == 0 or last_step
-          stop = False
-          if evaluate:
-            wait_for_step()  # the alarm compares this step's row with the evaluation
-            stop = evaluation(step, state.params, rows)
-          # A signal seen at any point of this step (training, evaluation, or the save below) is
-          # honoured here, whatever the checkpoint cadence; in a job of several processes, at
-          # the step they agree on (a second or so later, or the next exchange for signals
-          # Python caught: olmo3.train.preemption).
-          preempted = not last_step and preemption.agreed(
+          # A signal seen at any point of this step is honoured here: no evaluation, and a save
+          # whatever the checkpoint cadence. In a job of several processes, at the step they
+          # agree on (a second or so later, or the next exchange for signals Python caught:
+          # olmo3.train.preemption).
+          signalled = preemption.agreed(
               exchange=evaluate or checkpoint or step % EXCHANGE_EVERY == 0)
-          if stop or preempted or checkpoint:
+          interrupted = signalled and (evaluate or not last_step)  # else it ends here anyway
+          stop = False
+          if evaluate and not interrupted:
+            wait_for_step()  # the alarm compares this step's row with the evaluation
+            # Every process asks at the same evaluation batches: they abandon it together.
+            outcome = evaluation(step, state.params, rows,
+                                 stop=lambda: preemption.agreed(exchange=False))
+            interrupted, stop = outcome is None, bool(outcome)
+          if stop or interrupted or checkpoint:
             wait_for_step()  # never a checkpoint after the skip limit was reached
+            if interrupted and preemption.stop_requested:
+              _stop_without_lease(preemption, step, lambda: (
+                  writer.flush(), state_lib.save(checkpoints, state, plan, data_position),
+                  checkpoints.wait()))
             writer.flush()  # metrics up to a checkpoint are on disk before it can exist
             logging.info("saving the checkpoint of step %d", step)
             state_lib.save(checkpoints, state, plan, data_position)
-          if preempted:
-            logging.warning("preempted (signal %s): saved step %d; rerun the same command to "
-                            "resume", preemption.signal, step)
-          if stop or preempted:
+            if not (stop or interrupted or last_step):  # a signal during the save: stop here
+              interrupted = preemption.agreed()
+          if interrupted and preemption.stop_requested:  # the lease was lost during the save
+            _stop_without_lease(preemption, step, checkpoints.wait)
+          if interrupted:
+            progress.interrupted, progress.signal = step, _signal_name(preemption.signal)
+            progress.evaluation_skipped = evaluate
+            logging.warning("interrupted (%s) at step %d: saved%s", progress.signal, step,
+                            (f"; step {step}'s evaluation did not run" if evaluate else "")
+                            + ("; the run is complete" if last_step
+                               else "; rerun the same command to resume"))
+          if stop or interrupted:
             break
-    finally:
-      checkpoints.wait()
-      writer.flush()
+    except BaseException as e:
+      with _cleanup_after(e):
+        _quietly("finishing the last checkpoint save", checkpoints.wait)
+        _quietly("writing the metrics", writer.flush)
+      raise
+    checkpoints.wait()
+    writer.flush()
   return rows.last

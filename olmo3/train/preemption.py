@@ -21,6 +21,9 @@ import threading
 # evaluation and checkpoint steps: a barrier among the hosts, nothing on the devices.
 EXCHANGE_EVERY = 10
 BARRIER_TIMEOUT_MS = 10 * 60 * 1000  # the hosts only drift apart by host work between checks
+# `signal` of a stop the run asked for itself (request_stop: its lease was lost), exchanged
+# like a signal; the lowest value wins, so every process learns it is not a preemption.
+STOP_REQUESTED = 0
 
 # Every process makes the same sequence of `agreed()` calls, so the call's index names the
 # same point on all of them (XLA's sync point and the exchange's keys count from it); one count
@@ -34,6 +37,7 @@ class Preemption:
 
   def __init__(self):
     self.signal: int | None = None
+    self.reason: str | None = None  # why request_stop was called (on the process that did)
     self._previous = {}
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
@@ -41,7 +45,18 @@ class Preemption:
 
   def _handle(self, signum, frame):
     del frame
-    self.signal = signum
+    if self.signal != STOP_REQUESTED:  # a failure stays one
+      self.signal = signum
+
+  def request_stop(self, reason: str) -> None:
+    """Stops the run at the step every process agrees on, as a signal would, but as a failure
+    (`stop_requested`): e.g. process 0 lost the workdir lease."""
+    self.reason = reason
+    self.signal = STOP_REQUESTED
+
+  @property
+  def stop_requested(self) -> bool:
+    return self.signal == STOP_REQUESTED
 
   def agreed(self, exchange: bool = True) -> bool:
     """Whether to stop here. Every process must call it at the same points with the same
@@ -55,7 +70,8 @@ class Preemption:
     coordination = distributed.global_state  # the client Orbax's multihost helpers use too
     if (coordination.preemption_sync_manager is not None
         and multihost_utils.reached_preemption_sync_point(call)):
-      self.signal = self.signal or int(signal.SIGTERM)  # XLA's handler caught it, not ours
+      if self.signal is None:
+        self.signal = int(signal.SIGTERM)  # XLA's handler caught it, not ours
       return True
     if jax.process_count() == 1:
       return self.signal is not None
@@ -68,8 +84,9 @@ class Preemption:
     # Every key set before a process reaches the barrier is seen by all after it.
     client.wait_at_barrier(f"olmo3_preemption_{call}", BARRIER_TIMEOUT_MS)
     signalled = client.key_value_dir_get(keys)
-    if signalled and self.signal is None:
-      self.signal = min(int(v) for _, v in signalled)  # another process's
+    if signalled:  # another process's (a requested stop, 0, wins over signals)
+      self.signal = min([int(v) for _, v in signalled] + (
+          [self.signal] if self.signal is not None else []))
     return bool(signalled)
 
   def restore(self) -> None:

