@@ -61,9 +61,13 @@ CACHE = flags.DEFINE_string(
     "path such as gs://... serves every host); '' turns it off")
 
 
-def maybe_initialize_distributed() -> None:
+def start_jax() -> None:
+  """Joins the job's other processes (JAX_COORDINATOR_* or the cluster's own environment) and
+  turns the persistent compilation cache on."""
   import jax
 
+  if CACHE.value:
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(CACHE.value))
   env = os.environ
   if "JAX_COORDINATOR_ADDRESS" in env:
     jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
@@ -330,22 +334,15 @@ def main(argv: list[str]) -> None:
   check_workdir(workdir)
   revision = new_revision(workdir, cfg)
   plan = build_plan(exp, workdir)
-  maybe_initialize_distributed()
+  start_jax()
   import jax
 
-  if CACHE.value:
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(CACHE.value))
-  from olmo3.io.checkpoint import CheckpointError
-  from olmo3.data.tokens import DataError
   from olmo3.run.plan import Start
   from olmo3.sharded_model import ShardedModel
   from olmo3.train.state import confirm_complete
 
-  try:  # a complete run's last checkpoint is verified as the trainer would restore it
-    if plan.resume.start is Start.COMPLETE:
-      plan = confirm_complete(plan, ShardedModel.for_experiment(plan.exp))
-  except (DataError, CheckpointError) as e:  # changed data, a checkpoint that does not fit
-    sys.exit(f"error: {e}")
+  if plan.resume.start is Start.COMPLETE:  # verified as the trainer would restore it
+    plan = confirm_complete(plan, ShardedModel.for_experiment(plan.exp))
   if plan.resume.start is Start.COMPLETE:
     print(f"{workdir}: the run is complete at step {plan.resume.step} (train.steps="
           f"{exp.train.steps}); nothing to train, nothing written")

@@ -108,6 +108,22 @@ def attempts_once():
       _once_depth -= 1
 
 
+def cleanup_after(error: BaseException) -> contextlib.AbstractContextManager:
+  """Where the cleanup after `error` runs: after a storage failure (the store may be down) each
+  remote operation is tried once, so the program ends quickly with that error."""
+  return attempts_once() if isinstance(error, OSError) else contextlib.nullcontext()
+
+
+def quietly(what: str, cleanup: Callable[[], None]) -> None:
+  """Runs a cleanup whose failure must not replace the error that stopped the program: its
+  failure is logged, one line."""
+  try:
+    cleanup()
+  except Exception as e:  # pylint: disable=broad-except  # logged; the first error is raised
+    py_logging.getLogger("olmo3").warning("%s failed too: %s: %s", what, type(e).__name__,
+                                          first_line(e))
+
+
 def _budget() -> float:
   return 0.0 if _once_depth else retry_budget_s()
 

@@ -36,6 +36,8 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -326,3 +328,16 @@ def hold(lease: Lease) -> None:
       raise LeaseHeld(f"{lease.path.parent} is in use by another run (see process 0's error)")
   if error is not None:
     raise error
+
+
+def stop_without_lease(reason: str | None, step: int, save: Callable[[], None]) -> NoReturn:
+  """The run lost its lease (on this process, for `reason`, or on another): saves `step` if the
+  storage allows and stops with LeaseLost saying why."""
+  why = reason or "another process of this job lost the workdir lease"
+  try:
+    save()
+  except Exception as e:  # pylint: disable=broad-except  # the lease is the reason to stop
+    raise LeaseLost(f"{why}; saving step {step} failed too ({type(e).__name__}: "
+                    f"{storage.first_line(e)})") from e
+  raise LeaseLost(f"{why}. Saved step {step}; rerun the same command to resume once the "
+                  "workdir is free")

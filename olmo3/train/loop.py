@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
-from collections.abc import Callable
-from typing import NoReturn
 
 import jax
 from absl import logging
@@ -40,7 +37,7 @@ from olmo3.train import logs
 from olmo3.train import state as state_lib
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.evaluation import LoopEvaluation
-from olmo3.train.lease import Lease, LeaseLost, hold
+from olmo3.train.lease import Lease, hold, stop_without_lease
 from olmo3.train.preemption import EXCHANGE_EVERY, Preemption
 from olmo3.train.rows import MetricRows, open_writer
 from olmo3.train.skips import SkipLimit
@@ -76,48 +73,13 @@ def train(plan: RunPlan, model: ShardedModel | None = None,
   except BaseException as e:
     preemption.restore()
     if jax.process_index() == 0:
-      with _cleanup_after(e):
+      with storage.cleanup_after(e):
         lease.release()  # never raises
     raise
   preemption.restore()
   if jax.process_index() == 0:
     lease.release()
   return last
-
-
-def _cleanup_after(error: BaseException) -> contextlib.AbstractContextManager:
-  """Where the cleanup after `error` runs: after a storage failure (the store may be down) each
-  remote operation is tried once, so the run ends quickly with that error."""
-  return storage.attempts_once() if isinstance(error, OSError) else contextlib.nullcontext()
-
-
-def _quietly(what: str, cleanup: Callable[[], None]) -> None:
-  """Runs a cleanup whose failure must not replace the error that stopped the run."""
-  try:
-    cleanup()
-  except Exception as e:  # pylint: disable=broad-except  # logged; the first error is raised
-    logging.warning("%s failed too: %s: %s", what, type(e).__name__, storage.first_line(e))
-
-
-def _stop_without_lease(preemption: Preemption, step: int, save: Callable[[], None]
-                        ) -> NoReturn:
-  """The run lost its lease (on this process or another): saves `step` if the storage allows
-  and stops with LeaseLost saying why."""
-  why = preemption.reason or "another process of this job lost the workdir lease"
-  try:
-    save()
-  except Exception as e:  # pylint: disable=broad-except  # the lease is the reason to stop
-    raise LeaseLost(f"{why}; saving step {step} failed too ({type(e).__name__}: "
-                    f"{storage.first_line(e)})") from e
-  raise LeaseLost(f"{why}. Saved step {step}; rerun the same command to resume once the "
-                  "workdir is free")
-
-
-def _signal_name(number: int | None) -> str:
-  try:
-    return signal.Signals(number).name
-  except ValueError:
-    return f"signal {number}"
 
 
 def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
@@ -144,7 +106,7 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
       logging.info("already at step %d of %d: nothing to do", start, end)
       return {}
     if preemption.agreed():  # signalled during startup: nothing new to save
-      progress.interrupted, progress.signal = start, _signal_name(preemption.signal)
+      progress.interrupted, progress.signal = start, preemption.signal_name
       logging.warning("interrupted (%s) before step %d: stopping; nothing trained",
                       progress.signal, start + 1)
       return {}
@@ -204,7 +166,7 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
           if stop or interrupted or checkpoint:
             wait_for_step()  # never a checkpoint after the skip limit was reached
             if interrupted and preemption.stop_requested:
-              _stop_without_lease(preemption, step, lambda: (
+              stop_without_lease(preemption.reason, step, lambda: (
                   writer.flush(), state_lib.save(checkpoints, state, plan, data_position),
                   checkpoints.wait()))
             writer.flush()  # metrics up to a checkpoint are on disk before it can exist
@@ -213,9 +175,9 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
             if not (stop or interrupted or last_step):  # a signal during the save: stop here
               interrupted = preemption.agreed()
           if interrupted and preemption.stop_requested:  # the lease was lost during the save
-            _stop_without_lease(preemption, step, checkpoints.wait)
+            stop_without_lease(preemption.reason, step, checkpoints.wait)
           if interrupted:
-            progress.interrupted, progress.signal = step, _signal_name(preemption.signal)
+            progress.interrupted, progress.signal = step, preemption.signal_name
             progress.evaluation_skipped = evaluate
             logging.warning("interrupted (%s) at step %d: saved%s", progress.signal, step,
                             (f"; step {step}'s evaluation did not run" if evaluate else "")
@@ -224,9 +186,9 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
           if stop or interrupted:
             break
     except BaseException as e:
-      with _cleanup_after(e):
-        _quietly("finishing the last checkpoint save", checkpoints.wait)
-        _quietly("writing the metrics", writer.flush)
+      with storage.cleanup_after(e):
+        storage.quietly("finishing the last checkpoint save", checkpoints.wait)
+        storage.quietly("writing the metrics", writer.flush)
       raise
     checkpoints.wait()
     writer.flush()

@@ -55,6 +55,14 @@ class Preemption:
     self.signal = STOP_REQUESTED
 
   @property
+  def signal_name(self) -> str:
+    """The signal's name (SIGINT, SIGTERM) for messages."""
+    try:
+      return signal.Signals(self.signal).name
+    except ValueError:
+      return f"signal {self.signal}"
+
+  @property
   def stop_requested(self) -> bool:
     return self.signal == STOP_REQUESTED
 
