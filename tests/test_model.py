@@ -65,6 +65,7 @@ def test_attention_kernels_equal_xla(kernel, window):
 
 
 @pytest.mark.parametrize("kernel", _kernels_on_this_backend())
+@pytest.mark.seconds(5)
 def test_model_with_each_kernel_equals_xla(kernel, micro_params):
   tokens = _tokens(MICRO, 2, 128)
   ref = model_lib.from_params(MICRO, micro_params)(tokens)
@@ -73,6 +74,7 @@ def test_model_with_each_kernel_equals_xla(kernel, micro_params):
 
 
 @pytest.mark.parametrize("n_layers", [4, 6, 9])
+@pytest.mark.seconds(4)
 def test_scanned_and_unrolled_layers_agree(n_layers):
   cfg = MICRO.replace(n_layers=n_layers)
   params = random_params(cfg, seed=2)
@@ -85,6 +87,7 @@ def test_scanned_and_unrolled_layers_agree(n_layers):
   np.testing.assert_allclose(h_scanned, h_unrolled, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.seconds(5)
 def test_init_is_truncated_normal_and_float32():
   cfg = MICRO.replace(d_model=256, n_heads=4, n_kv_heads=4, mlp_hidden=512, n_layers=2)
   with sharding.use_mesh(sharding.make_mesh(devices=jax.devices()[:1])):
@@ -113,6 +116,7 @@ def test_every_parameter_has_logical_axis_names():
       assert names[0] == "layers"
 
 
+@pytest.mark.seconds(7)
 def test_bfloat16_compute_keeps_float32_params(micro_params):
   model = model_lib.from_params(MICRO.replace(compute_dtype="bfloat16"), micro_params)
   logits = model(_tokens(MICRO, 1, 20))
@@ -144,6 +148,7 @@ def test_out_of_vocabulary_ids_are_rejected(micro_params):
 
 @pytest.mark.parametrize("shape", [{"data": 2, "fsdp": 4}, {"fsdp": 4, "sequence": 2}],
                          ids=["data2_fsdp4", "fsdp4_sequence2"])
+@pytest.mark.seconds(10)
 def test_sharded_on_8_devices_equals_one_device(micro_params, shape):
   tokens = _tokens(MICRO, 8, 32)
   ref = model_lib.from_params(MICRO, micro_params)(tokens)

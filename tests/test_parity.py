@@ -56,6 +56,7 @@ def test_parity_of_a_model_transformers_built_and_saved(tmp_path):
   assert report.max_kl <= 1e-6 and report.top1_agreement == 1.0, report.format()
 
 
+@pytest.mark.seconds(5)
 def test_bfloat16_parity_is_measured(tmp_path, capsys):
   report = _check(tmp_path, MICRO, dtype="bfloat16")
   with capsys.disabled():
@@ -65,6 +66,7 @@ def test_bfloat16_parity_is_measured(tmp_path, capsys):
   assert report.top1_agreement > 0.9
 
 
+@pytest.mark.seconds(6)
 def test_cli_exits_nonzero_past_the_threshold(tmp_path, capsys):
   write_random_hf_dir(tmp_path / "hf", MICRO)
   assert convert_main(["import-hf", "--hf_dir", str(tmp_path / "hf"),

@@ -69,6 +69,7 @@ def test_exact_count_agrees_with_installed_olmo_core():
   assert theirs.num_flops_per_token(8192) == config.olmo3_7b().flops_per_token(8192) + norms
 
 
+@pytest.mark.seconds(10)
 def test_analytic_flops_match_the_compiled_step():
   model = config.olmo3_micro().replace(d_model=256, n_heads=4, n_kv_heads=4, mlp_hidden=512,
                                        vocab_size=512, padded_vocab_size=512, n_layers=2,
@@ -97,6 +98,7 @@ def _remat_grads(cfg, params, tokens):
 
 
 @pytest.mark.parametrize("remat", ["full", "custom"])  # the next test tells all policies apart
+@pytest.mark.seconds(12)
 def test_remat_policies_give_the_same_gradients(remat):
   cfg = config.olmo3_micro()
   params = random_params(cfg, 0)

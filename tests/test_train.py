@@ -32,6 +32,7 @@ def test_weight_decay_spares_only_the_input_embedding():
   np.testing.assert_allclose(new["norm"]["weight"], 1 - lr * 0.1)
 
 
+@pytest.mark.seconds(5)
 def test_adam_moments_are_sharded_like_their_parameters(tmp_path):
   """Every Adam moment lives where its parameter lives: a replicated moment would put a full
   copy of the optimizer state on every device (the 7B would need 58 GB more per device)."""
@@ -212,6 +213,7 @@ def test_nan_and_spike_steps_are_skipped(tmp_path):
   assert rows[30]["skipped_total"] == len(skipped)
 
 
+@pytest.mark.seconds(8)
 def test_consecutive_nan_steps_stop_the_run(tmp_path):
   path = _marked_corpus(tmp_path, {i: NAN_MARK for i in range(40_000 // 32)})
   exp = _skip_experiment(path, steps=20)
@@ -266,6 +268,7 @@ def test_source_losses_are_token_means_over_the_interval():
   assert source_losses(("a", "b", "c"), sums) == {"train/a/ce_loss": 1.5, "train/c/ce_loss": 1.0}
 
 
+@pytest.mark.seconds(8)
 def test_a_stage_can_end_with_its_epoch(tmp_path, caplog):
   """train.stop_at_epoch: the stage ends where the epoch ends (4 steps of 8 instances here),
   before train.steps, and says so at startup; the last step is checkpointed."""
