@@ -1,4 +1,6 @@
-"""Test setup: 8 simulated CPU devices (for sharding tests) and shared helpers."""
+"""Test setup: 8 simulated CPU devices (for sharding tests), the compilation cache, the two
+tiers (`slow`: process-level; the rest, in-process, is the fast tier) and their guard, the
+schedule (longest first), and shared helpers."""
 
 import os
 
