@@ -250,15 +250,8 @@ def run(plan, run_record, created: bool) -> str:
   that stops before its first step (an error, or a signal) takes back what this launch wrote,
   whatever stopped it; an error is then one line when it has a one-line form (the user's
   data, tasks, checkpoints, the lease, metrics, storage), else raised on with its traceback."""
-  from olmo3.io.checkpoint import CheckpointError
-  from olmo3.data.tokens import DataError
-  from olmo3.eval.tasks import TaskError
   from olmo3.io import errors, storage
-  from olmo3.io.metrics import MetricsError
-  from olmo3.run.record import RecordError
-  from olmo3.train.lease import LeaseHeld, LeaseLost
   from olmo3.train.loop import Progress, train
-  from olmo3.train.skips import TrainingStopped
 
   progress = Progress()
   try:
@@ -267,8 +260,7 @@ def run(plan, run_record, created: bool) -> str:
     if progress.steps == 0:
       with storage.attempts_once():  # the store may be down: cleanup never in the way of `e`
         take_back(plan, run_record, created)
-    if isinstance(e, (DataError, TaskError, CheckpointError, LeaseHeld, MetricsError,
-                      LeaseLost, TrainingStopped, RecordError, OSError)):  # OSError: storage
+    if isinstance(e, _one_line_errors()):
       verbose = errors.traceback_wanted(logging.get_verbosity())
       logging.error("%s", e, exc_info=verbose)
       if not verbose:
@@ -362,14 +354,16 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
   """What a launch reports in one line wherever it happens (before train(): the workdir,
   storage and lease checks; `run` reports train()'s own, having taken back what it wrote)."""
   from olmo3.config import ConfigError
-  from olmo3.io.checkpoint import CheckpointError
   from olmo3.data.tokens import DataError
+  from olmo3.eval.tasks import TaskError
+  from olmo3.io.checkpoint import CheckpointError
+  from olmo3.io.metrics import MetricsError
   from olmo3.run.record import RecordError
   from olmo3.train.lease import LeaseHeld, LeaseLost
   from olmo3.train.skips import TrainingStopped
 
-  return (ConfigError, DataError, CheckpointError, RecordError, LeaseHeld, LeaseLost,
-          TrainingStopped, OSError)
+  return (ConfigError, DataError, TaskError, CheckpointError, MetricsError, RecordError,
+          LeaseHeld, LeaseLost, TrainingStopped, OSError)  # OSError: storage
 
 
 if __name__ == "__main__":

@@ -75,41 +75,37 @@ def _signal_in_evaluation(sig: str) -> None:
   heldout.HeldoutDocs.batches = batches
 
 
+def _before_first_call(owner, name: str, action) -> None:
+  """Patches `owner.name` to run `action()` once, just before its first call."""
+  real, calls = getattr(owner, name), itertools.count(1)
+
+  def patched(*args, **kwargs):
+    if next(calls) == 1:
+      action()
+    return real(*args, **kwargs)
+  setattr(owner, name, patched)
+
+
 def _signal_in_save(sig: str) -> None:
   """... as the first checkpoint is being saved."""
   from olmo3.train import state
 
-  real, saves = state.save, itertools.count(1)
-
-  def save(*args, **kwargs):
-    if next(saves) == 1:
-      os.kill(os.getpid(), getattr(signal, sig))
-    return real(*args, **kwargs)
-  state.save = save
+  _before_first_call(state, "save", lambda: os.kill(os.getpid(), getattr(signal, sig)))
 
 
 def _signal_at_startup(sig: str) -> None:
   """... while the train state is being initialised (before step 1)."""
   from olmo3.train import state
 
-  real = state.restore_or_init
-
-  def restore_or_init(*args, **kwargs):
-    os.kill(os.getpid(), getattr(signal, sig))
-    return real(*args, **kwargs)
-  state.restore_or_init = restore_or_init
+  _before_first_call(state, "restore_or_init",
+                     lambda: os.kill(os.getpid(), getattr(signal, sig)))
 
 
 def _cut_short_when_training_starts(path: str) -> None:
   """The token file `path` is cut to 100 tokens once the launch has planned (and sized) it."""
   from olmo3.train import loop
 
-  real = loop.train
-
-  def train(*args, **kwargs):
-    os.truncate(path, 400)
-    return real(*args, **kwargs)
-  loop.train = train
+  _before_first_call(loop, "train", lambda: os.truncate(path, 400))
 
 
 def _first_batch_fails() -> None:

@@ -209,7 +209,7 @@ def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved
   split of the training data (`data.mix` a prepared directory; `()` when it has none or the
   data is no prepared directory), a prepared directory named in `eval.heldout` becomes its
   heldout split, `eval.heldout_root=None` becomes `data.root` (the one place that default
-  lives) and `eval.tokenizer=None` the training data's tokenizer. Explicit values are kept.
+  lives: `heldout_root`) and `eval.tokenizer=None` the training data's tokenizer. Explicit values are kept.
   Refuses (DataError, one line naming both) a data.root that does not exist or that nothing
   reads, a held-out set or task tokenizer whose tokenizer differs from the training data's, a
   held-out set that lists a training file, and a tokenizer whose EOS or vocabulary the model
@@ -245,7 +245,7 @@ def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved
     splits = [prepared(m, "heldout") for m in ev.heldout]
     heldout = tuple(p.mix("heldout") if p is not None and p.split == "heldout" else m
                     for p, m in zip(splits, ev.heldout))
-  root = data.root if ev.heldout_root is None else ev.heldout_root
+  root = heldout_root(exp)
   follows = ev.heldout_root in (None, data.root)  # held-out mix files relative to data.root
   _check_root(exp, [train] * bool(data.mix) + splits * follows)
   training = (_listed(data.mix, train, data.root, data.tokenizer_id, "DataConfig.mix")
@@ -287,12 +287,18 @@ def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved
   return Resolved(resolved, tuple(training), tuple(per_mix), opened, no_heldout)
 
 
+def heldout_root(exp: Experiment) -> str | None:
+  """What held-out mix files' paths are relative to: eval.heldout_root, else data.root (the
+  one place that default lives; `resolve` writes it into the experiment a run executes)."""
+  return exp.data.root if exp.eval.heldout_root is None else exp.eval.heldout_root
+
+
 def heldout_sets(exp: Experiment) -> dict[str, tuple[str, ...]]:
   """{set: its token files} of a resolved experiment's held-out mixes, each mix read once:
   what `python -m olmo3.eval` evaluates from a run's experiment.json, whose training data need
   not be reachable."""
   ev = exp.eval
-  root = exp.data.root if ev.heldout_root is None else ev.heldout_root
+  root = heldout_root(exp)
   return by_set([f for mix in ev.heldout or ()
                  for f in read_mix(mix, root, ev.heldout_tokenizer_id, "EvalConfig.heldout")])
 
