@@ -430,13 +430,19 @@ def run_steps(directory: str | os.PathLike) -> list[int]:
   return sorted(int(p.name) for p in steps)
 
 
+def steps_directory(path: str | os.PathLike) -> epath.Path:
+  """The directory of numbered steps a run's workdir or its checkpoints directory names."""
+  path = storage.absolute(path)
+  return path / "checkpoints" if (path / "checkpoints").exists() else path
+
+
 def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
   """A checkpoint step directory from a step directory, a run's checkpoints directory or a run
   workdir (their latest step)."""
   path = storage.absolute(path)
   if (path / PARAMS).exists():
     return path
-  directory = path / "checkpoints" if (path / "checkpoints").exists() else path
+  directory = steps_directory(path)
   steps = run_steps(directory)
   if not steps:
     raise CheckpointError(f"{path}: no checkpoint (expected a step directory holding "

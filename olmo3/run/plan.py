@@ -94,7 +94,7 @@ def init_from_step(init_from: str) -> str:
   path = storage.absolute(init_from)
   if (path / checkpoint.PARAMS).exists():
     return os.fspath(path)
-  directory = path / "checkpoints" if (path / "checkpoints").exists() else path
+  directory = checkpoint.steps_directory(path)
   steps = checkpoint.run_steps(directory)
   if not steps:
     return os.fspath(checkpoint.resolve_step_dir(init_from))  # its error names what is missing
