@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
   from olmo3.sharded_model import ShardedModel
 
   workdir = epath.Path(args.workdir)  # a local path or an object-store URL alike
-  directory = workdir / "checkpoints"
+  directory = record.Workdir(args.workdir).checkpoints
   steps = run_steps(directory)
   if not steps:
     print(f"error: {args.workdir} has no checkpoint", file=sys.stderr)
