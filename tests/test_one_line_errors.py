@@ -9,11 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
-from benchmarks.http_range_server import RangeServer
+from olmo3.data.serve import RangeServer
 from olmo3.data import embedded
 from olmo3.io import errors, storage
 from tests import test_launch_errors
@@ -153,3 +154,34 @@ def test_a_run_stopped_by_its_skip_limit_says_so_in_one_line(tmp_path):
   assert "Traceback" not in done.stderr, done.stderr[-3000:]
   last = done.stderr.strip().splitlines()[-1]
   assert last.startswith("error: ") and "2 consecutive steps skipped" in last, last
+
+
+_STUCK_PROGRAM = """
+import pathlib, sys, threading, time
+from olmo3.io import errors
+
+errors.EXIT_GRACE_S = 2.0
+def main():
+  # A library's leftover (as Orbax's commit threads of a failed save): waits for ever.
+  threading.Thread(target=threading.Event().wait, name="stuck").start()
+  # Work that ends within the grace is waited for.
+  threading.Thread(target=lambda: (time.sleep(0.5), pathlib.Path(sys.argv[2]).touch())).start()
+  if sys.argv[1] == "fail":
+    raise OSError("the store is down")
+errors.reported(main, lambda: (OSError,))()
+"""
+
+
+@pytest.mark.slow(seconds=5)
+@pytest.mark.parametrize("how, code, last", [("fail", 1, "error: OSError: the store is down"),
+                                             ("finish", 0, None)])
+def test_a_program_ends_despite_a_thread_that_never_does(tmp_path, how, code, last):
+  done = tmp_path / "done"
+  started = time.monotonic()
+  ended = subprocess.run([sys.executable, "-c", _STUCK_PROGRAM, how, os.fspath(done)],
+                         capture_output=True, text=True, timeout=60,
+                         cwd=test_launch_errors.ROOT)
+  assert time.monotonic() - started < 30, "the grace is 2 s"
+  assert ended.returncode == code, ended.stderr
+  assert (ended.stderr.strip().splitlines()[-1:] or [None])[-1] == last, ended.stderr
+  assert done.exists(), "a thread that ends within the grace was cut short"

@@ -100,6 +100,9 @@ class _Launch:
   """The launcher in the background, its log lines collected as they come."""
 
   def __init__(self, args, env):
+    # faulthandler: a launch that outlives its test is stopped with SIGABRT, which prints
+    # every thread's stack into the log the test reports.
+    env = dict(env, PYTHONFAULTHANDLER="1")
     self.proc = subprocess.Popen([sys.executable, MAIN, *TINY, *args], cwd=ROOT, env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     self.lines: list[str] = []
@@ -120,9 +123,14 @@ class _Launch:
     try:
       code = self.proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
-      self.proc.send_signal(signal.SIGKILL)
-      self.proc.wait()
-      raise AssertionError(f"still running after {seconds} s:\n" + "\n".join(self.lines[-40:]))
+      self.proc.send_signal(signal.SIGABRT)
+      try:
+        self.proc.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+      self._reader.join(timeout=10)
+      raise AssertionError(f"still running after {seconds} s:\n" + "\n".join(self.lines[-150:]))
     self._reader.join(timeout=10)
     return code, "\n".join(self.lines)
 

@@ -10,10 +10,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 TRACEBACK_ENV = "OLMO3_TRACEBACK"
+# How long a program that has ended waits for background threads still running at its end.
+EXIT_GRACE_S = 30.0
 
 
 def traceback_wanted(verbosity: int = 0) -> bool:
@@ -39,11 +43,54 @@ def reported(main: Callable[..., Any], errors: Callable[[], tuple[type[BaseExcep
   `errors` is called only when something was raised (its imports cost nothing otherwise)."""
   @functools.wraps(main)
   def wrapped(*args, **kwargs):
+    code = 1
     try:
-      return main(*args, **kwargs)
+      result = main(*args, **kwargs)
+      code = 0
+      return result
+    except SystemExit as e:
+      code = exit_code(e)
+      raise
     except Exception as e:  # pylint: disable=broad-except  # the others are raised on
       if not isinstance(e, errors()) or traceback_wanted(verbosity()):
         raise
       sys.exit(one_line(e))
+    finally:
+      end_within(EXIT_GRACE_S, code, say=traceback_wanted(verbosity()))
 
   return wrapped
+
+
+def exit_code(stop: SystemExit) -> int:
+  """The status Python exits with for `stop`: 0 for None, the number, or 1 for a message."""
+  return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+
+
+def end_within(grace_s: float, code: int, *, say: bool = False) -> None:
+  """Makes sure a program whose main has ended also ends as a process: Python waits, at exit,
+  for every non-daemon thread, and a library may leave one waiting far longer than the user
+  should. Orbax's commit threads of a failed async save each wait for their peers' signals
+  for the coordination timeout (300 s), so a run whose store went down reported its error
+  at once and then hung for minutes. The threads still running now get `grace_s` to end; then
+  the process exits with `code` without them, silently unless `say` (verbose): the program's
+  last line already said why it ended, and these threads are a library's leftovers of it."""
+  waiting = [t for t in threading.enumerate()
+             if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+  if not waiting:
+    return
+
+  def watch() -> None:
+    deadline = time.monotonic() + grace_s
+    for thread in waiting:
+      thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in waiting if t.is_alive()]
+    if stuck:
+      if say:
+        print(f"warning: {len(stuck)} background thread(s) still running {grace_s:g} s after the "
+              f"program ended ({', '.join(sorted(set(stuck))[:4])}); exiting without them",
+              file=sys.stderr)
+      sys.stderr.flush()
+      sys.stdout.flush()
+      os._exit(code)  # pylint: disable=protected-access  # the only exit that skips the join
+
+  threading.Thread(target=watch, name="end-within", daemon=True).start()
