@@ -94,15 +94,21 @@ def attention_mask(seq_len: int, window: int | None) -> jax.Array:
   return mask
 
 
-def _attend_xla(q_BTHK, k_BSGK, v_BSGK, window):
+def masked_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
+                     mask_TS: jax.Array) -> jax.Array:
+  """Grouped-query attention where query t sees key s when mask_TS[t, s]; softmax in float32.
+  The XLA kernel, and the KV-cache decode (olmo3.sample.decode: queries at later positions)."""
   b, t, h, k = q_BTHK.shape
   g = k_BSGK.shape[2]
   q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
   scores = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK) * (k ** -0.5)
-  scores = jnp.where(attention_mask(t, window), scores.astype(jnp.float32),
-                     jnp.finfo(jnp.float32).min)
+  scores = jnp.where(mask_TS, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
   return jnp.einsum("bgrts,bsgk->btgrk", probs, v_BSGK).reshape(b, t, h, k)
+
+
+def _attend_xla(q_BTHK, k_BSGK, v_BSGK, window):
+  return masked_attention(q_BTHK, k_BSGK, v_BSGK, attention_mask(q_BTHK.shape[1], window))
 
 
 def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, implementation):
@@ -192,6 +198,17 @@ class Attention(nnx.Module):
                window: int | None) -> jax.Array:
     cfg = self.cfg
     b, t, _ = x_BTD.shape
+    q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, rope)
+    out_BTHK = attend(q_BTHK, k_BTGK, v_BTGK, window, cfg.attention)
+    context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), Name.CONTEXT)
+    return checkpoint_name(self.o_proj(context), Name.OUT_PROJ)
+
+  def qkv(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array]
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [B, T, H, K], keys and values [B, T, G, K] as attention reads them (keys and
+    values are also what olmo3.sample.decode's KV cache holds)."""
+    cfg = self.cfg
+    b, t, _ = x_BTD.shape
     q = self.q_norm(checkpoint_name(self.q_proj(x_BTD), Name.QUERY_PROJ))
     k = self.k_norm(checkpoint_name(self.k_proj(x_BTD), Name.KEY_PROJ))
     v = checkpoint_name(self.v_proj(x_BTD), Name.VALUE_PROJ)
@@ -199,9 +216,7 @@ class Attention(nnx.Module):
     q_BTHK = constrain(apply_rope(q.reshape(b, t, cfg.n_heads, cfg.head_dim), *rope), heads)
     k_BTGK = constrain(apply_rope(k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), *rope), heads)
     v_BTGK = constrain(v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim), heads)
-    out_BTHK = attend(q_BTHK, k_BTGK, v_BTGK, window, cfg.attention)
-    context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), Name.CONTEXT)
-    return checkpoint_name(self.o_proj(context), Name.OUT_PROJ)
+    return q_BTHK, k_BTGK, v_BTGK
 
 
 class MLP(nnx.Module):

@@ -15,7 +15,7 @@ LAYERS = (
     ("olmo3.model", "olmo3.data"),
     ("olmo3.sharded_model", "olmo3.convert", "olmo3.run"),
     ("olmo3.eval",),
-    ("olmo3.train",),
+    ("olmo3.train", "olmo3.sample"),
 )
 FORBIDDEN = ("fiddle", "launch", "experiments", "absl.flags")
 # The one exception: Grain's worker processes read absl flags, and programs whose main is not
