@@ -11,7 +11,7 @@ count reads `--steps` global batches with each loader (this host holding every r
 case for one host) and reports tokens/s after one warm-up step. Our loader is measured twice:
 host batches alone, and host batches assembled into a global jax.Array (what the trainer sees).
 With `--source http` both loaders read the same files from a local HTTP server with Range
-support that adds `--latency_ms` to every request (benchmarks/http_range_server.py): the cost
+support that adds `--latency_ms` to every request (olmo3/data/serve.py): the cost
 of reading AI2's files from its public host, or a bucket, one region away.
 Prints a table and ends with one JSON line of headline figures.
 """
@@ -105,7 +105,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
     paths = _write_files(tmp, args.files, args.tokens_per_file)
     if args.source == "http":
-      from http_range_server import RangeServer  # beside this script
+      from olmo3.data.serve import RangeServer
 
       server = stack.enter_context(RangeServer(tmp, latency_s=args.latency_ms / 1000))
       paths = [f"{server.url}/{os.path.basename(p)}" for p in paths]

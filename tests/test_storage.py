@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.http_range_server import RangeServer
+from olmo3.data.serve import RangeServer
 from olmo3.io import checkpoint, orbax_s3, storage
 from olmo3.io import metrics as metrics_lib
 from olmo3.data.heldout import HeldoutDocs
@@ -52,15 +52,16 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
     assert remote.file_tokens.tolist() == local.file_tokens.tolist()
     assert json.loads(cache.read_text()) == {u: int(n) * 4 for u, n in
                                              zip(urls, local.file_tokens)}
-    heads = sum(server.requests[f"HEAD /{i}.npy"] for i in range(3))
-    server.max_in_flight = 0  # the size lookups' HEADs above do not count
+    looked_up = server.get_requests()
+    assert looked_up == 3  # a size is a GET of the file's first byte (which proves Range works)
+    server.max_in_flight = 0  # the size lookups above do not count
     np.testing.assert_array_equal(remote.read(instances), local.read(instances))
     # One ranged GET per instance, in flight together (the 20 ms each keeps them overlapping),
     # never more at once than the per-host bound.
-    assert server.get_requests() == len(instances)
+    assert server.get_requests() == looked_up + len(instances)
     assert 1 < server.max_in_flight <= storage.concurrency(), server.max_in_flight
     again = TokenFiles(urls, 128, VOCAB, size_cache=storage.SizeCache(cache))  # a resumed run
-    assert sum(server.requests[f"HEAD /{i}.npy"] for i in range(3)) == heads  # none looked up
+    assert server.get_requests() == looked_up + len(instances)  # none looked up
     assert again.file_tokens.tolist() == local.file_tokens.tolist()
 
 
@@ -77,7 +78,14 @@ def test_transient_errors_are_retried_and_lasting_ones_are_named(token_dir):
     with pytest.raises(DataError, match=rf"token file {server.url}/nope.npy does not exist"):
       TokenFiles([f"{server.url}/0.npy", f"{server.url}/nope.npy"], 128, VOCAB)
   with RangeServer(os.fspath(token_dir), honour_range=False) as server:
-    remote = TokenFiles([f"{server.url}/0.npy"], 128, VOCAB)
+    url = f"{server.url}/0.npy"
+    with pytest.raises(storage.StorageError, match=f"{url}: the server does not support HTTP "
+                       "Range requests"):  # at the first look at the file
+      TokenFiles([url], 128, VOCAB)
+    # A size cached by an earlier launch (the server replaced since): refused at the read.
+    cache = token_dir / "sizes.json"
+    cache.write_text(json.dumps({url: os.path.getsize(token_dir / "0.npy")}))
+    remote = TokenFiles([url], 128, VOCAB, size_cache=storage.SizeCache(cache))
     with pytest.raises(storage.StorageError, match="support HTTP Range"):
       remote.read([1])
   with pytest.raises(DataError, match="unsupported scheme ftp://"):
@@ -125,7 +133,8 @@ def test_the_loader_reads_a_mix_under_an_http_root_as_it_reads_it_from_disk(tmp_
   local = steps(cfg)
   with RangeServer(os.fspath(root), latency_s=0.02) as server:
     remote = steps(dataclasses.replace(cfg, root=server.url))
-    assert server.get_requests() == sum(len(b["instance"]) for b in local)
+    # The 3 files' sizes, then one ranged request per instance.
+    assert server.get_requests() == 3 + sum(len(b["instance"]) for b in local)
   assert len(remote) == len(local) == 4
   for a, b in zip(remote, local):
     for key in a:
@@ -264,3 +273,190 @@ def test_object_store_leases_are_taken_and_replaced_only_under_a_precondition(s3
   assert held.lost() is None
   held.release()
   assert not storage.exists(url)
+
+
+# --- prepared directories in buckets and over HTTP ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+  """(a JSONL input, a small tokenizer.json) for `prepare`: a few thousand tokens."""
+  from olmo3.data import embedded
+
+  root = tmp_path_factory.mktemp("documents")
+  texts = [f"note {i}: the river {i % 17} runs past {i * 3} mills and {i % 5} bridges"
+           for i in range(240)]
+  with open(root / "docs.jsonl", "w") as f:
+    f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+  embedded.train_tokenizer(texts, vocab_size=300).save(os.fspath(root / "tokenizer.json"))
+  return os.fspath(root / "docs.jsonl"), os.fspath(root / "tokenizer.json")
+
+
+def _prepare_args(documents, out):
+  return ["--input", documents[0], "--tokenizer", documents[1], "--out", out,
+          "--heldout_fraction", "0.2"]
+
+
+def _same_prepared(url, local) -> None:
+  """The prepared directory at `url` holds what the one at `local` does, byte for byte."""
+  from olmo3.data import prepare
+
+  manifest = prepare.Manifest.load(url)  # its files checked against it, over the store
+  assert manifest == prepare.Manifest.load(local)
+  names = [prepare.MANIFEST_FILE, prepare.TOKENIZER_FILE] + [
+      f for split in prepare.SPLITS for f in manifest.splits[split]["files"]]
+  for name in names:
+    assert storage.read_bytes(storage.join(url, name)) == storage.read_bytes(
+        os.path.join(local, name)), name
+
+
+@pytest.mark.seconds(4)
+def test_prepare_writes_into_a_bucket_and_a_failed_run_leaves_no_prepared_directory(
+    s3_env, documents, tmp_path, monkeypatch, capsys):
+  """`python -m olmo3.data.prepare --out s3://...` (its main, in-process) writes the same files
+  as to a disk, and no local `s3:` directory; a run that fails halfway leaves nothing that
+  looks prepared (its manifest goes first, what it uploaded after it); `--out http://` is one
+  error line."""
+  from olmo3.data import prepare, sources
+
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(prepare, "TOKENS_PER_FILE", 1000)  # several token files per split
+  url = "s3://olmo3-test/prepared/mine"
+  assert prepare.main(_prepare_args(documents, os.fspath(tmp_path / "mine"))) == 0
+  assert prepare.main(_prepare_args(documents, url)) == 0
+  assert f"wrote {url}/manifest.json" in capsys.readouterr().out
+  assert os.listdir(tmp_path) == ["mine"]  # nothing written locally under a name like 's3:'
+  _same_prepared(url, os.fspath(tmp_path / "mine"))
+  assert {f.label for f in sources.read_mix(url)} == {"mine"}
+
+  real_write, written = prepare.write_token_file, []
+
+  def fail_on_the_third(path, tokens):
+    written.append(path)
+    if len(written) == 3:
+      raise storage.StorageError(f"writing {path} failed: the store is down")
+    real_write(path, tokens)
+
+  monkeypatch.setattr(prepare, "write_token_file", fail_on_the_third)
+  assert prepare.main(_prepare_args(documents, url)) == 2
+  err = capsys.readouterr().err  # the progress bar's lines, then the error's
+  assert err.strip().splitlines()[-1] == f"error: writing {written[2]} failed: the store is down"
+  assert "Traceback" not in err
+  assert not storage.filesystem(url).find(url)  # not the old files, nor the two new ones
+  assert sources.prepared(url) is None
+
+  assert prepare.main(_prepare_args(documents, "http://127.0.0.1:9/mine")) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["error: --out http://127.0.0.1:9/mine: http:// is read-only; a workdir or "
+                 "anything written must be a local path, gs:// or s3://"], err
+
+
+@pytest.mark.slow(seconds=5)
+def test_prepare_writes_into_a_gcs_bucket_from_its_command_line(gcs_env, documents, tmp_path):
+  from olmo3.data import prepare
+
+  bucket = "gs://olmo3-prepare"
+  storage_servers.make_bucket(bucket)
+  for out in (os.fspath(tmp_path / "mine"), f"{bucket}/mine"):
+    assert prepare.main(_prepare_args(documents, out)) == 0
+  # The command, over what is there: replaced.
+  done = subprocess.run([sys.executable, "-m", "olmo3.data.prepare",
+                         *_prepare_args(documents, f"{bucket}/mine")], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"wrote {bucket}/mine/manifest.json" in done.stdout
+  assert os.listdir(tmp_path) == ["mine"]
+  _same_prepared(f"{bucket}/mine", os.fspath(tmp_path / "mine"))
+
+
+@pytest.fixture
+def served(documents, tmp_path):
+  """DIR holding a prepared directory `mine` and a mix file naming its training file."""
+  from olmo3.data import prepare
+
+  served = tmp_path / "served"
+  prepare.prepare([documents[0]], documents[1], os.fspath(served / "mine"), 0.2, progress=False)
+  (served / "mix.txt").write_text("notes,mine/train/part-00000.npy\n")
+  return served
+
+
+def _tiny_on(mix):
+  """The tiny stage 1 on data.mix=`mix`, with batches this data fills."""
+  import fiddle as fdl
+
+  from experiments import olmo3_tiny
+
+  exp = fdl.build(olmo3_tiny.stage1())
+  return dataclasses.replace(exp, data=exp.data.replace(mix=os.fspath(mix), seq_len=32,
+                                                        global_batch_size=8))
+
+
+@pytest.mark.seconds(3)
+def test_a_prepared_directory_and_a_mix_file_over_http_are_read_as_from_disk(
+    served, tmp_path, monkeypatch):
+  """Served by olmo3.data.serve: a launch's plan (RunPlan.build) over http:// finds the same
+  training files, held-out set and tokenizer as on disk, and its loader yields the same
+  batches; the held-out sets `python -m olmo3.eval` reads and a mix file over http too."""
+  from olmo3.data import pipeline, serve, sources
+  from olmo3.run.plan import RunPlan
+  from tests.data_helpers import batch_sharding
+
+  monkeypatch.setenv("OLMO3_CACHE", os.fspath(tmp_path / "cache"))
+  local = RunPlan.build(_tiny_on(served / "mine"), os.fspath(tmp_path / "run-local"))
+  with RangeServer(os.fspath(served)) as server:
+    url = f"{server.url}/mine"
+    assert serve.announcement(os.fspath(served), server.url)[1:] == [
+        f"  prepared directory mine: --fdl_set=data.mix='\"{url}\"'"]
+    plan = RunPlan.build(_tiny_on(url + "/"), os.fspath(tmp_path / "run"))
+    assert plan.exp.eval.heldout == (f"{url}/heldout",)
+    assert plan.exp.eval.tokenizer == f"{url}/tokenizer.json"
+    assert plan.train_files.paths == [f"{url}/train/part-00000.npy"]
+    assert plan.identity == {**local.identity, "mix": f"{url}/",
+                             "files": [[f"{url}/train/part-00000.npy", n]
+                                       for _, n in local.identity["files"]]}
+    assert [(s.name, s.paths, s.tokens) for s in plan.heldout] == [
+        ("mine", (f"{url}/heldout/part-00000.npy",), local.heldout[0].tokens)]
+    assert sources.heldout_sets(plan.exp) == {"mine": plan.heldout[0].paths}
+
+    def batches(plan):
+      loader = pipeline.Loader(plan.exp.data, batch_sharding(4), start_step=0, num_steps=3,
+                               source=plan.train_files)
+      return list(loader.host_batches())
+
+    for a, b in zip(batches(plan), batches(local), strict=True):
+      for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+    held = [HeldoutDocs(p.heldout[0].paths, 32, eos_id=0, pad_id=1) for p in (plan, local)]
+    for a, b in zip(held[0].batches(4), held[1].batches(4), strict=True):
+      np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    with open(sources.tokenizer_file(plan.exp.eval.tokenizer), "rb") as f:
+      assert f.read() == (served / "mine" / "tokenizer.json").read_bytes()
+    assert sources.read_mix(f"{server.url}/mix.txt") == [
+        sources.MixFile("notes", f"{url}/train/part-00000.npy")]
+    with pytest.raises(DataError, match=rf"DataConfig.mix='{server.url}/nope': no such mix "
+                                        r"file or prepared directory$"):
+      sources.read_mix(f"{server.url}/nope")
+
+
+def test_a_server_without_range_requests_is_refused_at_the_first_request(served, tmp_path):
+  """`python -m http.server` ignores Range requests: a launch's plan on a prepared directory
+  it serves stops at its first request (the manifest), saying so."""
+  from olmo3.run.plan import RunPlan
+
+  with storage_servers.plain_http_server(served) as plain:
+    url = f"{plain}/mine"
+    with pytest.raises(storage.StorageError, match=rf"^{url}/manifest.json: the server does not "
+                       r"support HTTP Range requests .* \(python -m olmo3.data.serve DIR\)$"):
+      RunPlan.build(_tiny_on(url), os.fspath(tmp_path / "run"))
+
+
+def test_serve_refuses_what_it_cannot_serve_in_one_line(served, capsys):
+  from olmo3.data import serve
+
+  for directory, message in (
+      (served / "nope", f"error: {served / 'nope'} is not a directory"),
+      (served / "mine", f"error: {served / 'mine'} is a prepared directory: serve the directory "
+                        f"it is in ({served}), so that its URL ends with its name")):
+    assert serve.main([os.fspath(directory), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err

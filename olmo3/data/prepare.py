@@ -15,11 +15,18 @@ evaluates documents it never trains on and its generalization-gap alarm can fire
 holds out the documents with the smallest hashes: the same rule, a lower cut.
 
 Output: DIR/train/part-NNNNN.npy and DIR/heldout/part-NNNNN.npy (raw uint32 tokens), the
-tokenizer they were made with (DIR/tokenizer.json) and DIR/manifest.json. DIR is a data source
-in its own right: `--fdl_set=data.mix='"DIR"'` trains on its train split, evaluates its held-out
-split and prepares tasks with its tokenizer (olmo3.data.sources). Files are written into a
-staging directory and moved into place before the manifest is written (atomically, last): an
-interrupted run never leaves a manifest that points at partial files. Rerunning on the same
+tokenizer they were made with (DIR/tokenizer.json) and DIR/manifest.json. DIR is a local path,
+gs:// or s3:// (olmo3.io.storage; not http(s)://, which is read-only). DIR is a data source in
+its own right, wherever it is read from (http(s):// too: `python -m olmo3.data.serve`):
+`--fdl_set=data.mix='"DIR"'` trains on its train split, evaluates its held-out split and
+prepares tasks with its tokenizer (olmo3.data.sources).
+
+The manifest is written last (atomically), and only a directory with one is a prepared
+directory: an interrupted or failed run never leaves a manifest that points at partial files.
+On a disk, files are written into a staging directory and moved into place, the old manifest
+removed just before; in a bucket, which has no rename, each token file is uploaded to its
+place as soon as it is complete (an object appears whole or not at all), the old manifest
+removed before the first, and a failed run removes what it uploaded. Rerunning on the same
 input reproduces the same bytes.
 """
 
@@ -47,11 +54,13 @@ from tqdm import tqdm
 
 from olmo3 import platforms
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
+from olmo3.io import storage
 
 SPLITS = ("train", "heldout")
 DEFAULT_HELDOUT_FRACTION = 0.01  # of the documents, held out unless --heldout_fraction 0
 DEFAULT_HELDOUT_MIN_DOCUMENTS = 100  # the floor: a held-out loss over fewer is mostly noise
 _FLOOR_SHARE = 10  # the floor never holds out more than 1/_FLOOR_SHARE of the documents
+MANIFEST_FILE = "manifest.json"  # what makes a directory a prepared one: written last
 TOKENIZER_FILE = "tokenizer.json"  # beside manifest.json: the tokenizer of the token files
 TOKENS_PER_FILE = 1 << 27  # 512 MB per token file
 _DOCS_PER_CHUNK = 256
@@ -186,11 +195,13 @@ def _chunks(files: Sequence[str], cut: int) -> Iterator[tuple[list[str], list[bo
 
 
 class _SplitWriter:
-  """Appends documents to part files of one split, in order."""
+  """Appends documents to part files of one split, in order, under `root` (a local directory
+  or a URL)."""
 
   def __init__(self, root: str, split: str):
-    self.dir = os.path.join(root, split)
-    os.makedirs(self.dir, exist_ok=True)
+    self.root = root
+    if not storage.is_url(root):
+      os.makedirs(os.path.join(root, split), exist_ok=True)
     self.files: list[str] = []
     self.file_tokens: list[int] = []
     self.pending: list[np.ndarray] = []
@@ -209,7 +220,7 @@ class _SplitWriter:
     if not self.pending:
       return
     name = f"{self.split}/part-{len(self.files):05d}.npy"
-    write_token_file(os.path.join(os.path.dirname(self.dir), name), np.concatenate(self.pending))
+    write_token_file(storage.join(self.root, name), np.concatenate(self.pending))
     self.files.append(name)
     self.file_tokens.append(self.pending_tokens)
     self.pending, self.pending_tokens = [], 0
@@ -229,11 +240,13 @@ class Manifest:
 
   @classmethod
   def load(cls, directory: str | os.PathLike) -> Manifest:
-    path = epath.Path(directory) / "manifest.json"
-    if not path.exists():
-      raise DataError(f"{directory}: no manifest.json (run python -m olmo3.data.prepare)")
+    """The manifest of `directory` (a local path or a URL, http(s):// included), its files
+    checked."""
+    path = storage.join(storage.normalized(directory), MANIFEST_FILE)
+    if not storage.exists(path):
+      raise DataError(f"{directory}: no {MANIFEST_FILE} (run python -m olmo3.data.prepare)")
     try:
-      manifest = cls(**json.loads(path.read_text()))
+      manifest = cls(**json.loads(storage.read_text(path)))
       manifest.splits["train"]["tokens"]  # a manifest has at least the training split
     except (ValueError, TypeError, KeyError) as e:  # malformed JSON, missing or unknown keys
       raise DataError(f"{path} is not a readable manifest ({type(e).__name__}: {e}); prepare "
@@ -242,13 +255,13 @@ class Manifest:
     manifest._check_files(directory, path)
     return manifest
 
-  def _check_entries(self, directory: str | os.PathLike, path: epath.Path) -> None:
+  def _check_entries(self, directory: str | os.PathLike, path: str) -> None:
     """Every listed file lies inside `directory`: a relative path without '..' (or a URL, or a
     drive) that no symbolic link leads out of. A manifest is data someone else may have
     written: one naming ../x or /etc/passwd would have a run train on (and an error quote)
     whatever file that is."""
     root = os.fspath(directory)
-    local = "://" not in root
+    local = not storage.is_url(root)
     real_root = os.path.realpath(root) if local else None
     for split, info in self.splits.items():
       entries = info.get("files") if isinstance(info, dict) else None
@@ -268,13 +281,14 @@ class Manifest:
             raise DataError(f"{path}: file {entry!r} of split {split!r} leads outside its "
                             f"directory through a symbolic link (to {real})")
 
-  def _check_files(self, directory: str | os.PathLike, path: epath.Path) -> None:
+  def _check_files(self, directory: str | os.PathLike, path: str) -> None:
     for split, info in self.splits.items():
       files = self.files(directory, split)
-      for file in files:
-        if not file.exists():
+      found = storage.sizes(files)  # remote ones concurrently
+      for file, size in zip(files, found):
+        if size is None:
           raise DataError(f"token file {file} is missing (listed in {path})")
-      have = [file.stat().length // TOKEN_DTYPE.itemsize for file in files]
+      have = [size // TOKEN_DTYPE.itemsize for size in found]
       for file, tokens, want in zip(files, have, info.get("file_tokens", ())):
         if tokens != want:
           raise DataError(f"token file {file} holds {tokens} tokens; {path} says {want}: the "
@@ -282,10 +296,12 @@ class Manifest:
       if sum(have) != info["tokens"]:
         raise DataError(f"the {split} files of {path} hold {sum(have)} tokens; it says "
                         f"{info['tokens']}: a file was changed or cut short since it was prepared "
-                        f"({list(map(os.fspath, files))})")
+                        f"({files})")
 
-  def files(self, directory: str | os.PathLike, split: str) -> list[epath.Path]:
-    return [epath.Path(directory) / f for f in self.splits[split]["files"]]
+  def files(self, directory: str | os.PathLike, split: str) -> list[str]:
+    """The paths (or URLs) of a split's token files."""
+    root = storage.normalized(directory)
+    return [storage.join(root, f) for f in self.splits[split]["files"]]
 
 
 def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
@@ -298,14 +314,23 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
     raise DataError(f"--heldout_fraction={heldout_fraction}: must be in [0, 1)")
   if heldout_min_documents < 0:
     raise DataError(f"--heldout_min_documents={heldout_min_documents}: must be >= 0")
+  try:
+    storage.check_supported(out, writable=True, what="--out")
+  except ValueError as e:
+    raise DataError(str(e)) from None
   files = expand_inputs(inputs)
   tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
   eos_token = eos_id(tok, eos)
   cut = heldout_cut(_documents(files), heldout_fraction, heldout_min_documents)
-  os.makedirs(out, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=".staging-", dir=out)
+  remote = storage.is_url(out)
+  if remote:  # no rename in a bucket: every file goes straight to its place (module docstring)
+    _remove_output(out)
+    root = out
+  else:
+    os.makedirs(out, exist_ok=True)
+    root = tempfile.mkdtemp(prefix=".staging-", dir=out)
   try:
-    writers = {s: _SplitWriter(staging, s) for s in SPLITS}
+    writers = {s: _SplitWriter(root, s) for s in SPLITS}
     pool = multiprocessing.get_context("spawn").Pool(
         workers, initializer=_init_worker, initargs=(tok.to_str(),)) if workers > 1 else None
     _init_worker(tok.to_str())
@@ -337,23 +362,36 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
       raise DataError(f"{inputs}: no training tokens (all documents empty or held out)")
     # The tokenizer travels with its tokens: whoever reads DIR tokenizes tasks and compares
     # tokenizers with this very file, whatever the name it was loaded by points at later.
-    with open(os.path.join(staging, TOKENIZER_FILE), "w") as f:
-      f.write(tok.to_str())
-    # Publish: old manifest out first, files into place, new manifest in last (atomically).
-    manifest_path = os.path.join(out, "manifest.json")
-    if os.path.exists(manifest_path):
-      os.remove(manifest_path)
-    for split in SPLITS:
-      shutil.rmtree(os.path.join(out, split), ignore_errors=True)
-      os.replace(os.path.join(staging, split), os.path.join(out, split))
-    os.replace(os.path.join(staging, TOKENIZER_FILE), os.path.join(out, TOKENIZER_FILE))
-    tmp = manifest_path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump(dataclasses.asdict(manifest), f, indent=2, sort_keys=True)
-    os.replace(tmp, manifest_path)
+    storage.write_bytes_atomic(storage.join(root, TOKENIZER_FILE), tok.to_str().encode())
+    if not remote:  # old manifest out first, then the files into place
+      manifest_path = os.path.join(out, MANIFEST_FILE)
+      if os.path.exists(manifest_path):
+        os.remove(manifest_path)
+      for split in SPLITS:
+        shutil.rmtree(os.path.join(out, split), ignore_errors=True)
+        os.replace(os.path.join(root, split), os.path.join(out, split))
+      os.replace(os.path.join(root, TOKENIZER_FILE), os.path.join(out, TOKENIZER_FILE))
+    storage.write_bytes_atomic(storage.join(out, MANIFEST_FILE), json.dumps(
+        dataclasses.asdict(manifest), indent=2, sort_keys=True).encode())
     return manifest
+  except BaseException as e:
+    if remote:  # nothing of a failed run stays in the bucket
+      with storage.cleanup_after(e):
+        storage.quietly(f"removing what was written to {out}", lambda: _remove_output(out))
+    raise
   finally:
-    shutil.rmtree(staging, ignore_errors=True)
+    if not remote:
+      shutil.rmtree(root, ignore_errors=True)
+
+
+def _remove_output(out: str) -> None:
+  """Removes what `prepare` writes to `out` in a bucket, the manifest first: from then on `out`
+  is no prepared directory, whatever else is still there."""
+  for name in (MANIFEST_FILE, TOKENIZER_FILE):
+    storage.remove(storage.join(out, name))
+  for split in SPLITS:
+    path = storage.join(out, split)
+    storage.retried(lambda p=path: epath.Path(p).rmtree(missing_ok=True), path, "removing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,13 +417,13 @@ def main(argv: list[str] | None = None) -> int:
   try:
     manifest = prepare(args.input, args.tokenizer, args.out, args.heldout_fraction,
                        args.workers, args.eos, heldout_min_documents=args.heldout_min_documents)
-  except DataError as e:
-    print(f"error: {e}", file=sys.stderr)
+  except (DataError, OSError) as e:  # OSError: the output's store (olmo3.io.storage)
+    print(f"error: {storage.first_line(e)}", file=sys.stderr)
     return 2
   for split, info in manifest.splits.items():
     print(f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, "
           f"{len(info['files'])} files")
-  print(f"wrote {os.path.join(args.out, 'manifest.json')}; train on it with "
+  print(f"wrote {storage.join(args.out, MANIFEST_FILE)}; train on it with "
         f"--fdl_set=data.mix='\"{args.out}\"' (its held-out split and tokenizer come along)")
   return 0
 

@@ -6,7 +6,8 @@ A mix is one of: a directory written by `python -m olmo3.data.prepare` (its trai
 held-out set, its heldout split; `DIR/train` and `DIR/heldout` name a split explicitly), the
 built-in corpus (`embedded`, `embedded-heldout`: such a directory, prepared here on first use,
 so nothing below this module needs to know it exists), a mix file (`label,path` lines), or the
-name of a mix shipped by ai2-olmo-core.
+name of a mix shipped by ai2-olmo-core. Directories and mix files are local, gs://, s3:// or
+http(s):// alike (olmo3.io.storage; over HTTP the server must answer Range requests).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import importlib.resources
 import os
 from typing import NamedTuple
 
-from etils import epath
-
 from olmo3.io import storage
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import embedded, prepare
@@ -27,7 +26,7 @@ from olmo3.data.tokens import UNLABELLED, DataError, TokenFiles
 
 EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout"}  # the built-in corpus's splits
 EMBEDDED_LABEL = "embedded"  # the built-in corpus is one source; both splits carry its label
-_MANIFEST = "manifest.json"
+_MANIFEST = prepare.MANIFEST_FILE
 
 
 class MixFile(NamedTuple):
@@ -39,7 +38,7 @@ class MixFile(NamedTuple):
 class Prepared:
   """One split of a prepared directory named as a mix."""
 
-  directory: epath.Path
+  directory: str  # storage.normalized: the spelling its token files' paths start with
   split: str
   label: str  # the source / held-out set name: the directory's name ("embedded" built in)
   manifest: prepare.Manifest
@@ -50,13 +49,13 @@ class Prepared:
     """What tasks load the tokenizer from: the copy `prepare` writes beside the tokens."""
     if self.builtin:
       return "embedded"
-    return os.fspath(self.directory / prepare.TOKENIZER_FILE)
+    return storage.join(self.directory, prepare.TOKENIZER_FILE)
 
   def mix(self, split: str) -> str:
     """The mix name of a split of this directory."""
     if self.builtin:
       return {s: name for name, s in EMBEDDED.items()}[split]
-    return os.fspath(self.directory / split)
+    return storage.join(self.directory, split)
 
 
 def prepared(mix: str, split: str = "train") -> Prepared | None:
@@ -64,22 +63,25 @@ def prepared(mix: str, split: str = "train") -> Prepared | None:
   directory means `split`; `DIR/<split>` names that split whatever `split` says."""
   builtin = mix in EMBEDDED
   if builtin:
-    directory, split, label = epath.Path(embedded.corpus_dir()), EMBEDDED[mix], EMBEDDED_LABEL
+    directory, split = storage.normalized(embedded.corpus_dir()), EMBEDDED[mix]
+    label = EMBEDDED_LABEL
   else:
-    if storage.scheme(mix) in storage.READ_ONLY_SCHEMES:  # etils has no http(s) paths
-      raise DataError(f"mix {mix!r}: a mix file or prepared directory is read from a local "
-                      "path, gs:// or s3://, not over HTTP (token files may be: a local mix "
-                      "file with data.root='http(s)://...')")
-    directory = epath.Path(mix)
-    if (directory.name in prepare.SPLITS and not (directory / _MANIFEST).exists()
-        and (directory.parent / _MANIFEST).exists()):
-      directory, split = directory.parent, directory.name
-    elif not (directory / _MANIFEST).exists():
+    try:
+      storage.check_supported(mix, what="mix")
+    except ValueError as e:
+      raise DataError(str(e)) from None
+    directory = storage.normalized(mix)
+    parent, name = storage.split(directory)
+    has_manifest = storage.exists(storage.join(directory, _MANIFEST))
+    if (name in prepare.SPLITS and not has_manifest
+        and storage.exists(storage.join(parent, _MANIFEST))):
+      directory, split = parent, name
+    elif not has_manifest:
       return None
-    label = directory.name
+    label = storage.split(directory)[1]
   manifest = prepare.Manifest.load(directory)
   if split not in manifest.splits:
-    raise DataError(f"{directory / _MANIFEST} has no {split!r} split")
+    raise DataError(f"{storage.join(directory, _MANIFEST)} has no {split!r} split")
   return Prepared(directory, split, label, manifest, builtin)
 
 
@@ -97,13 +99,14 @@ def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, fiel
   """read_mix, given what `prepared(mix)` found (so a caller that needed it reads the
   manifest once)."""
   if split is not None:
-    return [MixFile(split.label, os.fspath(p))
-            for p in split.manifest.files(split.directory, split.split)]
-  mix_path = epath.Path(mix)
-  if mix_path.is_dir():
+    return [MixFile(split.label, p) for p in split.manifest.files(split.directory, split.split)]
+  mix_path = mix
+  if storage.is_dir(mix):
     raise DataError(f"{field}={mix!r} is a directory without {_MANIFEST}: expected a directory "
                     "written by python -m olmo3.data.prepare (or a mix file)")
-  if not mix_path.exists():
+  if not storage.exists(mix):
+    if storage.is_url(mix):
+      raise DataError(f"{field}={mix!r}: no such mix file or prepared directory")
     try:
       packaged = importlib.resources.files("olmo_core").joinpath(f"data/mixes/{mix}.txt")
     except ModuleNotFoundError:
@@ -112,15 +115,15 @@ def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, fiel
       raise DataError(f"{field}={mix!r}: no such mix file or prepared directory, and no mix of "
                       "that name in ai2-olmo-core (pip install ai2-olmo-core to use AI2's named "
                       "mixes)")
-    mix_path = epath.Path(os.fspath(packaged))
+    mix_path = os.fspath(packaged)
   try:
-    text = mix_path.read_bytes().decode("utf-8")
+    text = storage.read_bytes(mix_path).decode("utf-8")
   except UnicodeDecodeError:
     text = None
   if text is None or "\0" in text:
     raise DataError(f"{field}={mix!r} is a binary file (a token file?): expected a mix file of "
                     "'label,path' lines or a directory written by python -m olmo3.data.prepare")
-  base = root if root else os.fspath(mix_path.parent)  # a URL root stays a URL (storage.join)
+  base = root if root else storage.split(mix_path)[0]  # a URL stays a URL (storage.join)
   paths = []
   for number, line in enumerate(text.splitlines(), start=1):
     line = line.strip()
@@ -187,7 +190,7 @@ def _same_tokenizer(a: str, b: str) -> bool:
   if a == b:
     return True
   a, b = tokenizer_file(a), tokenizer_file(b)
-  local = [epath.Path(n).is_file() for n in (a, b)]
+  local = [os.path.isfile(n) for n in (a, b)]
   return all(local) and _file_digest(a) == _file_digest(b)
 
 
@@ -333,7 +336,7 @@ def _check_model(split: Prepared, model) -> None:
   """A prepared directory's tokens fit the model: its EOS ends the model's documents (held-out
   sets are cut at it) and its vocabulary fits the embedding."""
   m = split.manifest
-  where = split.directory / _MANIFEST
+  where = storage.join(split.directory, _MANIFEST)
   if m.eos_id != model.eos_token_id:
     raise DataError(f"{where}: its documents end with EOS id {m.eos_id} ({split.tokenizer}), "
                     f"but ModelConfig.eos_token_id={model.eos_token_id}")

@@ -178,8 +178,12 @@ class TokenFiles:
 
 
 def write_token_file(path: str | os.PathLike, tokens: np.ndarray) -> None:
-  """Writes raw little-endian uint32 tokens atomically (temporary file, then rename)."""
+  """Writes raw little-endian uint32 tokens atomically: a local file through a temporary file
+  and a rename, an object (gs://, s3://) with one upload."""
   path = os.fspath(path)
+  if storage.is_url(path):
+    storage.write_bytes_atomic(path, np.ascontiguousarray(tokens, TOKEN_DTYPE).tobytes())
+    return
   tmp = f"{path}.tmp-{os.getpid()}"
   try:
     np.ascontiguousarray(tokens, TOKEN_DTYPE).tofile(tmp)

@@ -12,7 +12,8 @@ Reads of token files are ranged (only the bytes an instance needs), concurrent (
 of requests in flight per host, `OLMO3_STORAGE_CONCURRENCY`, default 64), batched (one call reads a
 whole step's rows) and retried with exponential backoff on transient errors (connection refused
 or reset, timeouts, HTTP 408 / 429 / 5xx). A file that is not there is a `FileNotFoundError` at
-once.
+once. An HTTP server must answer Range requests: the first look at a file over HTTP (its size,
+whether it exists) checks that it does.
 
 Outages end in bounded time. Every request has a deadline (`OLMO3_STORAGE_TIMEOUT_S`, default
 60 s: connecting, and each read of the answer), and an operation's transient failures are
@@ -41,6 +42,7 @@ import json
 import logging as py_logging
 import math
 import os
+import pathlib
 import random
 import threading
 import time
@@ -307,6 +309,30 @@ def join(base: str | os.PathLike, *parts: str) -> str:
   return text
 
 
+def normalized(path: str | os.PathLike) -> str:
+  """`path` spelt as etils.epath spells it (pathlib's rules for a local path: `./a/b/` is
+  `a/b`; a URL's repeated and trailing slashes dropped), http(s):// URLs included, which etils
+  cannot represent. Token-file paths built on it keep the spelling runs recorded them with."""
+  text = os.fspath(path)
+  if not is_url(text):
+    return os.fspath(pathlib.PurePath(text))
+  head, _, rest = text.partition("://")
+  return f"{head}://" + "/".join(part for part in rest.split("/") if part)
+
+
+def split(path: str | os.PathLike) -> tuple[str, str]:
+  """(parent, name) of `normalized(path)`, as etils.epath's `parent` and `name`, URLs of every
+  scheme alike: `http://host/a/b` is (`http://host/a`, `b`); a URL without a path (`http://host`,
+  `gs://bucket`) is its own parent, named by its host or bucket."""
+  text = normalized(path)
+  if not is_url(text):
+    pure = pathlib.PurePath(text)
+    return os.fspath(pure.parent), pure.name
+  head, _, rest = text.partition("://")
+  parent, sep, name = rest.rpartition("/")
+  return f"{head}://{parent if sep else rest}", name
+
+
 @functools.cache
 def _filesystem(protocol: str, pid: int):
   """One fsspec filesystem per protocol and process (async filesystems keep an event loop and
@@ -487,6 +513,10 @@ def exists(path: str | os.PathLike) -> bool:
   text = os.fspath(path)
   if not is_url(text):
     return os.path.exists(text)
+  if scheme(text) in READ_ONLY_SCHEMES:
+    # fsspec's HTTP `exists` takes a refused connection for a missing file; the size lookup
+    # retries it, and proves the server answers Range requests (`_http_size`).
+    return sizes([text])[0] is not None
   fs = filesystem(text)
   return bool(_sync_retried(lambda: fs.exists(text), text, "looking up"))
 
@@ -502,17 +532,29 @@ def is_dir(path: str | os.PathLike) -> bool:
 
 
 async def _http_size(fs, url: str) -> int | None:
-  """A HEAD request's Content-Length (None: 404). Not fsspec's `_info`, which turns every
-  failure, a transient 503 included, into FileNotFoundError."""
+  """The file's size (None: 404), from a GET of its first byte: the answer's `Content-Range`
+  (`bytes 0-0/SIZE`; `bytes */0` with a 416 for an empty file) gives the size and shows that
+  the server answers Range requests, as every read of a remote file is one. A server that
+  ignores them answers 200 with the whole file (only its headers are read): refused here, at
+  the first look at a file, naming it. Not fsspec's `_info`, which turns every failure, a
+  transient 503 included, into FileNotFoundError."""
   session = await fs.set_session()
-  async with session.head(url, allow_redirects=True,
-                          headers={"Accept-Encoding": "identity"}) as response:
+  async with session.get(url, allow_redirects=True,
+                         headers={"Range": "bytes=0-0", "Accept-Encoding": "identity"}
+                         ) as response:
     if response.status == 404:
       return None
-    response.raise_for_status()  # aiohttp.ClientResponseError: retried when transient
-    if "Content-Length" not in response.headers:
+    if response.status == 200:
+      raise StorageError(f"{url}: the server does not support HTTP Range requests (asked for "
+                         "one byte, it sent the whole file); data is read over http(s):// by "
+                         "range: serve it with a server that does (python -m olmo3.data.serve "
+                         "DIR)")
+    if response.status != 416:  # 416: an empty file has no first byte
+      response.raise_for_status()  # aiohttp.ClientResponseError: retried when transient
+    total = response.headers.get("Content-Range", "").rpartition("/")[2]
+    if not total.isdigit():
       raise StorageError(f"{url}: the server does not report the file's size")
-    return int(response.headers["Content-Length"])
+    return int(total)
 
 
 async def _size(fs, url: str) -> int | None:
