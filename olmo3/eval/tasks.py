@@ -86,6 +86,17 @@ class Task:
     return f"{self.metric_type}_v1" if self.metric_type == "f1" else f"{self.metric_type}_v2"
 
 
+# Task.headline read back from the metric names a task logged (metrics.jsonl has no task
+# types): a multiple-choice task (acc, len_norm) also logs ce_loss_v2 and bpb_v2, so its own
+# type comes first; ce_loss and bpb tasks log only their own.
+_HEADLINES = ("f1_v1", "acc_v2", "len_norm_v2", "bpb_v2", "ce_loss_v2")
+
+
+def headline_of(metric_names: set[str]) -> str | None:
+  """The headline among a task's logged metric names (None when there is none)."""
+  return next((name for name in _HEADLINES if name in metric_names), None)
+
+
 def _olmo_eval():
   try:
     import olmo_eval  # pylint: disable=import-outside-toplevel

@@ -25,6 +25,7 @@ from absl import logging
 from olmo3.io import storage
 
 METRICS_JSONL = "metrics.jsonl"
+TENSORBOARD = "tensorboard"  # the event files' directory
 
 
 class MetricWriter(abc.ABC):
@@ -190,7 +191,7 @@ def create_writer(workdir: str | os.PathLike, is_main_process: bool, resumed_at:
   if local != workdir and storage.exists(storage.join(workdir, METRICS_JSONL + SET_ASIDE)):
     with open(os.path.join(local, METRICS_JSONL + SET_ASIDE), "wb") as f:  # kept, added to
       f.write(storage.read_bytes(storage.join(workdir, METRICS_JSONL + SET_ASIDE)))
-  writer = MultiWriter([LogWriter(), TensorBoardWriter(os.path.join(local, "tensorboard")),
+  writer = MultiWriter([LogWriter(), TensorBoardWriter(os.path.join(local, TENSORBOARD)),
                         JsonlWriter(os.path.join(local, METRICS_JSONL), resumed_at,
                                     storage.join(workdir, METRICS_JSONL))])
   return writer if local == workdir else MirroredWriter(writer, local, workdir)

@@ -1,0 +1,58 @@
+"""The closing summary reads what a run came to from its workdir alone."""
+
+import dataclasses
+import json
+
+from olmo3.config import Experiment
+from olmo3.train.summary import RunSummary
+
+
+def _workdir(tmp_path, rows, launches=2, committed=(4, 8)):
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (tmp_path / "history.jsonl").write_text("".join(
+      json.dumps({"launch": n + 1, "revision": 0, "start_step": 0, "config": "config.json",
+                  "experiment": "experiment.json", "command": [], "time": "t"}) + "\n"
+      for n in range(launches)))
+  for step in committed:
+    (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
+  return str(tmp_path)
+
+
+ROWS = [
+    {"step": 4, "loss": 3.0, "ce_loss": 2.9, "step_time_s": 0.5},
+    {"step": 4, "eval/web/ce_loss": 3.5, "eval/code/ce_loss": 2.5, "eval/web/ppl": 33.0,
+     "alarm/generalization_gap": 0.0, "downstream/arc/acc_v2": 0.25,
+     "downstream/arc/bpb_v2": 1.5, "downstream/arc/acc_v1": 0.25, "downstream/lam/bpb_v2": 0.9},
+    {"step": 8, "loss": 2.0, "ce_loss": 1.9, "step_time_s": 0.25},
+    {"step": 8, "eval/web/ce_loss": 3.6, "eval/code/ce_loss": 2.4, "alarm/generalization_gap": 1.0},
+]
+
+
+def test_the_last_losses_evaluation_tasks_alarm_and_files(tmp_path):
+  exp = Experiment()
+  exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=8))
+  summary = RunSummary.read(_workdir(tmp_path, ROWS), exp)
+  assert summary.train_loss == (8, 2.0)
+  assert summary.heldout == (8, {"web": 3.6, "code": 2.4})
+  assert summary.tasks == (4, {"arc": ("acc_v2", 0.25), "lam": ("bpb_v2", 0.9)})
+  assert (summary.evaluations, summary.alarm_fired) == (2, 8)
+  assert summary.tokens == 8 * exp.tokens_per_step
+  assert summary.step_seconds == 4 * 0.5 + 4 * 0.25  # each row's mean over its interval
+  assert summary.checkpoint == f"{tmp_path}/checkpoints/8"
+  lines = summary.lines(launch_seconds=75, next_commands=(("evaluate", "python -m olmo3.eval"),))
+  assert lines[0] == f"run complete: {tmp_path} (2 launches)"
+  assert "  held-out CE     code 2.4000, web 3.6000 (step 8)" in lines
+  assert any(line.startswith("  alarm           FIRED at step 8") for line in lines)
+  assert "  time            1 min 15 s this launch; training steps 3 s over all launches" in lines
+  assert lines[-2:] == ["next:", "  evaluate  python -m olmo3.eval"]
+
+
+def test_a_run_without_evaluations_says_the_alarm_was_off(tmp_path):
+  exp = Experiment()
+  exp = dataclasses.replace(exp, train=dataclasses.replace(exp.train, steps=100))
+  summary = RunSummary.read(_workdir(tmp_path, ROWS[:1], launches=1, committed=()), exp)
+  lines = summary.lines()
+  assert lines[0] == f"run stopped at step 4 of 100: {tmp_path} (1 launch)"
+  assert "  held-out CE     none: the run evaluated no held-out set" in lines
+  assert "  alarm           off: without held-out evaluations it cannot fire" in lines
+  assert "  checkpoint      none committed" in lines
