@@ -100,11 +100,20 @@ def test_manifest_entries_outside_their_directory_are_refused_naming_the_entry(t
   _check(cases, _drive(tmp_path, cases))
 
 
+def _recorded(workdir, url):
+  """A workdir whose record of remote sizes says the served training file held 4096 bytes."""
+  workdir.mkdir()
+  (workdir / "file_sizes.json").write_text(json.dumps(
+      {f"{url}/mine/train/part-00000.npy": [4096, None]}))
+  return workdir
+
+
 @pytest.mark.slow(seconds=20)
 def test_storage_and_record_failures_are_one_line(tmp_path):
   """A store that refuses connections past the budget (2 s here), a token file missing over
   HTTP, a mix over HTTP that is not there, a prepared directory on a server that ignores Range
-  requests (`python -m http.server`), and python -m olmo3.eval on a run whose experiment file
+  requests (`python -m http.server`), a served token file unlike the workdir's record of it,
+  and python -m olmo3.eval on a run whose experiment file
   holds an invalid value: one line each, naming the operation and URL or the field."""
   run = tmp_path / "run"
   (run / "checkpoints" / "4").mkdir(parents=True)
@@ -112,6 +121,7 @@ def test_storage_and_record_failures_are_one_line(tmp_path):
   (tmp_path / "served").mkdir()
   (tmp_path / "plain").mkdir()
   _prepared(tmp_path / "plain", "mine")
+  _prepared(tmp_path / "served", "mine")
   with RangeServer(os.fspath(tmp_path / "served")) as server, storage_servers.plain_http_server(
       tmp_path / "plain") as plain:
     cases = [
@@ -135,6 +145,11 @@ def test_storage_and_record_failures_are_one_line(tmp_path):
              argv=[TINY, f"--fdl_set=data.mix='{plain}/mine'", f"--workdir={tmp_path / 'w4'}"],
              last=f"error: {plain}/mine/manifest.json: the server does not support HTTP Range "
                   "requests", absent=[os.fspath(tmp_path / "w4")]),
+        dict(name="data changed since recorded", program="main",
+             argv=[TINY, f"--fdl_set=data.mix='{server.url}/mine'",
+                   f"--workdir={_recorded(tmp_path / 'w5', server.url)}"],
+             last=f"error: token file {server.url}/mine/train/part-00000.npy changed since this "
+                  f"run recorded it in {tmp_path / 'w5'}/file_sizes.json: 4,096 bytes then,"),
         dict(name="eval of a bad experiment.json", program="olmo3.eval",
              argv=["--workdir", os.fspath(run)], last="error: TrainConfig.steps=-3"),
     ]

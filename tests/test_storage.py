@@ -38,7 +38,7 @@ def token_dir(tmp_path):
   return tmp_path
 
 
-def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_cached(
+def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_recorded(
     token_dir, tmp_path):
   local = TokenFiles([token_dir / f"{i}.npy" for i in range(3)], 128, VOCAB)
   instances = np.random.default_rng(1).permutation(len(local))
@@ -50,7 +50,7 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
     assert not cache.exists()  # looked up, not yet saved (a launcher's checks write nothing)
     sizes.save()
     assert remote.file_tokens.tolist() == local.file_tokens.tolist()
-    assert json.loads(cache.read_text()) == {u: int(n) * 4 for u, n in
+    assert json.loads(cache.read_text()) == {u: [int(n) * 4, None] for u, n in
                                              zip(urls, local.file_tokens)}
     looked_up = server.get_requests()
     assert looked_up == 3  # a size is a GET of the file's first byte (which proves Range works)
@@ -61,7 +61,8 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
     assert server.get_requests() == looked_up + len(instances)
     assert 1 < server.max_in_flight <= storage.concurrency(), server.max_in_flight
     again = TokenFiles(urls, 128, VOCAB, size_cache=storage.SizeCache(cache))  # a resumed run
-    assert server.get_requests() == looked_up + len(instances)  # none looked up
+    # ... checks the sizes again, all at once, against the record.
+    assert server.get_requests() == 2 * looked_up + len(instances)
     assert again.file_tokens.tolist() == local.file_tokens.tolist()
 
 
@@ -82,14 +83,58 @@ def test_transient_errors_are_retried_and_lasting_ones_are_named(token_dir):
     with pytest.raises(storage.StorageError, match=f"{url}: the server does not support HTTP "
                        "Range requests"):  # at the first look at the file
       TokenFiles([url], 128, VOCAB)
-    # A size cached by an earlier launch (the server replaced since): refused at the read.
+    # A size recorded by an earlier launch (the server replaced since): refused all the same.
     cache = token_dir / "sizes.json"
-    cache.write_text(json.dumps({url: os.path.getsize(token_dir / "0.npy")}))
-    remote = TokenFiles([url], 128, VOCAB, size_cache=storage.SizeCache(cache))
+    cache.write_text(json.dumps({url: [os.path.getsize(token_dir / "0.npy"), None]}))
     with pytest.raises(storage.StorageError, match="support HTTP Range"):
-      remote.read([1])
+      TokenFiles([url], 128, VOCAB, size_cache=storage.SizeCache(cache))
   with pytest.raises(DataError, match="unsupported scheme ftp://"):
     TokenFiles(["ftp://host/0.npy"], 128, VOCAB)
+
+
+def test_remote_data_that_changed_is_named_with_its_record(token_dir, tmp_path):
+  """A token file changed on its server is a DataError naming the file: at a resumed launch,
+  when its size differs from the run's record (data.allow_changed_data accepts and records
+  the new one); mid-run, when a read comes back short or starts past the new end."""
+  cache = tmp_path / "sizes.json"
+  with RangeServer(os.fspath(token_dir)) as server:
+    url = f"{server.url}/1.npy"
+    sizes = storage.SizeCache(cache)
+    files = TokenFiles([url], 128, VOCAB, size_cache=sizes)
+    sizes.save()
+    assert len(files) == 39  # 5100 tokens
+    tokens = np.fromfile(token_dir / "1.npy", np.uint32)
+    tokens[:4000].tofile(token_dir / "1.npy")  # cut short: 31 whole instances now
+    with pytest.raises(DataError, match=(
+        rf"token file {url}: bytes \[16,384, 16,896\) start past the file's end .* it changed "
+        r"after this launch counted its tokens. Restore the file; or continue deliberately")):
+      files.read([32])
+    with pytest.raises(DataError, match=(
+        rf"token file {url}: asked for bytes \[15,872, 16,384\), got 128: the file is shorter")):
+      files.read([31])  # its last 32 tokens are gone
+    with pytest.raises(DataError, match=(
+        rf"token file {url} changed since this run recorded it in {cache}: 20,400 bytes then, "
+        r"16,000 bytes now. Restore the file; or continue deliberately on the data as it is now "
+        r"with data.allow_changed_data=True")):
+      TokenFiles([url], 128, VOCAB, size_cache=storage.SizeCache(cache))  # the next launch
+    accepting = storage.SizeCache(cache, accept_changes=True)
+    assert len(TokenFiles([url], 128, VOCAB, size_cache=accepting)) == 31
+    accepting.save()
+    assert json.loads(cache.read_text()) == {url: [16000, None]}
+
+
+def test_an_object_replaced_with_one_of_the_same_size_is_named_by_its_version(s3_env, tmp_path):
+  url = "s3://olmo3-changed/0.npy"
+  storage_servers.make_bucket(url)
+  write_token_file(url, np.arange(512, dtype=np.uint32))
+  cache = tmp_path / "sizes.json"
+  sizes = storage.SizeCache(cache)
+  TokenFiles([url], 128, VOCAB, size_cache=sizes)
+  sizes.save()
+  write_token_file(url, np.arange(512, dtype=np.uint32)[::-1])  # same size, other tokens
+  with pytest.raises(DataError, match=rf"token file {url} changed since this run recorded it "
+                     r"in .*: 2,048 bytes \(version .*\) then, 2,048 bytes \(version .*\) now"):
+    TokenFiles([url], 128, VOCAB, size_cache=storage.SizeCache(cache))
 
 
 def test_held_out_documents_over_http_equal_local(tmp_path):

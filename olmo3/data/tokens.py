@@ -42,6 +42,11 @@ def _count(path: str, size: int | None, kind: str) -> int:
   return size // TOKEN_DTYPE.itemsize
 
 
+# What a run whose data changed under it can do.
+CHANGED_REMEDY = ("Restore the file; or continue deliberately on the data as it is now with "
+                  "data.allow_changed_data=True; or start a new run on it")
+
+
 def token_counts(paths: Sequence[str | os.PathLike], kind: str = "token file",
                  size_cache: storage.SizeCache | None = None) -> list[int]:
   """The tokens each raw uint32 token file holds (remote sizes looked up concurrently, through
@@ -53,7 +58,10 @@ def token_counts(paths: Sequence[str | os.PathLike], kind: str = "token file",
       storage.check_supported(text, what=kind)
     except ValueError as e:
       raise DataError(str(e)) from None
-  found = (size_cache.sizes if size_cache else storage.sizes)(texts)
+  try:
+    found = (size_cache.sizes if size_cache else storage.sizes)(texts)
+  except storage.ChangedSince as e:
+    raise DataError(f"{kind} {e}. {CHANGED_REMEDY}") from None
   return [_count(t, n, kind) for t, n in zip(texts, found)]
 
 
@@ -121,8 +129,12 @@ class TokenFiles:
       else:
         remote.append(i)
     size = TOKEN_DTYPE.itemsize
-    chunks = storage.read_ranges([(self.paths[spans[i][0]], spans[i][1] * size,
-                                   (spans[i][1] + spans[i][2]) * size) for i in remote])
+    try:
+      chunks = storage.read_ranges([(self.paths[spans[i][0]], spans[i][1] * size,
+                                     (spans[i][1] + spans[i][2]) * size) for i in remote])
+    except storage.ChangedSince as e:
+      raise DataError(f"token file {e}: it changed after this launch counted its tokens. "
+                      f"{CHANGED_REMEDY}") from None
     for i, chunk in zip(remote, chunks):
       out[i] = np.frombuffer(chunk, TOKEN_DTYPE)
     return out  # type: ignore[return-value]

@@ -62,6 +62,11 @@ class StorageError(OSError):
   """A remote read or write failed for good (after retries). The message names the URL."""
 
 
+class ChangedSince(StorageError):
+  """A remote file is not what a run found it to be: shorter than a read of it needs, or of
+  another size or version than the run's size cache records. The message names the file."""
+
+
 class PreconditionFailed(StorageError):
   """A conditional write found the file changed (or present) since it was read."""
 
@@ -557,10 +562,23 @@ async def _http_size(fs, url: str) -> int | None:
     return int(total)
 
 
-async def _size(fs, url: str) -> int | None:
-  """A remote file's size in bytes (None: no such file)."""
+@dataclasses.dataclass(frozen=True)
+class Stat:
+  """What identifies a remote file's contents: its size, and its version where the store keeps
+  one (a GCS object's generation, an S3 object's ETag; None over HTTP)."""
+
+  size: int
+  version: str | None = None
+
+  def describe(self) -> str:
+    return f"{self.size:,} bytes" + (f" (version {self.version})" if self.version else "")
+
+
+async def _stat(fs, url: str) -> Stat | None:
+  """A remote file's Stat (None: no such file)."""
   if scheme(url) in READ_ONLY_SCHEMES:
-    return await _http_size(fs, url)
+    size = await _http_size(fs, url)
+    return None if size is None else Stat(size)
   try:
     found = await fs._info(url)  # pylint: disable=protected-access
   except FileNotFoundError:
@@ -569,24 +587,57 @@ async def _size(fs, url: str) -> int | None:
     return None
   if found.get("size") is None:
     raise StorageError(f"{url}: the server does not report the file's size")
-  return int(found["size"])
+  version = found.get("generation") or found.get("ETag")
+  return Stat(int(found["size"]), None if version is None else str(version))
+
+
+def stats(paths: Sequence[str | os.PathLike]) -> list[Stat | None]:
+  """Each file's Stat (None: it does not exist), remote ones looked up concurrently."""
+  texts = [os.fspath(p) for p in paths]
+  out = [None if is_url(t) else (Stat(os.path.getsize(t)) if os.path.isfile(t) else None)
+         for t in texts]
+  remote = [i for i, t in enumerate(texts) if is_url(t)]
+  for i, found in zip(remote, _remote_all([(texts[i], _stat) for i in remote], "looking up")):
+    out[i] = found
+  return out
 
 
 def sizes(paths: Sequence[str | os.PathLike]) -> list[int | None]:
   """Each file's size in bytes (None: it does not exist), remote ones looked up concurrently."""
-  texts = [os.fspath(p) for p in paths]
-  out = [None if is_url(t) else (os.path.getsize(t) if os.path.isfile(t) else None)
-         for t in texts]
-  remote = [i for i, t in enumerate(texts) if is_url(t)]
-  for i, size in zip(remote, _remote_all([(texts[i], _size) for i in remote], "looking up")):
-    out[i] = size
-  return out
+  return [None if found is None else found.size for found in stats(paths)]
+
+
+def _past_the_end(error: BaseException) -> bool:
+  """A ranged read refused because the range starts past the file's end (HTTP 416), as each
+  client reports it: gcsfs's HttpError(code=416), aiohttp's ClientResponseError(status=416),
+  s3fs's OSError(EINVAL) from botocore's InvalidRange."""
+  for e in (error, error.__cause__):
+    if e is None:
+      continue
+    if 416 in (getattr(e, "code", None), getattr(e, "status", None)):
+      return True
+    response = getattr(e, "response", None)
+    if isinstance(response, dict) and response.get("Error", {}).get("Code") == "InvalidRange":
+      return True
+    if isinstance(e, OSError) and "range is not satisfiable" in str(e):
+      return True
+  return False
 
 
 def _ranged(start: int, end: int):
   async def call(fs, url: str) -> bytes:
-    data = await fs._cat_file(url, start=start, end=end)  # pylint: disable=protected-access
-    if len(data) != end - start:
+    try:
+      data = await fs._cat_file(url, start=start, end=end)  # pylint: disable=protected-access
+    except Exception as e:  # pylint: disable=broad-except  # re-raised unless past the end
+      if _past_the_end(e):
+        raise ChangedSince(f"{url}: bytes [{start:,}, {end:,}) start past the file's end (the "
+                           "store answered 416): it is shorter than when its size was looked "
+                           "up") from None
+      raise
+    if len(data) < end - start:
+      raise ChangedSince(f"{url}: asked for bytes [{start:,}, {end:,}), got {len(data):,}: the "
+                         "file is shorter than when its size was looked up")
+    if len(data) > end - start:
       # A server that ignores Range sends the whole file: never take it for the range.
       raise StorageError(f"{url}: asked for bytes [{start}, {end}), got {len(data)} bytes "
                          "(does the server support HTTP Range requests?)")
@@ -646,37 +697,56 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 
 class SizeCache:
-  """Remote files' sizes, read once and kept in a JSON file (`path`, e.g. in the workdir), so a
-  resumed run does not look up thousands of files again (OLMo-core keeps the same kind of
-  cache). Local files are never cached: a stat costs nothing. A cached URL is trusted as its
-  size: replace a remote file under a new name. Sizes looked up are remembered; `save` writes
-  them (a launcher's checks look up without writing, before it has decided to write anything)."""
+  """The remote files' sizes and versions a run trained on, kept in a JSON file (`path`, in
+  the workdir) and checked again at every launch: each remote file is looked up once per
+  launch (concurrently, with every other), and one whose size or version differs from the
+  record is ChangedSince, naming the file and the record, unless `accept_changes`
+  (data.allow_changed_data), when the new one is recorded. Without the check a file replaced
+  under the same name would change the data a resumed run reads (shorter: reads past its end;
+  other tokens: silently). Local files are never recorded: a stat costs nothing, and the
+  loader checks their length before it maps them. `save` writes what was looked up (a
+  launcher's checks look up without writing, before it has decided to write anything)."""
 
-  def __init__(self, path: str | os.PathLike | None):
+  def __init__(self, path: str | os.PathLike | None, *, accept_changes: bool = False):
     self.path = None if path is None else os.fspath(path)
-    self._known: dict[str, int] = {}
-    self._unsaved = False
+    self.accept_changes = accept_changes
+    self._recorded: dict[str, Stat] = {}
+    self._checked: dict[str, Stat] = {}  # looked up by this launch
     if self.path is not None and exists(self.path):
       try:
-        self._known = {str(k): int(v) for k, v in json.loads(read_text(self.path)).items()}
-      except (ValueError, AttributeError):  # unreadable: looked up again and rewritten
-        self._known = {}
+        self._recorded = {str(url): Stat(int(size), None if version is None else str(version))
+                          for url, (size, version) in json.loads(read_text(self.path)).items()}
+      except (ValueError, TypeError, AttributeError):  # unreadable: looked up and rewritten
+        self._recorded = {}
 
   def sizes(self, paths: Sequence[str | os.PathLike]) -> list[int | None]:
     texts = [os.fspath(p) for p in paths]
-    missing = [t for t in texts if not (is_url(t) and t in self._known)]
-    found = dict(zip(missing, sizes(missing)))
-    fresh = {t: s for t, s in found.items() if is_url(t) and s is not None}
-    if fresh:
-      self._known.update(fresh)
-      self._unsaved = True
-    return [self._known[t] if t in self._known else found[t] for t in texts]
+    unchecked = sorted({t for t in texts if is_url(t) and t not in self._checked})
+    for url, found in zip(unchecked, stats(unchecked)):
+      if found is None:
+        continue
+      was = self._recorded.get(url)
+      if was is not None and not self.accept_changes and (
+          was.size != found.size or None not in (was.version, found.version)
+          and was.version != found.version):
+        raise ChangedSince(
+            f"{url} changed since this run recorded it in {self.path}: {was.describe()} then, "
+            f"{found.describe()} now")
+      self._checked[url] = found
+    local = [t for t in texts if not is_url(t)]
+    found_local = dict(zip(local, sizes(local)))
+    return [self._checked[t].size if t in self._checked else found_local.get(t)
+            for t in texts]
 
   def save(self) -> None:
-    """Writes the sizes to `path` if any were looked up since it was read."""
-    if self._unsaved and self.path is not None:
-      write_bytes_atomic(self.path, json.dumps(self._known, indent=0, sort_keys=True).encode())
-      self._unsaved = False
+    """Writes the record if this launch found a file it lacked or one changed (accepted)."""
+    merged = {**self._recorded, **self._checked}
+    if merged == self._recorded or self.path is None:
+      return
+    write_bytes_atomic(self.path, json.dumps(
+        {url: [stat.size, stat.version] for url, stat in merged.items()}, indent=0,
+        sort_keys=True).encode())
+    self._recorded = merged
 
 
 # --- conditional writes (olmo3.train.lease) ------------------------------------------------------

@@ -171,7 +171,8 @@ class RunPlan:
   @classmethod
   def build(cls, exp: Experiment, workdir: str, name: str = "") -> RunPlan:
     """Raises DataError (data) or CheckpointError (init_from) naming the field or file."""
-    cache = storage.SizeCache(Workdir(workdir).file_sizes)
+    cache = storage.SizeCache(Workdir(workdir).file_sizes,
+                              accept_changes=exp.data.allow_changed_data)
     return cls.from_resolved(sources.resolve(exp, cache), workdir, name, cache)
 
   @classmethod
@@ -181,7 +182,8 @@ class RunPlan:
     where the files cannot be sized); `cache`: the one the resolution sized files through."""
     where = Workdir(workdir)
     exp = resolved.exp
-    cache = cache or storage.SizeCache(where.file_sizes)
+    cache = cache or storage.SizeCache(where.file_sizes,
+                                       accept_changes=exp.data.allow_changed_data)
     train_files = resolved.train_files or sources.token_files(
         exp.data, exp.model.vocab_size, cache, files=list(resolved.train))
     evaluates = bool(exp.train.eval_every)

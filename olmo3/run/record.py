@@ -67,7 +67,8 @@ class Workdir:
 
   @property
   def file_sizes(self) -> str:
-    """Remote token files' sizes, looked up once (olmo3.io.storage.SizeCache)."""
+    """The remote token files' sizes and versions the run trained on, checked again at every
+    launch (olmo3.io.storage.SizeCache)."""
     return storage.join(self.root, "file_sizes.json")
 
   @property
