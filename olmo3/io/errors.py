@@ -17,7 +17,7 @@ from typing import Any
 
 TRACEBACK_ENV = "OLMO3_TRACEBACK"
 # How long a program that has ended waits for background threads still running at its end.
-EXIT_GRACE_S = 30.0
+EXIT_GRACE_S = 10.0
 
 
 def traceback_wanted(verbosity: int = 0) -> bool:
