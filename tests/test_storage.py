@@ -505,3 +505,39 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(served, capsys):
     assert serve.main([os.fspath(directory), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message), err
+
+
+_STALLED_TENSORSTORE = """
+import socket, sys, threading, time
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(16)
+held = []
+threading.Thread(target=lambda: [held.append(server.accept()) for _ in iter(int, 1)],
+                 daemon=True).start()  # accepts connections and never answers
+import os
+os.environ["TENSORSTORE_GCS_HTTP_URL"] = f"http://127.0.0.1:{server.getsockname()[1]}"
+from olmo3.io import storage
+storage.configure_clients()
+import tensorstore as ts
+started = time.monotonic()
+try:
+  ts.open({"driver": "zarr", "kvstore": "gs://stalled/array",
+           "context": storage.tensorstore_context({})}, open=True).result(timeout=30)
+except Exception as e:
+  print(round(time.monotonic() - started), str(e).splitlines()[0])
+"""
+
+
+@pytest.mark.slow(seconds=12)
+def test_a_stalled_store_fails_tensorstore_requests_within_the_budget():
+  """Orbax reads and writes arrays through TensorStore, whose requests have no deadline from
+  Python: a store that accepts connections and never answers fails them after the request
+  timeout (2 s here), retried within the budget (3 s), not after TensorStore's minutes."""
+  env = dict(os.environ, GOOGLE_AUTH_TOKEN_FOR_TESTING="test",
+             **{storage.TIMEOUT_ENV: "2", storage.RETRY_ENV: "3"})
+  done = subprocess.run([sys.executable, "-c", _STALLED_TENSORSTORE], capture_output=True,
+                        text=True, cwd=ROOT, env=env, timeout=120)
+  seconds, _, message = done.stdout.strip().partition(" ")
+  assert seconds.isdigit() and int(seconds) <= 3 * 2 + 3 + 5, done.stdout + done.stderr[-2000:]
+  assert "Timeout was reached" in message, message

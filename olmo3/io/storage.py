@@ -195,6 +195,15 @@ def configure_clients() -> None:
         conf.setdefault(key, value)
   _silence_library_retries()
   _budget_client_requests()
+  # TensorStore (Orbax's array reads and writes) takes no deadline per request from Python;
+  # its curl transport reads these when it makes its first request: a connection that does
+  # not open, or that carries less than a byte a second, for the request timeout fails (and
+  # is retried within the budget: `tensorstore_context`) instead of waiting for ever.
+  timeout = str(max(1, math.ceil(request_timeout_s())))
+  for key, value in (("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", timeout),
+                     ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", timeout),
+                     ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")):
+    os.environ.setdefault(key, value)
 
 
 _VERBS = {"GET": "reading", "HEAD": "reading", "POST": "writing", "PUT": "writing",
