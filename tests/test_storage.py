@@ -278,8 +278,8 @@ def test_a_run_kept_in_a_bucket_is_killed_resumes_from_it_and_matches_the_local_
   assert done.returncode == 0, done.stderr[-3000:]
   assert "restor" in done.stderr  # it resumed, not started over
   rows = metrics_lib.read_jsonl(f"{workdir}/metrics.jsonl")
-  straight = request.getfixturevalue("straight")  # only now: see test_reliability's `straight`
-  assert {r["step"]: r["loss"] for r in rows if "loss" in r} == straight
+  uninterrupted = request.getfixturevalue("straight")  # only now: see test_reliability's
+  assert {r["step"]: r["loss"] for r in rows if "loss" in r} == uninterrupted
   assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})  # no step twice
   heldout = [k for r in rows if r["step"] == 9 for k in r if k.startswith("eval/embedded/")]
   assert heldout, "the bucket's held-out split was not evaluated"
