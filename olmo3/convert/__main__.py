@@ -1,6 +1,12 @@
-"""python -m olmo3.convert {import-hf,export-hf,parity} ...
+"""python -m olmo3.convert {import-hf,import-olmo-core,export-hf,parity} ...
 
   import-hf --hf_dir DIR --out CKPT          HF OLMo 3 directory -> Orbax checkpoint
+  import-olmo-core --src SRC --out CKPT [--model PRESET]
+                                             AI2's OLMo-core checkpoint (weights, Adam's state,
+                                             trainer state) -> Orbax checkpoint; SRC: a step
+                                             directory (local, gs://, s3://, https://) or a
+                                             name --list shows (olmo3-7b/stage2/step10000)
+  import-olmo-core --list                    AI2's published OLMo-3-1025-7B checkpoints
   export-hf --ckpt CKPT --out DIR [--dtype]  Orbax checkpoint -> directory transformers loads
                                              (CKPT: a step directory, or a run's workdir:
                                              its latest step; a run's tokenizer comes along)
@@ -19,7 +25,7 @@ import tempfile
 from etils import epath
 
 from olmo3 import model as model_lib, platforms
-from olmo3.config import ModelConfig
+from olmo3.config import PRESETS, ModelConfig
 from olmo3.convert import hf, parity
 from olmo3.io import checkpoint
 
@@ -42,6 +48,26 @@ def import_hf(args: argparse.Namespace) -> int:
                           meta={"source": str(args.hf_dir), "hf_dtype": dtype})
   print(f"imported {args.hf_dir} ({dtype}, {cfg.param_count:,} parameters with the vocabulary "
         f"padded to {cfg.padded_vocab_size}) -> {args.out}")
+  return 0
+
+
+def import_olmo_core(args: argparse.Namespace) -> int:
+  from olmo3.io import olmo_core_checkpoints  # pylint: disable=import-outside-toplevel
+
+  if args.list:
+    for official in olmo_core_checkpoints.official().values():
+      print(f"{official.name:32} {official.tokens:>17,} tokens  {official.url}")
+    return 0
+  if not args.src or not args.out:
+    raise hf.ConversionError("import-olmo-core needs --src and --out (or --list)")
+  if os.path.exists(args.out):
+    raise checkpoint.CheckpointError(f"{args.out} already exists; refusing to overwrite")
+  from olmo3.convert import olmo_core_import  # pylint: disable=import-outside-toplevel
+
+  cfg = PRESETS[args.model]()
+  meta = olmo_core_import.import_checkpoint(args.src, args.out, cfg, staging=args.staging)
+  print(f"imported {meta['source']} ({args.model}: {cfg.param_count:,} parameters; "
+        f"{olmo_core_import.describe(meta)}) -> {args.out}")
   return 0
 
 
@@ -105,6 +131,19 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--hf_dir", required=True)
   p.add_argument("--out", required=True)
   p.set_defaults(run=import_hf)
+  p = sub.add_parser("import-olmo-core",
+                     help="AI2's OLMo-core checkpoint -> Orbax checkpoint (weights, optimizer "
+                          "and trainer state)")
+  p.add_argument("--src", help="a step directory (local, gs://, s3://, https://) or a name "
+                               "--list shows")
+  p.add_argument("--out")
+  p.add_argument("--model", default="olmo3_7b", choices=sorted(PRESETS),
+                 help="the model config the checkpoint holds (a preset of olmo3.config)")
+  p.add_argument("--staging", help="where the float32 arrays are staged before they are "
+                                   "written (default: beside a local --out, else the temporary "
+                                   "directory); about 3x the model's float32 size")
+  p.add_argument("--list", action="store_true", help="list AI2's published checkpoints")
+  p.set_defaults(run=import_olmo_core)
   p = sub.add_parser("export-hf", help="Orbax checkpoint -> HF directory")
   p.add_argument("--ckpt", required=True,
                  help="a checkpoint step directory, or a run's workdir (its latest step)")

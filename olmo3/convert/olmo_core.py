@@ -42,22 +42,45 @@ def transformer_config(cfg: ModelConfig):
                              vocab_size=cfg.padded_vocab_size, block=block)
 
 
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where one of our parameters is in OLMo-core's model: one tensor, or one per layer for
+  the stacked layers (in layer order); linear weights are transposed."""
+
+  path: tuple[str, ...]  # ours, e.g. ("layers", "mlp", "gate_proj", "kernel")
+  names: tuple[str, ...]  # OLMo-core's state-dict names, e.g. blocks.0.feed_forward.w1.weight
+  transposed: bool
+
+  @property
+  def stacked(self) -> bool:
+    return self.path[0] == "layers"
+
+
+def sources(cfg: ModelConfig) -> list[Source]:
+  """Every parameter of ours and where OLMo-core keeps it."""
+  out = [Source(("embed_tokens", "embedding"), ("embeddings.weight",), False),
+         Source(("norm", "weight"), ("lm_head.norm.weight",), False),
+         Source(("lm_head", "kernel"), ("lm_head.w_out.weight",), True)]
+  for table, leaf, transposed in ((_LINEAR, "kernel", True), (_NORM, "weight", False)):
+    out += [Source(("layers", *path, leaf),
+                   tuple(f"blocks.{i}.{name}.weight" for i in range(cfg.n_layers)), transposed)
+            for name, path in table.items()]
+  return out
+
+
+def leaf(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
 def state_dict(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
   """OLMo-core's state dict (torch tensors) holding our parameter tree's values."""
   import torch
 
-  layers = params["layers"]
-
-  def get(path):
-    x = layers
-    for key in path:
-      x = x[key]
-    return np.asarray(x)
-
-  state = {"embeddings.weight": params["embed_tokens"]["embedding"],
-           "lm_head.norm.weight": params["norm"]["weight"],
-           "lm_head.w_out.weight": np.asarray(params["lm_head"]["kernel"]).T}
-  for i in range(cfg.n_layers):
-    state.update({f"blocks.{i}.{k}.weight": get(p + ("kernel",))[i].T for k, p in _LINEAR.items()})
-    state.update({f"blocks.{i}.{k}.weight": get(p + ("weight",))[i] for k, p in _NORM.items()})
+  state = {}
+  for source in sources(cfg):
+    value = np.asarray(leaf(params, source.path))
+    for name, part in zip(source.names, value if source.stacked else [value]):
+      state[name] = part.T if source.transposed else part
   return {k: torch.from_numpy(np.array(v, np.float32)) for k, v in state.items()}

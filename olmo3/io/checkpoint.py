@@ -39,6 +39,10 @@ from jax.experimental import multihost_utils
 from olmo3.io import orbax_s3, storage
 
 PARAMS, META = "params", "meta"
+# Adam's count and moments ({"count", "mu", "nu"}, optax's names) in a checkpoint imported from
+# another trainer (olmo3.convert.olmo_core_import); a run's own steps hold its optimizer's whole
+# state instead (olmo3.train.run_checkpoints), which a run builds from these.
+ADAM = "adam"
 ARRAYS, DIGEST = "arrays", "digest"  # meta keys: per-item array records; the meta's own digest
 _HOST_CHUNK = 1 << 22  # elements per step when checksumming a host (numpy) array
 _CAUSE_CHARS = 200  # the most of a library's error a damage message quotes
@@ -198,18 +202,21 @@ def sealed(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_model(path: str | os.PathLike, cfg: Any, params: Any,
-               meta: dict[str, Any] | None = None) -> None:
-  """Saves a parameter tree (nested dict of arrays) and its model config (a dataclass: a
-  ModelConfig, recorded as meta["model_config"]); refuses to overwrite."""
+               meta: dict[str, Any] | None = None, items: dict[str, Any] | None = None) -> None:
+  """Saves a parameter tree (nested dict of arrays), other `items` beside it (name -> tree,
+  e.g. ADAM) and its model config (a dataclass: a ModelConfig, recorded as
+  meta["model_config"]); refuses to overwrite."""
   path = storage.absolute(path)
   if path.exists():
     raise CheckpointError(f"{path} already exists; refusing to overwrite")
+  trees = {PARAMS: params, **(items or {})}
   meta = sealed({"model_config": dataclasses.asdict(cfg), **(meta or {}),
-                 ARRAYS: array_records(path, {PARAMS: params})})
+                 ARRAYS: array_records(path, trees)})
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(),
                                  temporary_path_class=orbax_s3.temporary_path_class(path))
-  checkpointer.save(path, args=ocp.args.Composite(**{
-      PARAMS: ocp.args.StandardSave(params), META: ocp.args.JsonSave(meta)}))
+  checkpointer.save(path, args=ocp.args.Composite(
+      **{name: ocp.args.StandardSave(tree) for name, tree in trees.items()},
+      **{META: ocp.args.JsonSave(meta)}))
 
 
 def _chain(error: BaseException) -> list[BaseException]:
