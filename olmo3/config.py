@@ -483,6 +483,21 @@ class TrainConfig(_Validated):
   microbatches: int = resumable(1, ge=1)
 
 
+class InitMode(enum.StrEnum):
+  """What `checkpoint.init_from` carries into a run: AI2's two ways of starting from a
+  checkpoint (OLMo-core's `load_trainer_state`)."""
+
+  # Parameters and optimizer moments (with Adam's count: its bias correction goes on); step,
+  # learning-rate schedule, data position and step-skip window start from 0. A new stage, as
+  # AI2 started midtraining from stage 1's end (load_trainer_state=False).
+  NEW_STAGE = "new_stage"
+  # Also the step (the schedule resumes where the checkpoint's run was), the data position (the
+  # next batch is the one that run would have trained on next) and the step-skip window where
+  # the checkpoint holds it: the same stage continued, on the same data, sequence length and
+  # global batch (load_trainer_state=True).
+  CONTINUE = "continue"
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig(_Validated):
   """Orbax checkpoints in WORKDIR/checkpoints; resume from the latest automatically."""
@@ -491,10 +506,12 @@ class CheckpointConfig(_Validated):
   keep: int = resumable(3, ge=1)
   async_save: bool = resumable(True)
   # Initialise from another run's checkpoint (a step directory, or a run's workdir or
-  # checkpoints directory: the checkpoint at the end of its stage, olmo3.run.plan.init_from_step):
-  # parameters and optimizer moments; step, schedule and data position start fresh. Used when
-  # the workdir has no checkpoint of its own.
+  # checkpoints directory: the checkpoint at the end of its stage, olmo3.run.plan.init_from_step)
+  # or from AI2's OLMo-core checkpoint (a step directory or URL, or a name `python -m
+  # olmo3.convert import-olmo-core --list` lists; converted into the workdir once), as
+  # init_mode says. Used when the workdir has no checkpoint of its own.
   init_from: str | None = None
+  init_mode: InitMode = InitMode.NEW_STAGE
   # A damaged latest checkpoint (missing or truncated files) is reported by name; with
   # fallback the run resumes from the previous one instead of stopping.
   fallback: bool = True
@@ -505,6 +522,9 @@ class CheckpointConfig(_Validated):
 
   def _check(self) -> None:
     _nonempty(self, "init_from")
+    if self.init_mode is InitMode.CONTINUE and not self.init_from:
+      _fail(self, "init_mode", "continues checkpoint.init_from, which is not set",
+            self.init_mode.value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,9 +11,11 @@ Where a run starts (`Resume`), from what the workdir holds when the launch begin
 - COMPLETE: that checkpoint already reaches the stage's end (the launcher has the trainer's
   restore confirm it before it says so);
 - INIT_FROM: no checkpoint of its own, and checkpoint.init_from names one (its parameters and
-  moments; step, schedule and data position start at 0): a step directory, or a run's workdir
-  (or its checkpoints directory), which means the checkpoint at the end of that run's stage
-  (`init_from_step`), not its newest;
+  moments; the step, schedule and data position too with checkpoint.init_mode=continue): a step
+  directory, or a run's workdir (or its checkpoints directory), which means the checkpoint at
+  the end of that run's stage (`init_from_step`), not its newest; or AI2's OLMo-core checkpoint
+  (olmo3.io.olmo_core_checkpoints.locate), which the trainer converts into the workdir once
+  (`Workdir.olmo_core_import`);
 - FRESH: neither: step 0 from train.seed.
 
 A resumed run whose stage now ends elsewhere than its last launch's did (train.steps raised on
@@ -30,7 +32,7 @@ from typing import Any
 
 from absl import logging
 
-from olmo3.io import checkpoint, storage
+from olmo3.io import checkpoint, olmo_core_checkpoints, storage
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import pipeline, sources
 from olmo3.data.tokens import TokenFiles, token_counts
@@ -50,6 +52,9 @@ class Resume:
   start: Start
   step: int = 0  # RESUME / COMPLETE: the newest committed checkpoint (else 0)
   init_from: str | None = None  # INIT_FROM: the step directory checkpoint.init_from names
+  # INIT_FROM of an OLMo-core checkpoint: checkpoint.init_from as given; `init_from` is where
+  # it is (or will be) converted.
+  olmo_core: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +133,8 @@ def decide_start(workdir: Workdir, init_from: str | None, end: int) -> Resume:
   if steps:
     return Resume(Start.COMPLETE if steps[-1] >= end else Start.RESUME, steps[-1])
   if init_from:
+    if olmo_core_checkpoints.locate(init_from) is not None:
+      return Resume(Start.INIT_FROM, init_from=workdir.olmo_core_import, olmo_core=init_from)
     return Resume(Start.INIT_FROM, init_from=init_from_step(init_from))
   return Resume(Start.FRESH)
 
@@ -210,7 +217,8 @@ class RunPlan:
     whole data identity)."""
     files = self.train_files
     return {"start": self.resume.start.value, "step": self.resume.step,
-            "init_from": self.resume.init_from, "end": self.end,
+            "init_from": self.resume.init_from, "olmo_core": self.resume.olmo_core,
+            "init_mode": self.exp.checkpoint.init_mode.value, "end": self.end,
             "steps_per_epoch": self.steps_per_epoch, "instances": self.identity["instances"],
             "files": len(files.paths), "tokens": int(files.file_tokens.sum()),
             "heldout": {s.name: sum(s.tokens) for s in self.heldout}}
@@ -228,7 +236,10 @@ class RunPlan:
             else "")
     resume = self.resume
     start = {Start.FRESH: "fresh, from train.seed",
-             Start.INIT_FROM: f"initialised from {resume.init_from}",
+             Start.INIT_FROM: f"initialised from {resume.olmo_core or resume.init_from} "
+                              f"(checkpoint.init_mode={exp.checkpoint.init_mode.value})"
+                              + (f", converted into {resume.init_from}" if resume.olmo_core
+                                 else ""),
              Start.RESUME: f"resumes from step {resume.step:,} of {self.workdir.checkpoints}"
                            + (f"; {self.stage_change}" if self.stage_change else ""),
              Start.COMPLETE: f"complete at step {resume.step:,}: nothing to train"}

@@ -33,6 +33,7 @@ from etils import epath
 from olmo3.io import storage
 
 RUNS = "runs"  # where a run's workdir goes by default (relative to the working directory)
+OLMO_CORE_IMPORT = "olmo_core_import"  # in a workdir: the converted OLMo-core init_from
 
 
 def default_workdir(module: str, function: str) -> str:
@@ -66,6 +67,12 @@ class Workdir:
     return self.path("checkpoints")
 
   @property
+  def olmo_core_import(self) -> str:
+    """Where an OLMo-core checkpoint that checkpoint.init_from names is converted, once: a
+    launch that finds it there reads it (olmo3.train.state)."""
+    return storage.join(self.root, OLMO_CORE_IMPORT)
+
+  @property
   def file_sizes(self) -> str:
     """The remote token files' sizes and versions the run trained on, checked again at every
     launch (olmo3.io.storage.SizeCache)."""
@@ -87,12 +94,16 @@ class Workdir:
     """The workdir's entries, and those of its directories but checkpoints/ (paths relative
     to the workdir; empty when there is no workdir): what a launch compares with to take back
     what it added (`RunRecord.undo`). Inside checkpoints/ a launch that trained nothing adds
-    nothing of its own; it may set a damaged step aside there, which must stay."""
+    nothing of its own; it may set a damaged step aside there, which must stay. A converted
+    OLMo-core checkpoint stays too (committed whole, as checkpoints are): converting it again
+    would cost its download."""
     root = epath.Path(self.root)
     if not root.exists():
       return set()
     found = set()
     for entry in root.iterdir():
+      if entry.name == OLMO_CORE_IMPORT:
+        continue
       found.add(entry.name)
       if entry.name != "checkpoints" and entry.is_dir():
         found.update(f"{entry.name}/{child.name}" for child in entry.iterdir())

@@ -3,10 +3,16 @@ initialise from another run, or fresh) and goes to (a checkpoint).
 
 Resume order: this run's newest checkpoint that reads back verified (olmo3.io.checkpoint); a
 damaged one is named and, with checkpoint.fallback, quarantined for the one before it; then
-checkpoint.init_from (parameters and optimizer moments; step, schedule and data position start
-at 0); then fresh parameters. A checkpoint that does not fit the model (shapes, dtypes,
-structure) is a config error: it stops the run and nothing on disk changes. A run that has
-written checkpoints, all now quarantined, refuses to start over.
+checkpoint.init_from, as checkpoint.init_mode says: a new stage (parameters and optimizer
+moments; step, schedule and data position start at 0) or the same stage continued (also the
+step, data position and step-skip statistics); then fresh parameters. A checkpoint that does
+not fit the model (shapes, dtypes, structure) is a config error: it stops the run and nothing on
+disk changes. A run that has written checkpoints, all now quarantined, refuses to start over.
+
+init_from may be AI2's OLMo-core checkpoint: converted into the workdir once (the plan's
+`Resume.olmo_core`; olmo3.convert.olmo_core_import), after its small facts are checked against
+the run (olmo3.train.continuation), so a mismatch is refused before the tensors are read. Its
+Adam moments and count become the optimizer's state.
 
 Each checkpoint records the data it was trained on (`DataPosition.identity`: token files and
 their sizes, seq_len, global batch, seed, filter, instances). A resume that finds it changed
@@ -25,12 +31,14 @@ import numpy as np
 import optax
 from absl import logging
 
+from olmo3.io import checkpoint, storage
 from olmo3.io.checkpoint import CheckpointDamaged, CheckpointError, check_run_step
-from olmo3.config import Experiment
+from olmo3.config import Experiment, InitMode
 from olmo3.data.tokens import DataError
-from olmo3.run.plan import RunPlan, decide_start, init_from_step
+from olmo3.io.olmo_core_checkpoints import locate
+from olmo3.run.plan import Resume, RunPlan, decide_start
 from olmo3.sharded_model import ShardedModel
-from olmo3.train import optim
+from olmo3.train import continuation, optim
 from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
 
 # Data fields whose change changes the instance sequence (the files are compared one by one).
@@ -90,6 +98,19 @@ class StateLayout:
 
   def restore(self, step_dir) -> tuple[Any, Any, dict[str, Any]]:
     return restore_train_state(step_dir, self.model.param_target, self.opt_target)
+
+  def restore_init(self, step_dir) -> tuple[Any, Any, dict[str, Any]]:
+    """`restore`, or for a checkpoint imported from another trainer (an `adam` item: count, mu,
+    nu), the optimizer's state with those in Adam's place (optax's names; every other part of
+    the state is stateless)."""
+    if checkpoint.ADAM not in checkpoint.load_meta(step_dir).get(checkpoint.ARRAYS, {}):
+      return self.restore(step_dir)
+    adam = {"count": jax.ShapeDtypeStruct((), jnp.int32, sharding=self.model.replicated),
+            "mu": self.model.param_target, "nu": self.model.param_target}
+    items, meta = checkpoint.restore_items(step_dir, {checkpoint.PARAMS: self.model.param_target,
+                                                      checkpoint.ADAM: adam})
+    opt_state = optax.tree_utils.tree_set(self.opt_target, **items[checkpoint.ADAM])
+    return items[checkpoint.PARAMS], opt_state, meta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +215,75 @@ def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, plan: RunP
         f"{f', this start set aside {set_aside}' if set_aside else ''}. Not starting over "
         "from step 0 silently. To retry a quarantined step, rename it back to its number; to "
         "start over deliberately, set checkpoint.allow_restart_from_scratch=True.")
-  init_from = plan.resume.init_from
-  if init_from is None and exp.checkpoint.init_from:  # the run's own checkpoints all set aside
-    init_from = init_from_step(exp.checkpoint.init_from)
-  if init_from:
-    params, opt_state, meta = layout.restore(init_from)
-    logging.info("initialised from %s (its step %d): parameters and optimizer moments; "
-                 "step, schedule and data position start at 0", init_from, meta["step"])
-    return layout.on_mesh(0, params, opt_state), DataPosition(plan.identity)
+  resume = plan.resume
+  if resume.init_from is None and exp.checkpoint.init_from:  # its own checkpoints all set aside
+    resume = decide_start(plan.workdir, exp.checkpoint.init_from, plan.end)
+  if resume.init_from:
+    return _initialised(layout, resume, plan)
   return layout.fresh(), DataPosition(plan.identity)
+
+
+def _initialised(layout: StateLayout, resume: Resume, plan: RunPlan
+                 ) -> tuple[TrainState, DataPosition]:
+  """The state checkpoint.init_from gives, as checkpoint.init_mode says (module docstring)."""
+  exp, path = plan.exp, resume.init_from
+  if resume.olmo_core is not None:
+    _convert_once(resume, plan)
+  params, opt_state, meta = layout.restore_init(path)
+  source = resume.olmo_core or path
+  if "olmo_core" in meta:
+    continuation.check_optimizer(meta["olmo_core"], exp.optimizer, source)
+  if exp.checkpoint.init_mode is InitMode.NEW_STAGE:
+    logging.info("initialised from %s (its step %s): parameters and optimizer moments; step, "
+                 "schedule and data position start at 0", source, meta["step"])
+    return layout.on_mesh(0, params, opt_state), DataPosition(plan.identity)
+  if "olmo_core" in meta:
+    step, data_step = continuation.olmo_core_start(meta["olmo_core"], exp, plan.identity,
+                                                   plan.steps_per_epoch, source)
+    position, skip = DataPosition(plan.identity, data_step - step), None
+  else:
+    step, skip = meta["step"], meta.get("skip")
+    position = _resumed_position(path, meta, plan.identity, exp.data.allow_changed_data)
+  logging.info("continuing %s from its step %d (data step %d): parameters, optimizer moments, "
+               "schedule, data position%s", source, step, position.data_step(step),
+               " and step-skip statistics" if skip else "; the step-skip window starts empty")
+  return layout.on_mesh(step, params, opt_state, skip), position
+
+
+def _convert_once(resume: Resume, plan: RunPlan) -> None:
+  """Converts the OLMo-core checkpoint `resume` names into the workdir, unless an earlier
+  launch did: its facts are checked against the run first, so a mismatch costs no download."""
+  from olmo3.convert import hf  # pylint: disable=import-outside-toplevel
+
+  exp, source, path = plan.exp, resume.olmo_core, resume.init_from
+  located = locate(source)
+  if located is None:  # gone since the plan found it
+    raise CheckpointError(f"checkpoint.init_from={source!r}: no OLMo-core checkpoint there now")
+  if storage.exists(storage.join(path, checkpoint.PARAMS)):
+    converted = checkpoint.load_meta(path).get("source")
+    if converted != located.root:
+      raise CheckpointError(f"{path} holds the conversion of {converted}, not of "
+                            f"checkpoint.init_from={source!r}: remove it, or name {converted}")
+    return
+  if jax.process_count() > 1:
+    raise CheckpointError(
+        f"checkpoint.init_from={source!r}: a job of {jax.process_count()} processes does not "
+        f"convert an OLMo-core checkpoint; convert it first (python -m olmo3.convert "
+        f"import-olmo-core --src {source} --out DIR) and set checkpoint.init_from to DIR")
+
+  def check(facts: dict[str, Any]) -> None:
+    continuation.check_optimizer(facts, exp.optimizer, source)
+    if exp.checkpoint.init_mode is InitMode.CONTINUE:
+      continuation.olmo_core_start(facts, exp, plan.identity, plan.steps_per_epoch, source)
+
+  logging.info("converting the OLMo-core checkpoint %s into %s", located.root, path)
+  try:
+    # Imported here: it imports torch, which only this conversion needs.
+    from olmo3.convert import olmo_core_import  # pylint: disable=import-outside-toplevel
+
+    olmo_core_import.import_checkpoint(source, path, exp.model, check=check)
+  except hf.ConversionError as e:
+    raise CheckpointError(f"checkpoint.init_from={source!r}: {e}") from e
 
 
 def confirm_complete(plan: RunPlan, model: ShardedModel) -> RunPlan:

@@ -1,0 +1,312 @@
+"""Continuing AI2's own run: an OLMo-core checkpoint, continued by OLMo-core and by olmo3.
+
+  python benchmarks/continue_olmo_core.py [--steps 10] [--continue_steps 20] [--spike_at 15]
+
+OLMo-core's own Trainer with its TransformerTrainModule (SkipStepAdamW with AI2's groups, which
+leave the input embedding undecayed; CosWithWarmup; z-loss 1e-5; clipping at 1.0), its data
+loader and its Checkpointer trains olmo3_micro for --steps steps on token files and saves the
+step (and step 0, which, as in AI2's runs, makes SkipStepAdamW's count one more than its
+updates). From that checkpoint, in AI2's two ways:
+
+- continue (`load_trainer_state=True`: a stage continued): OLMo-core's Trainer loads it and
+  trains --continue_steps more steps of the same schedule and data; olmo3 starts with
+  checkpoint.init_from = the step directory and init_mode=continue (the trainer converts it into
+  its workdir, olmo3.train.state) and trains the same steps;
+- new_stage (`load_trainer_state=False`: AI2's midtraining from stage 1): both start a second
+  stage from the weights and optimizer state, on other token files with another seed and global
+  batch, LinearWithWarmup(warmup=0, alpha_f=0) over --continue_steps steps; olmo3 initialises
+  from the checkpoint the continue mode converted (`checkpoint.init_from` takes an import too).
+
+olmo3's side is its trainer's start (RunPlan, restore_or_init), loader and train step, stepped as
+its loop steps them; both sides in float32 on the CPU. The continue mode's first stage crosses
+epochs (13 steps each), so the position includes an epoch. Each continuation's token files hold
+one odd batch (a single token repeated) at its --spike_at-th step, which trips SkipStepAdamW's
+rule: its window (16 values here) starts empty on loading, on both sides.
+
+Prints per-step CE loss, gradient norm, LR, skip decision and instances from both, then one JSON
+object: per mode max |CE loss diff| (and of CE + z-loss), max relative grad-norm diff, max |LR
+diff|, skip decisions equal, instances equal, skipped steps; `ok` says all are within tolerance
+(loss 1e-5, grad norm 1e-4, LR 1e-9); exits 1 when not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+
+SEQ_LEN, PEAK_LR, STAGE2_LR, WINDOW = 64, 1e-3, 5e-4, 16
+SPIKE_TOKEN = 7
+TOLERANCES = {"max_abs_loss_diff": 1e-5, "max_abs_total_loss_diff": 1e-5,
+              "max_rel_grad_norm_diff": 1e-4, "max_abs_lr_diff": 1e-9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One stage's data: token files (instances per file), seed, instances per step."""
+
+  files: tuple[int, ...]
+  seed: int
+  batch: int
+
+
+# Stage 1: 52 instances, 13 steps per epoch. Stage 2: 45 instances, 22 steps per epoch.
+STAGE1, STAGE2 = Stage((30, 22), seed=7, batch=4), Stage((16, 20, 9), seed=1337, batch=2)
+
+
+def write_tokens(directory: str, stage: Stage, spike_step: int | None, vocab: int
+                 ) -> list[str]:
+  """The stage's token files: windows of a noisy repeating sequence (learnable, so the loss
+  falls), except the instances of global data step `spike_step` (0-based; None: none), which
+  repeat one token."""
+  from olmo3.data import tokens
+  from olmo3.data.order import GlobalOrder
+
+  os.makedirs(directory, exist_ok=True)
+  rng = np.random.default_rng(stage.seed)
+  total = sum(stage.files) * SEQ_LEN
+  data = np.tile(rng.integers(2, vocab, 97), total // 97 + 1)[:total]
+  noise = rng.random(total) < 0.05
+  data[noise] = rng.integers(2, vocab, int(noise.sum()))
+  if spike_step is not None:
+    for instance in GlobalOrder(sum(stage.files), stage.batch, stage.seed).batch(spike_step):
+      data[instance * SEQ_LEN:(instance + 1) * SEQ_LEN] = SPIKE_TOKEN
+  paths, start = [], 0
+  for i, n in enumerate(stage.files):
+    paths.append(os.path.join(directory, f"part-{i}.npy"))
+    tokens.write_token_file(paths[-1], data[start:start + n * SEQ_LEN])
+    start += n * SEQ_LEN
+  return paths
+
+
+# --- OLMo-core -----------------------------------------------------------------------------
+
+
+def olmo_core_trainer(model_cfg, paths: list[str], stage: Stage, work: str, *, max_steps: int,
+                      scheduler, lr: float, save_every: int | None = None, **trainer: Any):
+  """OLMo-core's Trainer as AI2's scripts build one, shrunk, and the callback recording its
+  steps; it saves every `save_every` steps (None: never)."""
+  import torch
+  from olmo_core.data import (NumpyDataLoaderConfig, NumpyDatasetDType, NumpyFSLDatasetConfig,
+                              TokenizerConfig)
+  from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig
+  from olmo_core.train import Duration, TrainerConfig
+  from olmo_core.train.callbacks import Callback, CheckpointerCallback
+  from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+  from olmo3.convert import olmo_core
+
+  class Record(Callback):
+    """Each step's instances (before it) and metrics (as the trainer logs them)."""
+
+    def __init__(self):
+      self.rows: dict[int, dict[str, Any]] = {}
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+      self.rows[self.trainer.global_step] = {"instances": batch["index"].tolist()}
+
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+      if "train/CE loss" in metrics:
+        ce, z = float(metrics["train/CE loss"]), float(metrics["train/Z loss"])
+        self.rows[step].update(ce_loss=ce, loss=ce + z,
+                               grad_norm=float(metrics["optim/total grad norm"]),
+                               lr=float(metrics["optim/LR (group 0)"]),
+                               skipped=bool(metrics["optim/step skipped"]))
+
+  tokenizer = TokenizerConfig(vocab_size=model_cfg.vocab_size,
+                              eos_token_id=model_cfg.eos_token_id,
+                              pad_token_id=model_cfg.pad_token_id)
+  dataset = NumpyFSLDatasetConfig(paths=paths, sequence_length=SEQ_LEN, tokenizer=tokenizer,
+                                  dtype=NumpyDatasetDType.uint32, work_dir=work).build()
+  loader = NumpyDataLoaderConfig(global_batch_size=stage.batch * SEQ_LEN, seed=stage.seed,
+                                 num_workers=0, work_dir=work).build(dataset)
+  torch.manual_seed(0)
+  module = TransformerTrainModuleConfig(
+      rank_microbatch_size=stage.batch * SEQ_LEN, max_sequence_length=SEQ_LEN,
+      optim=SkipStepAdamWConfig(
+          lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, rolling_interval_length=WINDOW,
+          sigma_factor=6,
+          group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
+                                              opts=dict(weight_decay=0.0))]),
+      scheduler=scheduler, z_loss_multiplier=1e-5, max_grad_norm=1.0,
+  ).build(olmo_core.transformer_config(model_cfg).build(init_device="cpu"))
+  record = Record()
+  # A disabled checkpointer saves nothing; the trainer still loads (no_checkpoints would not).
+  checkpointer = CheckpointerCallback(save_interval=save_every or 1, ephemeral_save_interval=None,
+                                      enabled=save_every is not None)
+  return TrainerConfig(
+      save_folder=os.path.join(work, "save"), work_dir=work,
+      max_duration=Duration.steps(max_steps), metrics_collect_interval=1, **trainer,
+  ).with_callback("checkpointer", checkpointer).with_callback("record", record).build(
+      module, loader), record
+
+
+def olmo_core_side(model_cfg, stage1_paths: list[str], stage2_paths: list[str], root: str,
+                   steps: int, continue_steps: int) -> tuple[str, dict[str, list[dict]]]:
+  """(the first stage's checkpoint at `steps`, each mode's continuation rows)."""
+  from olmo_core.optim import CosWithWarmup, LinearWithWarmup
+  from olmo_core.train import Duration
+  from olmo_core.train.common import LoadStrategy
+
+  cosine = CosWithWarmup(warmup=4, alpha_f=0.1)
+  first, _ = olmo_core_trainer(
+      model_cfg, stage1_paths, STAGE1, os.path.join(root, "oc-stage1"),
+      max_steps=steps + continue_steps, scheduler=cosine, lr=PEAK_LR, save_every=steps,
+      hard_stop=Duration.steps(steps))
+  first.fit()
+  saved = os.path.join(first.save_folder, f"step{steps}")
+  runs = {}
+  for mode, paths, stage, scheduler, lr, total, trainer_state in (
+      ("continue", stage1_paths, STAGE1, cosine, PEAK_LR, steps + continue_steps, True),
+      ("new_stage", stage2_paths, STAGE2, LinearWithWarmup(warmup=0, alpha_f=0.0), STAGE2_LR,
+       continue_steps, False)):
+    trainer, record = olmo_core_trainer(
+        model_cfg, paths, stage, os.path.join(root, f"oc-{mode}"), max_steps=total,
+        scheduler=scheduler, lr=lr, load_path=saved, load_strategy=LoadStrategy.always,
+        load_trainer_state=trainer_state, load_optim_state=True)
+    trainer.fit()
+    runs[mode] = [record.rows[s] for s in sorted(record.rows)]
+  return saved, runs
+
+
+# --- olmo3 ---------------------------------------------------------------------------------
+
+
+def olmo3_experiment(model_cfg, paths: list[str], stage: Stage, *, init_from: str, mode: str,
+                     steps: int, schedule: str, lr: float, decay_steps: int):
+  from olmo3.config import (CheckpointConfig, DataConfig, Experiment, InitMode,
+                            OptimizerConfig, Schedule, TrainConfig)
+
+  cosine = Schedule(schedule) is Schedule.COSINE
+  optimizer = OptimizerConfig(
+      peak_lr=lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, no_decay=("embed_tokens",),
+      clip_grad_norm=1.0, schedule=Schedule(schedule), warmup_steps=4 if cosine else 0,
+      final_lr=lr * 0.1 if cosine else 0.0, decay_steps=decay_steps, skip_spikes=True,
+      spike_sigma=6.0, spike_window=WINDOW, spike_min_history=WINDOW // 2)
+  return Experiment(
+      model=model_cfg.replace(max_seq_len=SEQ_LEN),
+      data=DataConfig(paths=tuple(paths), seq_len=SEQ_LEN, global_batch_size=stage.batch,
+                      seed=stage.seed),
+      optimizer=optimizer, train=TrainConfig(steps=steps, z_loss_weight=1e-5, eval_every=0),
+      checkpoint=CheckpointConfig(init_from=init_from, init_mode=InitMode(mode),
+                                  async_save=False))
+
+
+def olmo3_run(exp, workdir: str) -> list[dict]:
+  """Our trainer's start (the plan, restore_or_init) and its steps, as the loop runs them."""
+  import jax
+
+  from olmo3.data import pipeline
+  from olmo3.run.plan import RunPlan
+  from olmo3.sharded_model import ShardedModel
+  from olmo3.train.run_checkpoints import RunCheckpoints
+  from olmo3.train.state import StateLayout, restore_or_init
+  from olmo3.train.step import jit_train_step
+
+  plan = RunPlan.build(exp, workdir)
+  model = ShardedModel.for_experiment(exp, jax.devices()[:1])
+  layout = StateLayout(exp, model)
+  rows = []
+  with model.context():
+    checkpoints = RunCheckpoints(plan.workdir.checkpoints, 1, async_save=False)
+    state, position = restore_or_init(layout, checkpoints, plan)
+    start = int(state.step)
+    loader = pipeline.Loader(exp.data, model.batch_sharding,
+                             start_step=position.data_step(start), num_steps=plan.end - start,
+                             source=plan.train_files)
+    step_fn = jit_train_step(exp, model, layout, len(plan.train_files.source_names))
+    for host in loader.host_batches():
+      batch = loader.host_rows.to_global({k: host[k] for k in pipeline.STEP_KEYS})
+      state, metrics = step_fn(state, batch)
+      m = jax.device_get(metrics)
+      rows.append({"instances": host["instance"].tolist(), "ce_loss": float(m["ce_loss"]),
+                   "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                   "lr": float(m["lr"]), "skipped": bool(m["skipped"])})
+  return rows
+
+
+# --- the comparison ------------------------------------------------------------------------
+
+
+def compare(ours: list[dict], theirs: list[dict]) -> dict[str, Any]:
+  pairs = list(zip(ours, theirs))
+  return {
+      "steps": len(ours), "steps_olmo_core": len(theirs),
+      "max_abs_loss_diff": max(abs(a["ce_loss"] - b["ce_loss"]) for a, b in pairs),
+      "max_abs_total_loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in pairs),
+      "max_rel_grad_norm_diff": max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
+                                    for a, b in pairs),
+      "max_abs_lr_diff": max(abs(a["lr"] - b["lr"]) for a, b in pairs),
+      "skip_decisions_equal": [a["skipped"] for a in ours] == [b["skipped"] for b in theirs],
+      "instances_equal": [a["instances"] for a in ours] == [b["instances"] for b in theirs],
+      "skipped_steps": [i + 1 for i, b in enumerate(theirs) if b["skipped"]],
+  }
+
+
+def within(result: dict[str, Any]) -> bool:
+  return (result["steps"] == result["steps_olmo_core"] and result["skip_decisions_equal"]
+          and result["instances_equal"]
+          and all(result[k] <= v for k, v in TOLERANCES.items()))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # float32 on the CPU on both sides
+  from olmo3 import platforms
+
+  platforms.choose()
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=int, default=10, help="OLMo-core's first stage")
+  parser.add_argument("--continue_steps", type=int, default=20)
+  parser.add_argument("--spike_at", type=int, default=15,
+                      help="the continuation step with the odd batch (0: none)")
+  parser.add_argument("--workdir", help="keep everything here (default: a temporary directory)")
+  args = parser.parse_args(argv)
+  from olmo3 import config
+
+  model_cfg = config.olmo3_micro()
+  with tempfile.TemporaryDirectory(prefix="continue-olmo-core-") as tmp:
+    root = args.workdir or tmp
+    # Data steps are 0-based: continuation step k of the first stage is data step steps + k - 1.
+    spike = args.spike_at or None
+    stage1 = write_tokens(os.path.join(root, "stage1"), STAGE1,
+                          spike and args.steps + spike - 1, model_cfg.vocab_size)
+    stage2 = write_tokens(os.path.join(root, "stage2"), STAGE2, spike and spike - 1,
+                          model_cfg.vocab_size)
+    saved, theirs = olmo_core_side(model_cfg, stage1, stage2, root, args.steps,
+                                   args.continue_steps)
+    continued = os.path.join(root, "olmo3-continue")
+    ours = {"continue": olmo3_run(olmo3_experiment(
+        model_cfg, stage1, STAGE1, init_from=saved, mode="continue",
+        steps=args.steps + args.continue_steps, schedule="cosine", lr=PEAK_LR,
+        decay_steps=args.steps + args.continue_steps), continued)}
+    from olmo3.run.record import Workdir
+
+    ours["new_stage"] = olmo3_run(olmo3_experiment(
+        model_cfg, stage2, STAGE2, init_from=Workdir(continued).olmo_core_import,
+        mode="new_stage", steps=args.continue_steps, schedule="linear", lr=STAGE2_LR,
+        decay_steps=args.continue_steps), os.path.join(root, "olmo3-new-stage"))
+  result = {}
+  for mode in ("continue", "new_stage"):
+    print(f"{mode}: {'step':>4}  {'CE (ours)':>10} {'CE (OLMo-core)':>14}  {'grad norm':>9} "
+          f"{'grad norm':>9}  {'LR':>10} {'LR':>10}  skipped  instances")
+    first = args.steps if mode == "continue" else 0
+    for i, (a, b) in enumerate(zip(ours[mode], theirs[mode]), start=first + 1):
+      print(f"{'':>{len(mode) + 1}} {i:>4}  {a['ce_loss']:>10.7f} {b['ce_loss']:>14.7f}  "
+            f"{a['grad_norm']:>9.6f} {b['grad_norm']:>9.6f}  {a['lr']:>10.4e} {b['lr']:>10.4e}  "
+            f"{int(a['skipped'])} {int(b['skipped'])}      {a['instances']}"
+            f"{'' if a['instances'] == b['instances'] else ' != ' + str(b['instances'])}")
+    result[mode] = compare(ours[mode], theirs[mode])
+  result["ok"] = all(within(result[mode]) for mode in ("continue", "new_stage"))
+  print(json.dumps(result))
+  return result
+
+
+if __name__ == "__main__":
+  sys.exit(0 if main()["ok"] else 1)

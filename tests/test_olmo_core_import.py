@@ -1,0 +1,237 @@
+"""AI2's OLMo-core checkpoints into olmo3: the import (weights, Adam's state, trainer state; read
+over HTTP too), continuing them in AI2's two ways as OLMo-core continues them, and the runs that
+would not be AI2's, refused."""
+
+import dataclasses
+import importlib.util
+import os
+import shutil
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from olmo3 import config
+from olmo3.config import (CheckpointConfig, ConfigError, DataConfig, Experiment, InitMode,
+                          OptimizerConfig, TrainConfig)
+from olmo3.convert import olmo_core, olmo_core_import
+from olmo3.convert.__main__ import main as convert_main
+from olmo3.data import tokens
+from olmo3.data.serve import RangeServer
+from olmo3.data.tokens import DataError
+from olmo3.io import checkpoint, olmo_core_checkpoints
+from olmo3.run.plan import RunPlan, data_identity
+from olmo3.sharded_model import ShardedModel
+from olmo3.train import continuation
+from olmo3.train.run_checkpoints import RunCheckpoints
+from olmo3.train.state import StateLayout, restore_or_init
+
+MICRO = config.olmo3_micro()
+SEQ, BATCH, SEED, STEP = 32, 4, 5, 3  # the fixture's run: 3 steps of 4 instances of 32 tokens
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+  spec = importlib.util.spec_from_file_location(
+      "continue_olmo_core", os.path.join(ROOT, "benchmarks", "continue_olmo_core.py"))
+  bench = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = bench  # its dataclasses look their module up there
+  spec.loader.exec_module(bench)
+  return bench
+
+
+@pytest.fixture(scope="module")
+def ai2(tmp_path_factory):
+  """An OLMo-core checkpoint written by OLMo-core's own Checkpointer: its train module (the
+  micro model, SkipStepAdamW with AI2's groups) after 3 updates of random gradients, and a
+  trainer state with its data loader's own state 3 batches into token files. Returns (the step
+  directory, the token files, OLMo-core's state dict as numpy)."""
+  from olmo_core.data import (NumpyDataLoaderConfig, NumpyDatasetDType, NumpyFSLDatasetConfig,
+                              TokenizerConfig)
+  from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig
+  from olmo_core.train.checkpoint import Checkpointer
+  from olmo_core.train.train_module import TransformerTrainModuleConfig
+  from olmo_core.train.utils import EnvRngStates
+
+  root = tmp_path_factory.mktemp("ai2")
+  rng = np.random.default_rng(0)
+  paths = []
+  for i, n in enumerate([40, 25]):  # instances per file
+    paths.append(str(root / f"part-{i}.npy"))
+    tokens.write_token_file(paths[-1], rng.integers(2, MICRO.vocab_size, n * SEQ))
+  torch.manual_seed(0)
+  module = TransformerTrainModuleConfig(
+      rank_microbatch_size=BATCH * SEQ, max_sequence_length=SEQ,
+      optim=SkipStepAdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                group_overrides=[OptimGroupOverride(
+                                    params=["embeddings.weight"], opts=dict(weight_decay=0.0))]),
+  ).build(olmo_core.transformer_config(MICRO).build(init_device="cpu"))
+  for _ in range(STEP):
+    for p in module.model.parameters():
+      p.grad = torch.randn_like(p)
+    module.optim.latest_loss, module.optim.latest_grad_norm = torch.tensor(5.0), torch.tensor(1.0)
+    module.optim.step()
+  tokenizer = TokenizerConfig(vocab_size=MICRO.vocab_size, eos_token_id=MICRO.eos_token_id,
+                              pad_token_id=MICRO.pad_token_id)
+  dataset = NumpyFSLDatasetConfig(paths=paths, sequence_length=SEQ, tokenizer=tokenizer,
+                                  dtype=NumpyDatasetDType.uint32, work_dir=str(root)).build()
+  loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=SEED, num_workers=0,
+                                 work_dir=str(root)).build(dataset)
+  loader.reshuffle(epoch=1)
+  loader.batches_processed, loader.tokens_processed = STEP, STEP * BATCH * SEQ
+  state = {"global_step": STEP, "global_train_tokens_seen": STEP * BATCH * SEQ,
+           "global_train_petaflops": 0.0, "max_steps": 10, "data_loader": loader.state_dict(),
+           "epoch": 1, "world_size": 1, "rng": EnvRngStates.current_state().as_dict(),
+           "callbacks": {}}
+  step_dir = root / "save" / f"step{STEP}"
+  Checkpointer(work_dir=root / "work").save(step_dir, module, state)
+  saved = {"model": {k: v.numpy().copy() for k, v in module.model.state_dict().items()},
+           "optim": {name: {k: v.numpy().copy() for k, v in module.optim.state[p].items()}
+                     for name, p in module.model.named_parameters()}}
+  return str(step_dir), paths, saved
+
+
+def _experiment(paths, mode=InitMode.CONTINUE, init_from=None, **data):
+  return Experiment(
+      model=MICRO.replace(max_seq_len=SEQ),
+      data=DataConfig(**{"paths": tuple(paths), "seq_len": SEQ, "global_batch_size": BATCH,
+                         "seed": SEED, **data}),
+      optimizer=OptimizerConfig(peak_lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                                no_decay=("embed_tokens",), warmup_steps=2, decay_steps=10),
+      train=TrainConfig(steps=10, eval_every=0),
+      checkpoint=CheckpointConfig(init_from=init_from, init_mode=mode, async_save=False))
+
+
+def _start(exp, workdir):
+  """The trainer's start: (state, data position)."""
+  plan = RunPlan.build(exp, str(workdir))
+  model = ShardedModel.for_experiment(exp, jax.devices()[:1])
+  with model.context():
+    return restore_or_init(StateLayout(exp, model),
+                           RunCheckpoints(plan.workdir.checkpoints, 1, async_save=False), plan)
+
+
+@pytest.mark.seconds(50)
+def test_both_modes_continue_as_olmo_core_does(tmp_path):
+  """The benchmark, shortened: OLMo-core's Trainer trains 11 steps and saves; OLMo-core and
+  olmo3 each continue it 4 steps (the stage, across the epoch's end at step 13; and a new stage
+  on other data from the weights and optimizer state)."""
+  result = _bench().main(["--steps", "11", "--continue_steps", "4", "--spike_at", "0",
+                          "--workdir", str(tmp_path)])
+  for mode in ("continue", "new_stage"):
+    assert result[mode]["steps"] == result[mode]["steps_olmo_core"] == 4, mode
+    assert result[mode]["instances_equal"] and result[mode]["skip_decisions_equal"], mode
+    assert result[mode]["max_abs_loss_diff"] < 1e-5, mode
+    assert result[mode]["max_abs_lr_diff"] < 1e-9, mode
+  assert result["ok"]
+
+
+def test_import_puts_adams_state_in_its_leaves(ai2, tmp_path, capsys):
+  step_dir, paths, saved = ai2
+  out = tmp_path / "imported"
+  assert convert_main(["import-olmo-core", "--src", step_dir, "--out", str(out),
+                       "--model", "olmo3_micro"]) == 0
+  assert "global step 3, epoch 1" in capsys.readouterr().out
+  exp = _experiment(paths, InitMode.NEW_STAGE)
+  model = ShardedModel.for_experiment(exp, jax.devices()[:1])
+  with model.context():
+    params, opt_state, meta = StateLayout(exp, model).restore_init(out)
+  adam = opt_state[1]  # optim.adamw: clip, Adam, decay, scale
+  assert int(adam.count) == STEP  # every parameter's SkipStepAdamW step
+  for source in olmo_core.sources(MICRO):
+    for i, name in enumerate(source.names):
+      for ours, theirs in ((params, saved["model"][name]),
+                           (adam.mu, saved["optim"][name]["exp_avg"]),
+                           (adam.nu, saved["optim"][name]["exp_avg_sq"])):
+        value = np.asarray(olmo_core.leaf(ours, source.path))
+        value = value[i] if source.stacked else value
+        np.testing.assert_array_equal(value.T if source.transposed else value, theirs, name)
+  groups = meta["olmo_core"]["optimizer"]
+  assert groups["embed_tokens"]["weight_decay"] == 0.0  # AI2's group: no decay on the embedding
+  assert {groups[g]["weight_decay"] for g in ("layers", "norm", "lm_head")} == {0.1}
+  # The same checkpoint read as the 7B: one line naming the tensor and both shapes.
+  assert convert_main(["import-olmo-core", "--src", step_dir, "--out", str(tmp_path / "x")]) == 2
+  assert ("tensor model.embeddings.weight has shape (512, 64); the model config "
+          "(7,298,617,344 parameters) expects (100352, 4096)") in capsys.readouterr().err
+
+
+def test_import_over_http_is_the_local_import(ai2, tmp_path):
+  step_dir, _, _ = ai2
+  local = olmo_core_import.import_checkpoint(step_dir, str(tmp_path / "local"), MICRO)
+  root, name = os.path.split(step_dir)
+  with RangeServer(root) as server:
+    remote = olmo_core_import.import_checkpoint(f"{server.url}/{name}", str(tmp_path / "http"),
+                                                MICRO)
+    assert server.requests  # every byte came over HTTP, by range
+  assert remote["source"] == f"{server.url}/{name}"
+  assert remote["olmo_core"] == local["olmo_core"]
+  # Every array's checksum (the meta's records) is the local import's: the same values.
+  records = [checkpoint.load_meta(tmp_path / d)[checkpoint.ARRAYS] for d in ("local", "http")]
+  assert records[0] == records[1]
+
+
+def test_continue_takes_step_and_data_position(ai2, tmp_path):
+  step_dir, paths, _ = ai2
+  state, position = _start(_experiment(paths, init_from=step_dir), tmp_path / "run")
+  assert int(state.step) == STEP and position.data_step(STEP) == STEP  # batch 3 of epoch 1
+  assert int(state.skip.recorded) == 0  # SkipStepAdamW's window is in no checkpoint
+  assert os.path.isdir(tmp_path / "run" / "olmo_core_import")  # converted into the workdir once
+  state, position = _start(_experiment(paths, InitMode.NEW_STAGE, init_from=step_dir),
+                           tmp_path / "stage2")
+  assert int(state.step) == 0 and position.data_step(0) == 0
+
+
+@pytest.mark.parametrize("data, message", [
+    (dict(global_batch_size=2), "trained with 4 instances per step, "
+                                "DataConfig.global_batch_size=2"),
+    (dict(seed=6), "data order has seed 5, DataConfig.seed=6"),
+])
+def test_other_data_is_refused_before_converting(ai2, tmp_path, data, message):
+  step_dir, paths, _ = ai2
+  with pytest.raises(DataError, match=message):
+    _start(_experiment(paths, init_from=step_dir, **data), tmp_path)
+  assert not os.path.exists(tmp_path / "olmo_core_import")  # nothing downloaded
+
+
+def test_other_optimizer_settings_are_refused(ai2, tmp_path):
+  step_dir, paths, _ = ai2
+  exp = _experiment(paths, InitMode.NEW_STAGE, init_from=step_dir)
+  exp = dataclasses.replace(exp, optimizer=dataclasses.replace(exp.optimizer, no_decay=()))
+  with pytest.raises(ConfigError, match=r"OptimizerConfig.weight_decay=0.1, no_decay=\(\) "
+                                        r".*has weight_decay 0.0 for 'embed_tokens'"):
+    _start(exp, tmp_path)
+
+
+def test_what_continuing_refuses(ai2, tmp_path):
+  """The data a continuation checks, without a run: sequence length, token files, trainer state."""
+  step_dir, paths, _ = ai2
+  facts = olmo_core_import.facts(olmo_core_checkpoints.locate(step_dir), MICRO)
+
+  def start(exp, files=paths, found=facts):
+    source = tokens.TokenFiles(files, exp.data.seq_len)
+    return continuation.olmo_core_start(found, exp, data_identity(exp.data, source),
+                                        len(source) // exp.data.global_batch_size, step_dir)
+
+  exp = _experiment(paths, init_from=step_dir)
+  assert start(exp) == (STEP, STEP)
+  with pytest.raises(DataError, match="trained at sequence length 32, DataConfig.seq_len=16"):
+    start(_experiment(paths, init_from=step_dir, seq_len=16))
+  other = str(tmp_path / "other.npy")
+  shutil.copy(paths[0], other)
+  with pytest.raises(DataError, match=r"other token files \(OLMo-core's data fingerprint"):
+    start(_experiment([other, paths[1]], init_from=step_dir), files=[other, paths[1]])
+  with pytest.raises(checkpoint.CheckpointError, match="holds no trainer state"):
+    start(exp, found={**facts, "trainer": None})
+
+
+def test_official_names_resolve_without_a_network():
+  official = olmo_core_checkpoints.official()
+  assert len(official) == 1475  # AI2's CSV: stage 1 every 1000 steps, stages 2 and 3
+  end = official["olmo3-7b/stage1/step1413814"]
+  assert (end.stage, end.step) == ("stage1_pretraining", 1_413_814)
+  found = olmo_core_checkpoints.locate("olmo3-7b/stage2/step10000")
+  base = "https://olmo-checkpoints.org/ai2-llm/Olmo-3-1025-7B/stage2/step10000"
+  assert found == olmo_core_checkpoints.OlmoCoreCheckpoint(
+      base, f"{base}/model_and_optim", f"{base}/train/rank0.pt")
