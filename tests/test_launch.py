@@ -528,3 +528,53 @@ def test_readme_first_command_installs_what_later_commands_use():
   scripts = importlib.metadata.distribution("tensorboard").entry_points.select(
       group="console_scripts")
   assert "tensorboard" in scripts.names
+
+
+# Two processes of a job, started with the launcher's own start_jax, train a step together (a
+# collective); then process 1 fails (an `error:` line) while process 0 waits for it in the next.
+_FAILING_JOB = """
+import sys
+from absl import flags
+from launch import main as launcher
+flags.FLAGS(["launch/main.py"])
+launcher.start_jax()
+import jax
+from jax.experimental import multihost_utils
+print("persistent cache", jax.config.jax_enable_compilation_cache, flush=True)
+with launcher.leaving_at_once_on_failure():
+  multihost_utils.sync_global_devices("a step together")
+  if jax.process_index() == 1:
+    sys.exit("error: process 1 failed")
+  multihost_utils.sync_global_devices("process 1 never comes")
+"""
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_failing_process_ends_the_whole_job_at_once(tmp_path):
+  """A process whose launch fails exits once it has said why, instead of waiting at exit for
+  the others at jax.distributed's shutdown barrier (300 s) while they wait for it in a
+  collective: process 0 stops within the heartbeat timeout (OLMO3_HEARTBEAT_TIMEOUT_S). CPU
+  processes compile without the persistent cache (its entries are process 0's alone there:
+  process 0 would reach its first collective a minute ahead, past gloo's 30 s)."""
+  import socket
+  import time
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = []
+  started = time.monotonic()
+  for rank in range(2):
+    env = dict(ENV, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(rank), JAX_PLATFORMS="cpu", OLMO3_HEARTBEAT_TIMEOUT_S="5",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_COMPILATION_CACHE_DIR=os.fspath(tmp_path / "cache"))
+    procs.append(subprocess.Popen([sys.executable, "-c", _FAILING_JOB], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  outs = [p.communicate(timeout=240) for p in procs]
+  took = time.monotonic() - started
+  assert procs[1].returncode == 1, outs[1][1][-3000:]
+  assert outs[1][1].strip().splitlines()[-1] == "error: process 1 failed"
+  assert procs[0].returncode != 0, outs[0][1][-3000:]
+  assert took < 90, (took, outs[0][1][-3000:])  # 300 s and more when process 1 waited
+  assert all(out.startswith("persistent cache False") for out, _ in outs), outs

@@ -25,12 +25,14 @@ SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/
 TINY = "--fdl_config=experiments.olmo3_tiny:stage1"
 
 
-def _child(program: str, argv: list[str], cwd: str, out: str) -> None:
+def _child(program: str, argv: list[str], cwd: str, env: dict[str, str], out: str) -> None:
   """Runs one program in this (forked) process as Python would run it (`python launch/X.py`,
-  `python -m olmo3.eval`): as __main__, with its argv and sys.path; never returns."""
+  `python -m olmo3.eval`): as __main__, with its argv, sys.path and the case's environment
+  variables; never returns."""
   code = 70
   try:
     os.chdir(cwd)
+    os.environ.update(env)
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -63,7 +65,7 @@ def drive(cases: list[dict], out_dir: str) -> list[dict]:
     out = os.path.join(out_dir, f"{i}.out")
     pid = os.fork()
     if pid == 0:
-      _child(case["program"], case["argv"], case["cwd"], out)
+      _child(case["program"], case["argv"], case["cwd"], case["env"], out)
     _, status = os.waitpid(pid, 0)
     with open(out) as f:
       results.append({"rc": os.waitstatus_to_exitcode(status), "output": f.read()})
@@ -108,6 +110,11 @@ def _cases(tmp) -> list[dict]:
                            "DataConfig.mix='embedded' is a prepared directory (or the built-in "
                            "corpus), which names its own files. Drop data.root, or give "
                            "data.paths or a mix file relative to it"}),
+      dict(name="heartbeat timeout not a number", program="main",
+           argv=[TINY, f"--workdir={new('w_heartbeat')}"], absent=[new("w_heartbeat")],
+           env={"OLMO3_HEARTBEAT_TIMEOUT_S": "soon"},
+           expect={"last": "error: OLMO3_HEARTBEAT_TIMEOUT_S='soon': expected a positive "
+                           "number of seconds"}),
       dict(name="steps a string", program="main", argv=[TINY, "--fdl_set=train.steps='ten'"],
            expect=config_error("error: TrainConfig.steps='ten': must be an integer (int), "
                                "not str")),
@@ -173,7 +180,8 @@ def test_every_mistake_ends_in_one_line_and_leaves_nothing_behind(tmp_path):
   for case in cases:  # never the repository: a default workdir (runs/...) would land there
     case.setdefault("cwd", os.fspath(tmp_path / "cwd"))
   spec = tmp_path / "cases.json"
-  spec.write_text(json.dumps([{k: case[k] for k in ("program", "argv", "cwd")}
+  spec.write_text(json.dumps([{"env": case.get("env", {}),
+                               **{k: case[k] for k in ("program", "argv", "cwd")}}
                               for case in cases]))
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   done = subprocess.run([sys.executable, __file__, os.fspath(spec), os.fspath(tmp_path)],

