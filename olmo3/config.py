@@ -32,6 +32,10 @@ class ConfigError(ValueError):
 class DType(enum.StrEnum):
   FLOAT32 = "float32"
   BFLOAT16 = "bfloat16"
+  # Parameters and every computation in float64 (needs jax_enable_x64): for parity checks that
+  # must see differences below float32 rounding (benchmarks/train_parity_olmo_core.py), not
+  # for training.
+  FLOAT64 = "float64"
 
 
 class AttentionKernel(enum.StrEnum):
@@ -224,7 +228,7 @@ class ModelConfig(_Validated):
   max_seq_len: int = bounded(8192, ge=1)
   eos_token_id: int | None = bounded(100_257, ge=0)  # and < vocab_size
   pad_token_id: int | None = bounded(100_277, ge=0)  # and < vocab_size
-  compute_dtype: DType = DType.BFLOAT16  # parameters are always float32
+  compute_dtype: DType = DType.BFLOAT16  # parameters are float32 (float64 with FLOAT64)
   attention: AttentionKernel = AttentionKernel.XLA
   scan_layers: bool = True  # scan over groups of `global_every` layers; False unrolls (same outputs)
   remat: Remat = Remat.NONE

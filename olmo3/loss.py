@@ -12,6 +12,9 @@ computed one of two ways with the same result to float32 rounding:
   head's kernel, over `chunk` vocabulary columns at a time, with its own gradient: neither the
   forward nor the backward pass ever holds [B, T, V] float32 logits, only [B, T, chunk]. For the
   7B at 8192 tokens a sequence that is 3.3 GB of logits (and as much gradient) never stored.
+
+"float32" below means the wider of float32 and the model's dtype: a float64 model (parity
+checks) gets float64 losses.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ IGNORE = -1  # the label of a position with no target (any negative label is mas
 Constrain = Callable[[jax.Array, Sequence[str | None]], jax.Array]
 
 
+def _wide(x: jax.Array) -> jnp.dtype:
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def _unconstrained(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   del names
   return x
@@ -43,7 +50,7 @@ class PerToken(NamedTuple):
 
 def token_nll(logits_BTV: jax.Array, labels_BT: jax.Array) -> PerToken:
   """Each position's cross-entropy, log-partition and mask from full logits, in float32."""
-  logits = logits_BTV.astype(jnp.float32)
+  logits = logits_BTV.astype(_wide(logits_BTV))
   mask_BT = labels_BT >= 0
   lse_BT = jax.nn.logsumexp(logits, axis=-1)
   target_BT = jnp.take_along_axis(logits, jnp.maximum(labels_BT, 0)[..., None], axis=-1)[..., 0]
@@ -73,7 +80,7 @@ def _chunk_logits(h_BTD, w_DV, labels_BT, i, chunk, constrain):
   v = w_DV.shape[1]
   start = jnp.minimum(i * chunk, v - chunk)
   w_DC = jax.lax.dynamic_slice_in_dim(w_DV, start, chunk, axis=1).astype(h_BTD.dtype)
-  logits_BTC = constrain(jnp.einsum("btd,dc->btc", h_BTD, w_DC).astype(jnp.float32),
+  logits_BTC = constrain(jnp.einsum("btd,dc->btc", h_BTD, w_DC).astype(_wide(h_BTD)),
                          ("batch", "seq", "act_vocab"))
   cols_C = start + jnp.arange(chunk)
   # Only a last chunk that overlaps the one before it has columns of another chunk (None: all
@@ -107,7 +114,8 @@ def _fused_forward(chunk, constrain, h_BTD, w_DV, labels_BT):
     return (new_max_BT, sum_BT, target_BT), None
 
   shape = labels_BT.shape
-  init = (jnp.full(shape, -jnp.inf), jnp.zeros(shape), jnp.zeros(shape))
+  dtype = _wide(h_BTD)
+  init = (jnp.full(shape, -jnp.inf, dtype), jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
   (max_BT, sum_BT, target_BT), _ = jax.lax.scan(step, init, jnp.arange(n_chunks))
   lse_BT = max_BT + jnp.log(sum_BT)
   return (lse_BT - target_BT, lse_BT), (h_BTD, w_DV, labels_BT, lse_BT)
@@ -117,6 +125,7 @@ def _fused_backward(chunk, constrain, residuals, cotangents):
   h_BTD, w_DV, labels_BT, lse_BT = residuals
   d_nll_BT, d_lse_BT = cotangents
   n_chunks = -(-w_DV.shape[1] // chunk)
+  dtype = _wide(h_BTD)
 
   def step(carry, i):
     dh_BTD, dw_DV = carry
@@ -128,14 +137,14 @@ def _fused_backward(chunk, constrain, residuals, cotangents):
       p_BTC = jnp.where(own_C, p_BTC, 0.0)
     d_BTC = ((d_nll_BT + d_lse_BT)[..., None] * p_BTC
              - jnp.where(is_label_BTC, d_nll_BT[..., None], 0.0)).astype(h_BTD.dtype)
-    dh_BTD = dh_BTD + jnp.einsum("btc,dc->btd", d_BTC, w_DC).astype(jnp.float32)
-    dw_DC = jnp.einsum("btd,btc->dc", h_BTD, d_BTC).astype(jnp.float32)
+    dh_BTD = dh_BTD + jnp.einsum("btc,dc->btd", d_BTC, w_DC).astype(dtype)
+    dw_DC = jnp.einsum("btd,btc->dc", h_BTD, d_BTC).astype(dtype)
     dw_DV = jax.lax.dynamic_update_slice_in_dim(
         dw_DV, jax.lax.dynamic_slice_in_dim(dw_DV, start, chunk, axis=1) + dw_DC, start, axis=1)
     return (dh_BTD, dw_DV), None
 
-  init = (constrain(jnp.zeros(h_BTD.shape, jnp.float32), ("batch", "seq", "act_embed")),
-          constrain(jnp.zeros(w_DV.shape, jnp.float32), ("embed", "vocab")))
+  init = (constrain(jnp.zeros(h_BTD.shape, dtype), ("batch", "seq", "act_embed")),
+          constrain(jnp.zeros(w_DV.shape, dtype), ("embed", "vocab")))
   (dh_BTD, dw_DV), _ = jax.lax.scan(step, init, jnp.arange(n_chunks))
   return dh_BTD.astype(h_BTD.dtype), dw_DV.astype(w_DV.dtype), None
 
@@ -157,7 +166,7 @@ def lm_loss(per_token: PerToken, z_loss_weight: float = 0.0,
   nll_BT, lse_BT, mask_BT = per_token
   n_tokens = mask_BT.sum()
   divisor = jnp.maximum(n_tokens if batch_tokens is None else batch_tokens, 1
-                        ).astype(jnp.float32)
+                        ).astype(nll_BT.dtype)
   ce = nll_BT.sum() / divisor
   z_loss = jnp.where(mask_BT, jnp.square(lse_BT), 0.0).sum() / divisor
   metrics = {"ce_loss": ce, "z_loss": z_loss, "tokens": n_tokens}
@@ -185,6 +194,6 @@ def choice_logprobs(logits_BV: jax.Array, choices_BK: jax.Array) -> jax.Array:
   """[B, K]: log p(choice k) from each row's logits at its answer position (multiple choice
   scored in one pass: every answer is one token after the same context). Negative choices
   (padding) give 0."""
-  logp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+  logp_BV = jax.nn.log_softmax(logits_BV.astype(_wide(logits_BV)), axis=-1)
   logp_BK = jnp.take_along_axis(logp_BV, jnp.maximum(choices_BK, 0), axis=-1)
   return jnp.where(choices_BK >= 0, logp_BK, 0.0)

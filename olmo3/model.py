@@ -4,7 +4,9 @@ Shapes in names: B batch, T query positions, S key positions, D d_model, H query
 G key/value heads, R = H / G, K head dim, F MLP hidden, V padded vocabulary, L layers.
 
 Parameters are float32; matmuls run in `cfg.compute_dtype`; norms, RoPE and softmax run in
-float32. Parameter paths follow Hugging Face's names, so conversion is a mechanical mapping.
+float32. A float64 model (`DType.FLOAT64`, for parity checks below float32 rounding; it needs
+`jax_enable_x64`) holds float64 parameters and runs everything in float64. Parameter paths
+follow Hugging Face's names, so conversion is a mechanical mapping.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from olmo3.config import AttentionKernel, ModelConfig
+from olmo3.config import AttentionKernel, DType, ModelConfig
 from olmo3 import remat as remat_lib
 from olmo3.remat import Name
 from olmo3.sharding import constrain, logical_to_spec
@@ -31,47 +33,66 @@ def truncated_normal(std: float, cutoff: float) -> nnx.Initializer:
   """
 
   def init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
-    return std * jax.random.truncated_normal(key, -cutoff, cutoff, shape, dtype)
+    # Drawn in float32 whatever the parameter dtype: a float64 model starts from the float32
+    # model's weights (and OLMo-core's float32 state dict holds them exactly).
+    return (std * jax.random.truncated_normal(key, -cutoff, cutoff, shape, jnp.float32)
+            ).astype(dtype)
 
   return init
+
+
+def param_dtype(cfg: ModelConfig) -> jnp.dtype:
+  """float32, or float64 for a float64 model."""
+  if cfg.compute_dtype == DType.FLOAT64 and not jax.config.read("jax_enable_x64"):
+    raise ValueError("ModelConfig.compute_dtype=float64 needs jax_enable_x64 (JAX would "
+                     "silently compute in float32)")
+  return jnp.dtype(jnp.float64 if cfg.compute_dtype == DType.FLOAT64 else jnp.float32)
+
+
+def wide(dtype: jnp.dtype) -> jnp.dtype:
+  """What norms, RoPE, softmax and losses compute in: float32, or float64 for float64 inputs."""
+  return jnp.promote_types(dtype, jnp.float32)
 
 
 def _dense(cfg: ModelConfig, d_in: int, d_out: int, names: tuple[str, str], rngs: nnx.Rngs):
   return nnx.Linear(
       d_in, d_out, use_bias=False, dtype=jnp.dtype(cfg.compute_dtype.value),
-      param_dtype=jnp.float32,
+      param_dtype=param_dtype(cfg),
       kernel_init=nnx.with_partitioning(truncated_normal(cfg.init_std, cfg.init_cutoff), names),
       rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
-  """Weight-only RMSNorm computed in float32, cast back to the input dtype."""
+  """Weight-only RMSNorm computed in float32 (float64 inputs: float64), cast back to the input
+  dtype."""
 
   def __init__(self, cfg: ModelConfig, dim: int, axis: str, *, rngs: nnx.Rngs | None = None):
     del rngs  # deterministic init (ones)
     self.eps = cfg.norm_eps
-    self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=(axis,))
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype(cfg)), out_sharding=(axis,))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    xw = x.astype(wide(x.dtype))
+    y = xw * jax.lax.rsqrt(jnp.mean(jnp.square(xw), axis=-1, keepdims=True) + self.eps)
     return (self.weight[...] * y).astype(x.dtype)
 
 
 # --- rotary position embedding -----------------------------------------------------------------
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-  """cos, sin of shape [T, K] (float32) for positions 0..T-1, rotate-half layout."""
-  inv_freq_K2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_TK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
+def rope_tables(seq_len: int, head_dim: int, theta: float, dtype: jnp.dtype = jnp.float32
+                ) -> tuple[jax.Array, jax.Array]:
+  """cos, sin of shape [T, K] (`dtype`) for positions 0..T-1, rotate-half layout."""
+  inv_freq_K2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=dtype) / head_dim))
+  angles_TK2 = jnp.arange(seq_len, dtype=dtype)[:, None] * inv_freq_K2[None, :]
   angles_TK = jnp.concatenate([angles_TK2, angles_TK2], axis=-1)
   return jnp.cos(angles_TK), jnp.sin(angles_TK)
 
 
 def apply_rope(x_BTNK: jax.Array, cos_TK: jax.Array, sin_TK: jax.Array) -> jax.Array:
-  """NeoX rotate-half RoPE: pairs dimension k with k + K/2. Computed in float32."""
-  x = x_BTNK.astype(jnp.float32)
+  """NeoX rotate-half RoPE: pairs dimension k with k + K/2. Computed in float32 (float64
+  inputs: float64)."""
+  x = x_BTNK.astype(wide(x_BTNK.dtype))
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   out = x * cos_TK[None, :, None, :] + rotated * sin_TK[None, :, None, :]
@@ -102,7 +123,8 @@ def masked_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
   g = k_BSGK.shape[2]
   q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
   scores = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK) * (k ** -0.5)
-  scores = jnp.where(mask_TS, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+  accum = wide(scores.dtype)
+  scores = jnp.where(mask_TS, scores.astype(accum), jnp.finfo(accum).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
   return jnp.einsum("bgrts,bsgk->btgrk", probs, v_BSGK).reshape(b, t, h, k)
 
@@ -288,7 +310,7 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.embed_tokens = nnx.Embed(
         cfg.padded_vocab_size, cfg.d_model, dtype=jnp.dtype(cfg.compute_dtype.value),
-        param_dtype=jnp.float32,
+        param_dtype=param_dtype(cfg),
         embedding_init=nnx.with_partitioning(truncated_normal(cfg.init_std, cfg.init_cutoff),
                                              ("table_vocab", "table_embed")),
         rngs=rngs)
@@ -316,7 +338,8 @@ class Transformer(nnx.Module):
     valid = (tokens_BT >= 0) & (tokens_BT < cfg.vocab_size)
     tokens_BT = jnp.where(valid, tokens_BT, cfg.padded_vocab_size)  # no row there: NaN
     x_BTD = self.embed_tokens(tokens_BT)
-    rope = rope_tables(tokens_BT.shape[1], cfg.head_dim, cfg.rope_theta)
+    rope = rope_tables(tokens_BT.shape[1], cfg.head_dim, cfg.rope_theta,
+                       wide(jnp.dtype(cfg.compute_dtype.value)))
     x_BTD, hidden_LBTD = self._blocks(x_BTD, rope, return_hidden)
     return constrain(self.norm(x_BTD), ("batch", "seq", "act_embed")), hidden_LBTD
 

@@ -62,7 +62,7 @@ def test_last_layer_is_always_global():
     ({"n_layers": 0}, "n_layers"),
     ({"d_model": 4096, "n_heads": 4096}, "n_heads"),  # head_dim 1 is odd: no RoPE pairs
     ({"norm_eps": 0.0}, "norm_eps"),
-    ({"compute_dtype": "float64"}, "compute_dtype"),
+    ({"compute_dtype": "float16"}, "compute_dtype"),
     ({"attention": "flash"}, "attention"),
     ({"eos_token_id": 100_300}, "eos_token_id"),
     ({"mlp_hidden": 1.5}, "mlp_hidden"),

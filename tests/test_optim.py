@@ -106,3 +106,44 @@ def test_non_finite_steps_are_skipped_and_kept_out_of_the_window():
   losses[3], norms[20] = np.nan, np.inf
   ours = _our_skips(cfg, losses, norms)
   assert [i for i, s in enumerate(ours) if s] == [3, 20]  # and nothing after them
+
+
+def test_updates_are_skipstepadamws_to_float64_rounding():
+  """Three updates (clipped, decayed but for the embedding) in float64, beside OLMo-core's
+  foreach AdamW kernel and torch's clipping as its train module calls them, with float64 step
+  counts: equal to 1e-15, which needs every float32 product OLMo-core's step factor makes (the
+  moments' weights, the weight-decay factor) rounded alike (float64 ones are 1e-12 apart)."""
+  from olmo_core.optim.adamw import foreach_adamw_step
+
+  cfg = OptimizerConfig(weight_decay=0.1, clip_grad_norm=1.0)
+  rng = np.random.default_rng(0)
+  shapes = {"embed_tokens": (7, 3), "lm_head": (3, 7), "norm": (3,)}
+  start = {k: rng.normal(size=s) for k, s in shapes.items()}
+  grads = [{k: rng.normal(size=s) for k, s in shapes.items()} for _ in range(3)]
+  lrs = [1e-4, 2e-4, 3e-4]
+  with jax.enable_x64(True):
+    params = {k: {"w": jax.numpy.asarray(v)} for k, v in start.items()}
+    tx = optim.adamw(cfg, params)
+    state = tx.init(params)
+    update = jax.jit(lambda g, state, params, lr: tx.update(g, state, params, lr=lr))
+    for g, lr in zip(grads, lrs):
+      updates, state = update({k: {"w": jax.numpy.asarray(v)} for k, v in g.items()}, state,
+                              params, jax.numpy.asarray(lr))
+      params = jax.tree.map(lambda p, u: p + u, params, updates)
+  theirs = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in start.items()}
+  moments = {k: (torch.zeros_like(v), torch.zeros_like(v)) for k, v in theirs.items()}
+  steps = {k: torch.zeros((), dtype=torch.float64) for k in theirs}
+  with torch.no_grad():
+    for g, lr in zip(grads, lrs):
+      for k, p in theirs.items():
+        p.grad = torch.tensor(g[k])
+      norm = torch.nn.utils.get_total_norm([p.grad for p in theirs.values()])
+      torch.nn.utils.clip_grads_with_norm_(list(theirs.values()), 1.0, norm)
+      for group, decay in ((["embed_tokens"], 0.0), (["lm_head", "norm"], 0.1)):
+        foreach_adamw_step([theirs[k] for k in group], [theirs[k].grad for k in group],
+                           [moments[k][0] for k in group], [moments[k][1] for k in group],
+                           [steps[k] for k in group], lr=lr, betas=(0.9, 0.95), eps=1e-8,
+                           weight_decay=decay, step_factor=torch.tensor(1.0))
+  for k in shapes:
+    np.testing.assert_allclose(np.asarray(params[k]["w"]), theirs[k].detach().numpy(), rtol=0,
+                               atol=1e-15)

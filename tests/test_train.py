@@ -24,9 +24,9 @@ def test_weight_decay_spares_only_the_input_embedding():
             "norm": {"weight": jnp.ones(2)}}
   tx = optim.adamw(OptimizerConfig(weight_decay=0.1), params)
   zero = jax.tree.map(jnp.zeros_like, params)
-  updates, _ = tx.update(zero, tx.init(params), params)
   lr = 1e-2
-  new = jax.tree.map(lambda p, u: p + lr * u, params, updates)
+  updates, _ = tx.update(zero, tx.init(params), params, lr=lr)
+  new = jax.tree.map(lambda p, u: p + u, params, updates)
   assert (new["embed_tokens"]["embedding"] == 1).all()
   np.testing.assert_allclose(new["lm_head"]["kernel"], 1 - lr * 0.1)  # p *= 1 - lr·wd
   np.testing.assert_allclose(new["norm"]["weight"], 1 - lr * 0.1)

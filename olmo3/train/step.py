@@ -75,7 +75,7 @@ def loss_and_grads(exp: Experiment, token_losses: TokenLosses, param_shardings: 
   return total
 
 
-def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransformation,
+def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransformationExtraArgs,
                num_sources: int = 1
                ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
   """(state, batch) -> (next state, metrics); not jitted. batch["source"] < num_sources."""
@@ -85,8 +85,8 @@ def train_step(exp: Experiment, model: ShardedModel, tx: optax.GradientTransform
                                         state.params, batch, num_sources)
     grad_norm = optax.global_norm(grads)
     lr = optim.learning_rate(exp.optimizer, state.step + 1)  # this is update state.step + 1
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, jax.tree.map(lambda u: lr * u, updates))
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, lr=lr)
+    params = optax.apply_updates(state.params, updates)
     # A skipped step (NaN/Inf, or a CE-loss / gradient-norm spike) leaves parameters and
     # optimizer state exactly as they were; the data moves on, as in OLMo-core. An update that
     # would put NaN/Inf into them (finite loss and gradients notwithstanding) is skipped too:
