@@ -72,8 +72,11 @@ def stage1() -> fdl.Config[Experiment]:
       # Splash attention (TPU) and the Ironwood run's remat. On GPUs: --fiddler=gpu.
       model=olmo3_7b().replace(compute_dtype=DType.BFLOAT16, attention=AttentionKernel.SPLASH,
                                remat=Remat.CUSTOM, remat_custom=IRONWOOD_REMAT),
+      # Every OLMo 3 script passes max_target_sequence_length=max(8192, seq_len): at 8192 an
+      # epoch shuffles single instances.
       data=DataConfig(mix="OLMo-mix-0625-official", root="", seq_len=8192,
-                      global_batch_size=512, seed=34521, validate_tokens=False, num_workers=2),
+                      max_target_seq_len=8192, global_batch_size=512, seed=34521,
+                      validate_tokens=False, num_workers=2),
       mesh=MeshConfig(shape=(("data", 1), ("fsdp", -1), ("sequence", 1), ("tensor", 1))),
       optimizer=OptimizerConfig(peak_lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                                 no_decay=("embed_tokens",), clip_grad_norm=1.0,

@@ -11,6 +11,15 @@ initialisation) reaches the run that tests it. `laptop_stage` changes size field
 (the embedded corpus, its held-out split and tokenizer, zero-shot task variants) and, through
 `cpu`, the machine fields a CPU needs (XLA attention instead of TPU splash, float32 compute, no
 TPU flags, no Grain worker processes).
+
+The data order keeps the 7B's grain. AI2's scripts pass max_target_sequence_length =
+max(8192, seq_len) (DataConfig.max_target_seq_len): at the 7B's 8192 tokens an epoch shuffles
+single instances. At the tiny 256 tokens, 8192 would shuffle runs of 32 consecutive instances:
+the embedded corpus (3,190,304 tokens in one file) would still give 12,448 instances (389 runs;
+12,462 single ones), plenty for stage 1's 1,600, but each step of 16 would be half a run, 4096
+consecutive tokens of the corpus, so a step would see one or two documents instead of 16
+places of the corpus. `laptop_size` scales the target with the sequence (256, one instance),
+so the tiny stages shuffle single instances as the 7B does.
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ def laptop_size(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Expe
     setattr(cfg.model, field, getattr(tiny, field))
   cfg.data.mix, cfg.data.root = "embedded", ""
   cfg.data.seq_len = SEQ_LEN
+  cfg.data.max_target_seq_len = SEQ_LEN  # the 7B's target is its sequence length (see above)
   cfg.data.global_batch_size //= BATCH_DIVISOR
   # Schedule lengths keep their proportion to the stage; the learning rate scales with size.
   ratio = steps / cfg.train.steps

@@ -348,6 +348,12 @@ class DataConfig(_Validated):
   root: str = ""  # "": paths are as given (relative to the working directory)
   tokenizer_id: str = "allenai/dolma3-tokenizer"  # substituted for {TOKENIZER} in mix paths
   seq_len: int = bounded(8192, ge=2)  # inputs and labels
+  # OLMo-core's max_target_sequence_length, which AI2's scripts set to max(8192, seq_len): each
+  # file is cut into whole runs of max(max_target_seq_len, seq_len) tokens (the rest unused) and
+  # an epoch shuffles those runs, each read as consecutive instances (`chunk_instances`), instead
+  # of single instances. At seq_len 8192 and above a run is one instance. None: no runs, single
+  # instances shuffled (OLMo-core's default).
+  max_target_seq_len: int | None = bounded(8192, ge=2)
   global_batch_size: int = bounded(512, ge=1)  # instances per step
   seed: int = bounded(34521, ge=0)
   repetition_filter: RepetitionFilter | None = None  # off in the OLMo 3 7B recipe
@@ -371,6 +377,17 @@ class DataConfig(_Validated):
     _require(self, "max_instances", self.max_instances is None
              or self.max_instances >= self.global_batch_size,
              f"must hold at least one global batch ({self.global_batch_size})")
+    _require(self, "max_target_seq_len", self.max_target_seq_len is None
+             or self.max_target_seq_len <= self.seq_len
+             or self.max_target_seq_len % self.seq_len == 0,
+             f"must be a multiple of seq_len ({self.seq_len}), as OLMo-core requires, or None")
+
+  @property
+  def chunk_instances(self) -> int:
+    """Consecutive instances an epoch's shuffle keeps together (1: single instances)."""
+    if self.max_target_seq_len is None:
+      return 1
+    return max(self.max_target_seq_len, self.seq_len) // self.seq_len
 
   def replace(self, **changes: Any) -> DataConfig:
     return dataclasses.replace(self, **changes)

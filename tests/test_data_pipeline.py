@@ -15,7 +15,9 @@ from data_helpers import batch_sharding, write_files
 
 
 def _cfg(paths, **kw):
+  # Single instances shuffled unless asked (these files are far shorter than 8192 tokens).
   return DataConfig(paths=tuple(paths), seq_len=kw.pop("seq_len", 16),
+                    max_target_seq_len=kw.pop("max_target_seq_len", None),
                     global_batch_size=kw.pop("global_batch_size", 8), seed=kw.pop("seed", 3),
                     **kw)
 
@@ -150,7 +152,8 @@ def test_mix_files_resolve_against_a_root(tmp_path):
   mix.write_text("# a comment\n\n" + "".join(
       f"src,{os.path.basename(p).replace('000', '{TOKENIZER}')}\n" for p in paths))
   source = sources.token_files(DataConfig(mix=str(mix), root=str(tmp_path), seq_len=16,
-                                           tokenizer_id="000"), vocab_size=100)
+                                           max_target_seq_len=None, tokenizer_id="000"),
+                               vocab_size=100)
   assert [str(p) for p in source.paths] == paths
 
 
@@ -160,7 +163,8 @@ def test_mix_labels_reach_the_batch_as_sources(tmp_path):
   paths = write_files(tmp_path, [160, 320, 96])
   mix = tmp_path / "mix.txt"
   mix.write_text("web,000.npy\ncode,001.npy\nweb,002.npy\n")
-  cfg = DataConfig(mix=str(mix), seq_len=16, global_batch_size=8, seed=3)
+  cfg = DataConfig(mix=str(mix), seq_len=16, max_target_seq_len=None, global_batch_size=8,
+                   seed=3)
   loader = pipeline.Loader(cfg, batch_sharding(4), start_step=0, num_steps=4, vocab_size=100)
   assert loader.source.source_names == ("code", "web")
   label_of = ["web"] * 10 + ["code"] * 20 + ["web"] * 6  # instances 0-9, 10-29, 30-35

@@ -10,9 +10,10 @@ from launch import diffs, refs
 from olmo3 import config
 
 SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
-    "data.global_batch_size", "data.seq_len", "optimizer.peak_lr", "optimizer.final_lr",
-    "optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.stitch_first_steps",
-    "optimizer.stitch_resumed_at", "optimizer.stitch_at", "optimizer.stitch_second_steps",
+    "data.global_batch_size", "data.seq_len", "data.max_target_seq_len", "optimizer.peak_lr",
+    "optimizer.final_lr", "optimizer.warmup_steps", "optimizer.decay_steps",
+    "optimizer.stitch_first_steps", "optimizer.stitch_resumed_at", "optimizer.stitch_at",
+    "optimizer.stitch_second_steps",
     "train.steps", "train.log_every",
     "train.eval_every", "checkpoint.every", "eval.batch_size"}
 DATA = {"data.mix", "data.root", "checkpoint.init_from", "eval.heldout", "eval.tokenizer",

@@ -23,7 +23,10 @@ def write_corpus(directory, vocab=500, n_tokens=40_000, seed=0):
 def micro_experiment(path, steps=8, every=2, **train) -> Experiment:
   return Experiment(
       model=config.olmo3_micro().replace(max_seq_len=64),
-      data=DataConfig(paths=(path,), seq_len=32, global_batch_size=8, seed=1),
+      # Single instances shuffled (OLMo-core's default): AI2's runs of 8192 tokens would be 256
+      # instances of this corpus's 1250.
+      data=DataConfig(paths=(path,), seq_len=32, max_target_seq_len=None, global_batch_size=8,
+                      seed=1),
       optimizer=OptimizerConfig(peak_lr=1e-2, warmup_steps=2, final_lr=1e-3, decay_steps=20,
                                 schedule=Schedule.COSINE),
       train=TrainConfig(steps=steps, log_every=1, eval_every=0, **train),

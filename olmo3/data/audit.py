@@ -1,7 +1,8 @@
 """python -m olmo3.data.audit: prove the input pipeline reads every instance exactly once.
 
   python -m olmo3.data.audit --paths FILE [FILE ...] --seq_len T --global_batch B --seed S \\
-      --processes P [--devices_per_process D] --steps N [--start_step K] [--dump DIR]
+      --processes P [--devices_per_process D] --steps N [--start_step K] [--dump DIR] \\
+      [--max_target_seq_len M]
   python launch/audit.py --fdl_config=REF --processes P ... (an experiment's own pipeline)
 
 Launches P real OS processes joined by jax.distributed on CPU, each with D simulated devices and
@@ -40,6 +41,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
     raise SystemExit("error: give --paths, --seq_len and --global_batch (or audit an "
                      "experiment's own pipeline: python launch/audit.py --fdl_config=REF)")
   return DataConfig(paths=tuple(args.paths), seq_len=args.seq_len,
+                    max_target_seq_len=args.max_target_seq_len,
                     global_batch_size=args.global_batch, seed=args.seed, num_workers=args.workers,
                     validate_tokens=False)
 
@@ -205,6 +207,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--paths", nargs="+", help="token files, in mix order")
   parser.add_argument("--seq_len", type=int)
+  parser.add_argument("--max_target_seq_len", type=int, default=None,
+                      help="shuffle runs of this many tokens (DataConfig.max_target_seq_len); "
+                      "default: single instances")
   parser.add_argument("--global_batch", type=int, help="instances per step")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--processes", type=int, default=2)

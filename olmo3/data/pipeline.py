@@ -110,8 +110,10 @@ class ReadStep(grain.transforms.Map):
 
 
 def instances(cfg: DataConfig, source: TokenFiles) -> int:
-  """The instances one epoch draws from: all of `source`, or its first `max_instances`."""
-  return len(source) if cfg.max_instances is None else min(len(source), cfg.max_instances)
+  """The instances one epoch draws from: all of `source`, or its first `max_instances` cut to
+  whole runs of `cfg.chunk_instances` (OLMo-core's chunks)."""
+  n = len(source) if cfg.max_instances is None else min(len(source), cfg.max_instances)
+  return n // cfg.chunk_instances * cfg.chunk_instances
 
 
 def steps_per_epoch(cfg: DataConfig, source: TokenFiles) -> int:
@@ -130,7 +132,8 @@ class Loader:
     check_divisible(cfg.global_batch_size, sharding, "DataConfig.global_batch_size", microbatches)
     self.cfg = cfg
     self.source = source or sources.token_files(cfg, vocab_size)
-    self.order = GlobalOrder(instances(cfg, self.source), cfg.global_batch_size, cfg.seed)
+    self.order = GlobalOrder(instances(cfg, self.source), cfg.global_batch_size, cfg.seed,
+                             cfg.chunk_instances)
     self.host_rows = HostRows.of(sharding, cfg.global_batch_size, cfg.seq_len)
     dataset = grain.MapDataset.range(start_step, start_step + num_steps).map(
         ReadStep(self.source, self.order, self.host_rows.rows, cfg.repetition_filter))

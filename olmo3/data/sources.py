@@ -157,7 +157,8 @@ def token_files(cfg: DataConfig, vocab_size: int | None,
   files = training_files(cfg) if files is None else files
   labels = [f.label for f in files] if cfg.mix else None
   return TokenFiles([f.path for f in files], cfg.seq_len, vocab_size,
-                    validate_tokens=cfg.validate_tokens, labels=labels, size_cache=size_cache)
+                    validate_tokens=cfg.validate_tokens, labels=labels, size_cache=size_cache,
+                    chunk=cfg.chunk_instances)
 
 
 def tokenizer_file(name: str) -> str:

@@ -2,8 +2,10 @@
 
 `TokenFiles` cuts each file into `tokens // seq_len` instances (the tail is dropped; instances
 never span files) and numbers them across files in mix order, as OLMo-core's fixed-length
-numpy dataset does. Each file belongs to a source (its mix label; files given without labels
-form one source, `UNLABELLED`), so every instance has one. Local files are memory-mapped; remote
+numpy dataset does; with `chunk` > 1 (OLMo-core's max_target_sequence_length of chunk × seq_len)
+only whole runs of `chunk` instances, `tokens // (chunk × seq_len) × chunk` of them. Each file
+belongs to a source (its mix label; files given without labels form one source, `UNLABELLED`),
+so every instance has one. Local files are memory-mapped; remote
 ones (gs://, s3://, http(s)://: olmo3.io.storage) are read by range, a whole step's rows in one
 concurrent batch (`read`), and their sizes are looked up once (concurrently) and cached.
 """
@@ -76,7 +78,7 @@ class TokenFiles:
   def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int,
                vocab_size: int | None = None, validate_tokens: bool = False,
                labels: Sequence[str] | None = None,
-               size_cache: storage.SizeCache | None = None):
+               size_cache: storage.SizeCache | None = None, chunk: int = 1):
     if not paths:
       raise DataError("no token files given")
     if labels is not None and len(labels) != len(paths):
@@ -88,11 +90,13 @@ class TokenFiles:
     self.seq_len = seq_len
     self.vocab_size = vocab_size
     self.file_tokens = np.asarray(token_counts(self.paths, size_cache=size_cache), np.int64)
-    self.file_instances = self.file_tokens // seq_len
+    self.file_instances = self.file_tokens // (chunk * seq_len) * chunk
     self.offsets = np.concatenate([[0], np.cumsum(self.file_instances)])
     if self.offsets[-1] == 0:
-      raise DataError(f"no file holds a whole instance of {seq_len} tokens "
-                      f"(largest: {self.file_tokens.max()} tokens)")
+      whole = (f"a whole instance of {seq_len} tokens" if chunk == 1 else
+               f"{chunk * seq_len} tokens (data.max_target_seq_len: {chunk} instances of "
+               f"{seq_len})")
+      raise DataError(f"no file holds {whole} (largest: {self.file_tokens.max()} tokens)")
     self._maps: dict[int, np.ndarray] = {}
     if validate_tokens:
       if vocab_size is None:

@@ -70,6 +70,7 @@ def data_identity(cfg: DataConfig, source: TokenFiles) -> dict[str, Any]:
   return json.loads(json.dumps({
       "files": [[os.fspath(p), int(n)] for p, n in zip(source.paths, source.file_tokens)],
       "mix": cfg.mix, "instances": pipeline.instances(cfg, source), "seq_len": cfg.seq_len,
+      "max_target_seq_len": cfg.chunk_instances * cfg.seq_len,  # the run length actually used
       "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
       "max_instances": cfg.max_instances,
       "repetition_filter": (dataclasses.asdict(cfg.repetition_filter)

@@ -42,7 +42,8 @@ from olmo3.train import continuation, optim
 from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
 
 # Data fields whose change changes the instance sequence (the files are compared one by one).
-_DATA_FIELDS = ("seq_len", "global_batch_size", "seed", "max_instances", "repetition_filter")
+_DATA_FIELDS = ("seq_len", "max_target_seq_len", "global_batch_size", "seed", "max_instances",
+                "repetition_filter")
 
 
 class TrainState(NamedTuple):
@@ -128,6 +129,8 @@ class DataPosition:
 
 def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
   """What differs between a checkpoint's data identity and the current one, in words."""
+  # Checkpoints from before data.max_target_seq_len shuffled single instances.
+  saved = {"max_target_seq_len": saved["seq_len"], **saved}
   changes = [f"data.{f} was {saved[f]!r}, now {now[f]!r}" for f in _DATA_FIELDS
              if saved[f] != now[f]]
   then, current = dict(map(tuple, saved["files"])), dict(map(tuple, now["files"]))
