@@ -191,8 +191,10 @@ def olmo3_experiment(model_cfg, paths: list[str], stage: Stage, *, init_from: st
       spike_sigma=6.0, spike_window=WINDOW, spike_min_history=WINDOW // 2)
   return Experiment(
       model=model_cfg.replace(max_seq_len=SEQ_LEN),
+      # OLMo-core's side builds its dataset without max_target_sequence_length: instances
+      # shuffled one by one, as max_target_seq_len=None gives.
       data=DataConfig(paths=tuple(paths), seq_len=SEQ_LEN, global_batch_size=stage.batch,
-                      seed=stage.seed),
+                      seed=stage.seed, max_target_seq_len=None),
       optimizer=optimizer, train=TrainConfig(steps=steps, z_loss_weight=1e-5, eval_every=0),
       checkpoint=CheckpointConfig(init_from=init_from, init_mode=InitMode(mode),
                                   async_save=False))

@@ -96,8 +96,9 @@ def ai2(tmp_path_factory):
 def _experiment(paths, mode=InitMode.CONTINUE, init_from=None, **data):
   return Experiment(
       model=MICRO.replace(max_seq_len=SEQ),
+      # (OLMo-core's datasets here are built without max_target_sequence_length.)
       data=DataConfig(**{"paths": tuple(paths), "seq_len": SEQ, "global_batch_size": BATCH,
-                         "seed": SEED, **data}),
+                         "seed": SEED, "max_target_seq_len": None, **data}),
       optimizer=OptimizerConfig(peak_lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
                                 no_decay=("embed_tokens",), warmup_steps=2, decay_steps=10),
       train=TrainConfig(steps=10, eval_every=0),
