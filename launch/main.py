@@ -67,7 +67,8 @@ CACHE = flags.DEFINE_string(
     "compilation_cache", os.environ.get("JAX_COMPILATION_CACHE_DIR",
                                         os.path.join("~", ".cache", "olmo3", "jax")),
     "persistent XLA compilation cache (a restarted or resumed run skips recompiling; a shared "
-    "path such as gs://... serves every host); '' turns it off")
+    "path such as gs://... serves every host; a job of several CPU processes goes without it); "
+    "'' turns it off")
 # A process of a multi-process job that dies (SIGKILL, OOM, a lost host) stops sending
 # heartbeats: this long after its last one, every other process stops too (non-zero) instead of
 # waiting in a collective for a peer that is gone (a dead coordinator, process 0, stops them at
@@ -78,7 +79,7 @@ DEFAULT_HEARTBEAT_S = 100
 
 def start_jax() -> None:
   """Joins the job's other processes (JAX_COORDINATOR_* or the cluster's own environment) and
-  turns the persistent compilation cache on."""
+  turns the persistent compilation cache on (off for a job of several CPU processes)."""
   import jax
 
   from olmo3.io import storage
@@ -99,7 +100,8 @@ def start_jax() -> None:
     # CPU processes compile alike, without the persistent cache: its keys differ per process on
     # CPU and only process 0 writes entries, so process 0 alone loaded its executables and
     # reached its first collective a minute before the others, past the 30 s gloo allows for
-    # setting up a collective's context: every restarted job failed at its first step.
+    # setting up a collective's context: a restarted job failed at its first step
+    # (benchmarks/pod_rehearsal.py, 4 processes on 2 cores).
     jax.config.update("jax_enable_compilation_cache", False)
 
 
