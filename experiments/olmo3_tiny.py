@@ -8,7 +8,8 @@ Each stage is the 7B's (experiments/olmo3_7b.py) passed through `laptop_stage`, 
 recipe choice there (optimizer, clipping, z-loss, schedule shape, seeds, step skipping, stage-2
 initialisation) reaches the run that tests it. `laptop_stage` changes size fields
 (`laptop_size`: model shape, batch, steps, schedule lengths, cadences, LR scale), data fields
-(the embedded corpus, its held-out split and tokenizer, zero-shot task variants) and, through
+(the embedded corpus, its held-out split and tokenizer, zero-shot task variants, the documents
+scored per task) and, through
 `cpu`, the machine fields a CPU needs (XLA attention instead of TPU splash, float32 compute, no
 TPU flags, no Grain worker processes).
 
@@ -37,10 +38,14 @@ BATCH_DIVISOR = 32  # 512 -> 16 instances per step in stage 1, 256 -> 8 in stage
 SEQ_LEN = 256  # the window (128) is half of it, as the 7B's 4096 of 8192
 LR_SCALE = 10.0  # a 2.9M-parameter model takes a 10x larger learning rate
 WARMUP_STEPS = 10  # for stages that warm up (the 7B's 2000 would be most of the run)
-# OLMo's reading-comprehension suite, zero-shot (short contexts for a 256-token model), 20
-# documents each.
+# OLMo's reading-comprehension suite, zero-shot (short contexts for a 256-token model).
 TASKS = tuple(f"{t}_rc_0shot" for t in ("arc_easy", "arc_challenge", "boolq", "csqa", "hellaswag",
                                         "openbookqa", "piqa", "winogrande"))
+# Documents scored per task at each evaluation: a machine setting, chosen with the cadence
+# below so evaluation stays under a fifth of a laptop run's wall time (benchmarks/RESULTS.md,
+# "The tiny run's evaluation share": 20 documents cost 13% of stage 1, and stage 2's two
+# evaluations 21% of its shorter run even at 10).
+TASK_LIMIT = 10
 
 
 def cpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
@@ -53,12 +58,14 @@ def cpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
   return cfg
 
 
-def laptop_stage(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | None = None
-                 ) -> fdl.Config[Experiment]:
+def laptop_stage(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | None = None,
+                 eval_every: int = 25) -> fdl.Config[Experiment]:
   """Fiddler: a 7B stage at laptop size (`laptop_size`), `steps` long, on the embedded corpus,
   evaluating the training data's held-out split (the embedded corpus's, or that of a prepared
-  directory set as data.mix) and 20 documents of each TASKS task, tokenized with the data's
-  tokenizer."""
+  directory set as data.mix) and TASK_LIMIT documents of each TASKS task, tokenized with the
+  data's tokenizer, every `eval_every` steps and at the last. The per-task sample and the
+  cadence are sized for the CPU (evaluation under 20% of the run's wall time), not part of the
+  recipe."""
   laptop_size(cfg, steps)
   if workdir_of_stage1 is not None:
     cfg.checkpoint.init_from = workdir_of_stage1
@@ -66,7 +73,8 @@ def laptop_stage(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str
   # embedded corpus's, or those of the directory --fdl_set=data.mix='"DIR"' names.
   cfg.eval.heldout, cfg.eval.tokenizer = None, None
   cfg.eval.batch_size, cfg.eval.max_documents = 16, 32
-  cfg.eval.tasks, cfg.eval.task_limit = TASKS, 20
+  cfg.eval.tasks, cfg.eval.task_limit = TASKS, TASK_LIMIT
+  cfg.train.eval_every = eval_every
   return cfg
 
 
@@ -110,8 +118,10 @@ def stage1() -> fdl.Config[Experiment]:
 
 def stage2() -> fdl.Config[Experiment]:
   """Stage 2: 8 x 256 tokens per step, 40 steps, LR 2.07e-3 linear to 0, initialised from
-  stage 1's final checkpoint (parameters and moments)."""
-  return laptop_stage(olmo3_7b.stage2(), steps=40, workdir_of_stage1=workdir_of(stage1))
+  stage 1's final checkpoint (parameters and moments). Evaluates at its end only: its 40 short
+  steps take less time than an evaluation's fixed part (the programs' compiles)."""
+  return laptop_stage(olmo3_7b.stage2(), steps=40, workdir_of_stage1=workdir_of(stage1),
+                      eval_every=40)
 
 
 def memorize() -> fdl.Config[Experiment]:

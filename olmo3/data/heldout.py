@@ -6,6 +6,7 @@ there, so a missing file or a token the model cannot embed stops a run before it
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 
@@ -45,22 +46,32 @@ class HeldoutDocs:
 
   def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids [T], labels [T]) of document `index`."""
-    f, start, end = self._docs[index]
-    doc = np.asarray(self._tokens[f][start:min(end, start + self.seq_len)], np.int32)
-    ids = np.full(self.seq_len, self.pad_id, np.int32)
-    ids[:len(doc)] = doc
-    labels = np.full(self.seq_len, IGNORE, np.int32)
-    labels[:len(doc) - 1] = doc[1:]
-    return ids, labels
+    batch = self.rows([index], self.seq_len, 1)
+    return batch["input_ids"][0], batch["labels"][0]
+
+  @functools.cached_property
+  def lengths(self) -> np.ndarray:
+    """Each document's tokens as scored: cut to seq_len."""
+    return np.array([min(end - start, self.seq_len) for _, start, end in self._docs])
+
+  def rows(self, indices: Sequence[int], length: int, batch_size: int
+           ) -> dict[str, np.ndarray]:
+    """input_ids and labels [batch_size, length] of the documents `indices` (none longer than
+    `length` once cut to seq_len), one per row; rows past them are fully masked."""
+    ids = np.full((batch_size, length), self.pad_id, np.int32)
+    labels = np.full((batch_size, length), IGNORE, np.int32)
+    for row, index in enumerate(indices):
+      f, start, end = self._docs[index]
+      doc = np.asarray(self._tokens[f][start:min(end, start + self.seq_len)], np.int32)
+      ids[row, :len(doc)] = doc
+      labels[row, :len(doc) - 1] = doc[1:]
+    return {"input_ids": ids, "labels": labels}
 
   def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-    """All documents in order; the last batch is filled with fully masked rows."""
+    """All documents in order at seq_len; the last batch is filled with fully masked rows."""
     for first in range(0, len(self), batch_size):
-      ids = np.full((batch_size, self.seq_len), self.pad_id, np.int32)
-      labels = np.full((batch_size, self.seq_len), IGNORE, np.int32)
-      for row, index in enumerate(range(first, min(first + batch_size, len(self)))):
-        ids[row], labels[row] = self[index]
-      yield {"input_ids": ids, "labels": labels}
+      yield self.rows(range(first, min(first + batch_size, len(self))), self.seq_len,
+                      batch_size)
 
 
 def _read_tokens(path: str) -> np.ndarray:

@@ -7,6 +7,12 @@ tokenizer that cannot load or a missing held-out file stops a run at startup.
 Evaluation batches are built alike on every process; each process puts its own rows on its
 devices through the same path training batches take (`HostRows`), and every result comes back
 replicated, so each process computes the same metrics.
+
+Held-out documents and task requests are scored by the same jitted function (each row's summed
+log-probability of its labels) at a few padded lengths (`tasks.bucket_lengths`): items are
+sorted by length and each batch runs at the shortest length that holds its longest item, so a
+short document or request is not padded to seq_len, and the programs compiled for one are
+reused by the other. Every batch of an evaluation is dispatched before any result is read.
 """
 
 from __future__ import annotations
@@ -37,6 +43,25 @@ def _asked(stop: Callable[[], bool] | None) -> None:
     raise Stopped
 
 
+def scoring_functions(model: ShardedModel) -> tuple[Callable, Callable]:
+  """The two programs every evaluation runs, jitted (ahead-of-time compilation lowers these
+  too): (params, batch) -> each row's summed log-probability of its labels [B] (held-out
+  documents, cloze continuations), and -> each row's log-probabilities of its choices at one
+  position [B, K] (`_fast` multiple choice)."""
+
+  def row_logprob(params, batch):
+    return loss.row_logprob(model.token_losses(params, batch["input_ids"], batch["labels"]))
+
+  def choice_logprobs(params, batch):
+    return loss.choice_logprobs(
+        model.logits_at(params, batch["input_ids"], batch["position"]), batch["choices"])
+
+  # Replicated outputs: every process can read them (a batch-sharded [B] result is not
+  # addressable from one process when the job spans several).
+  return (jax.jit(row_logprob, out_shardings=model.replicated),
+          jax.jit(choice_logprobs, out_shardings=model.replicated))
+
+
 class Evaluator:
   def __init__(self, exp: Experiment, model: ShardedModel,
                heldout: Mapping[str, Sequence[str]] | None = None):
@@ -46,21 +71,7 @@ class Evaluator:
     cfg = exp.eval
     pipeline.check_divisible(cfg.batch_size, model.batch_sharding, "EvalConfig.batch_size")
 
-    def summed_nll(params, batch):
-      return loss.summed_nll(model.token_losses(params, batch["input_ids"], batch["labels"]))
-
-    def row_logprob(params, batch):
-      return loss.row_logprob(model.token_losses(params, batch["input_ids"], batch["labels"]))
-
-    def choice_logprobs(params, batch):
-      return loss.choice_logprobs(
-          model.logits_at(params, batch["input_ids"], batch["position"]), batch["choices"])
-
-    # Replicated outputs: every process can read them (a batch-sharded [B] result is not
-    # addressable from one process when the job spans several).
-    self._summed_nll = jax.jit(summed_nll, out_shardings=model.replicated)
-    self._row_logprob = jax.jit(row_logprob, out_shardings=model.replicated)
-    self._choice_logprobs = jax.jit(choice_logprobs, out_shardings=model.replicated)
+    self._row_logprob, self._choice_logprobs = scoring_functions(model)
     if heldout is None:
       heldout = sources.heldout_sets(exp)
     self.heldout = {name: HeldoutDocs(paths, exp.data.seq_len, exp.model.eos_token_id,
@@ -68,6 +79,7 @@ class Evaluator:
                                       exp.model.vocab_size)
                     for name, paths in heldout.items()}
     self.tasks = self._load_tasks()
+    self.buckets = tasks_lib.bucket_lengths(exp.data.seq_len, exp.model.attention)
 
   def _load_tasks(self) -> list[tasks_lib.Task]:
     """The configured tasks; none (with a warning) when the `eval` extra is not installed. Any
@@ -92,22 +104,24 @@ class Evaluator:
   def heldout_metrics(self, params: Any, stop: Callable[[], bool] | None = None
                       ) -> dict[str, dict[str, float]]:
     """{set: {ce_loss, ppl, tokens}}: token-mean cross-entropy and perplexity over each set
-    (or its first train.eval_batches batches), summed batch by batch. Raises Stopped when
+    (or its first train.eval_batches x eval.batch_size documents). Raises Stopped when
     `stop()` says so before a batch."""
     with self.model.context():
       return {name: self._heldout(params, docs, stop) for name, docs in self.heldout.items()}
 
   def _heldout(self, params: Any, docs: HeldoutDocs, stop: Callable[[], bool] | None
                ) -> dict[str, float]:
-    total, count = 0.0, 0
-    for i, batch in enumerate(docs.batches(self.exp.eval.batch_size)):
-      if self.exp.train.eval_batches is not None and i >= self.exp.train.eval_batches:
-        break
+    size, cap = self.exp.eval.batch_size, self.exp.train.eval_batches
+    # eval_batches caps the documents (the first cap x batch_size), which are then bucketed.
+    lengths = docs.lengths[:None if cap is None else cap * size]
+    pending, count = [], 0
+    for indices, length in tasks_lib.plan(lengths, self.buckets, size):
       _asked(stop)
-      ce, n = self._summed_nll(params, self._put(batch))
-      total += float(ce)
-      count += int(n)
-    ce = total / max(count, 1)
+      batch = docs.rows(indices, length, size)
+      count += int((batch["labels"] >= 0).sum())
+      pending.append(self._row_logprob(params, self._put(batch)))
+    # Row sums added up on the host in float64, whatever the number of batches.
+    ce = -sum(np.asarray(p, np.float64).sum() for p in pending) / max(count, 1)
     return {"ce_loss": ce, "ppl": math.exp(min(ce, 700.0)), "tokens": float(count)}
 
   def task_metrics(self, params: Any, stop: Callable[[], bool] | None = None
@@ -127,7 +141,7 @@ class Evaluator:
       return self._choice_logprobs(params, self._put(batch))
 
     with self.model.context():
-      return tasks_lib.evaluate(self.tasks, exp.data.seq_len, exp.eval.batch_size,
+      return tasks_lib.evaluate(self.tasks, self.buckets, exp.eval.batch_size,
                                 exp.model.pad_token_id, row_logprob, choice_logprobs)
 
   def evaluate(self, params: Any, stop: Callable[[], bool] | None = None) -> dict[str, float]:

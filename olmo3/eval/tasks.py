@@ -25,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from olmo3.config import AttentionKernel
 from olmo3.loss import IGNORE
 
 # OLMo's default in-loop reading-comprehension suite (8 tasks, 5-shot, cloze formulation).
@@ -200,29 +202,52 @@ def _first_documents(requests: list[dict], limit: int) -> list[dict]:
   return [r for r in requests if r["doc_id"] in keep]
 
 
-def padded_length(n: int, seq_len: int, shortest: int = 512) -> int:
-  """The input length a batch whose longest query has `n` tokens runs at: seq_len halved while
-  it still fits (and stays a whole number >= `shortest`), so evaluation compiles a handful of
-  shapes instead of padding every request to seq_len."""
+def bucket_lengths(seq_len: int, kernel: AttentionKernel) -> tuple[int, ...]:
+  """The input lengths evaluation batches run at, shortest first: seq_len halved again and
+  again, with three quarters of each step between (where the kernel allows both, a request is
+  padded by at most a third of its length), down to one lane. Each length is one compiled program per scoring function, so the set stays
+  small. Lengths are multiples of `lane` tokens (128 for the fused kernels, whose blocks are
+  lane-wide; 32 for XLA's own attention, where short rows are simply cheap), and splash
+  attention's, of 512 or more, multiples of its 512-token block (olmo3.model)."""
+  lane = min(128 if kernel in (AttentionKernel.SPLASH, AttentionKernel.CUDNN) else 32, seq_len)
+  out = {seq_len}
   length = seq_len
-  while length % 2 == 0 and length // 2 >= max(n, shortest):
+  while length >= lane:
+    for candidate in (length, length * 3 // 4):
+      block = min(512, candidate) if kernel is AttentionKernel.SPLASH else lane
+      if candidate >= lane and candidate % lane == 0 and candidate % block == 0:
+        out.add(candidate)
     length //= 2
-  return length
+  return tuple(sorted(out))
 
 
-def batches(task: Task, seq_len: int, batch_size: int, pad_id: int
-            ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
-  """(request indices, model batch) pairs covering the task, longest queries first. A batch
-  holds input_ids [B, T] and either labels [B, T] (the continuation at the positions that
-  predict it) or, for `_fast` multiple choice, position [B] and choices [B, K] (-1 pads).
-  Rows past the end of the task are padding (all labels masked, choices -1)."""
-  order = sorted(range(len(task.requests)), key=lambda i: -len(task.requests[i].query))
-  fast = task.requests[0].choices is not None
-  k = max(len(r.choices) for r in task.requests) if fast else 0
+def plan(lengths: Sequence[int], buckets: Sequence[int], rows: int
+         ) -> list[tuple[np.ndarray, int]]:
+  """(item indices, padded length) of each batch over items of the given lengths: longest
+  first, `rows` at a time, each batch at the shortest bucket that holds its longest item.
+  Sorting by length keeps a batch's rows alike, so little of it is padding; the last batch may
+  be short of `rows` (its missing rows are padding)."""
+  order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
   out = []
-  for start in range(0, len(order), batch_size):
-    rows = order[start:start + batch_size]
-    length = padded_length(len(task.requests[rows[0]].query), seq_len)
+  for start in range(0, len(order), rows):
+    chunk = np.asarray(order[start:start + rows])
+    longest = lengths[chunk[0]]
+    out.append((chunk, next(b for b in buckets if b >= longest)))
+  return out
+
+
+def batches(requests: Sequence[Request], buckets: Sequence[int], batch_size: int, pad_id: int
+            ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+  """(request indices, model batch) pairs covering requests of one kind (all `_fast` multiple
+  choice or none), longest queries first, of any tasks: batches are filled across tasks, so
+  small tasks do not each leave a mostly empty last batch. A batch holds input_ids [B, T] and
+  either labels [B, T] (the continuation at the positions that predict it) or, for `_fast`
+  multiple choice, position [B] and choices [B, K] (-1 pads). Rows past the last request are
+  padding (all labels masked, choices -1)."""
+  fast = requests[0].choices is not None
+  k = max(len(r.choices) for r in requests) if fast else 0
+  out = []
+  for rows, length in plan([len(r.query) for r in requests], buckets, batch_size):
     ids = np.full((batch_size, length), pad_id, np.int32)
     batch = {"input_ids": ids}
     if fast:
@@ -231,14 +256,14 @@ def batches(task: Task, seq_len: int, batch_size: int, pad_id: int
     else:
       batch["labels"] = np.full((batch_size, length), IGNORE, np.int32)
     for row, index in enumerate(rows):
-      r = task.requests[index]
+      r = requests[index]
       ids[row, :len(r.query)] = r.query
       if fast:
         batch["position"][row] = r.first
         batch["choices"][row, :len(r.choices)] = r.choices
       else:
         batch["labels"][row, r.first:r.first + len(r.continuation)] = r.continuation
-    out.append((np.asarray(rows), batch))
+    out.append((rows, batch))
   return out
 
 
@@ -311,18 +336,25 @@ def _f1(labels: list[float], preds: list[float], positive: float = 0.0) -> float
   return 0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall)
 
 
-def evaluate(tasks: Sequence[Task], seq_len: int, batch_size: int, pad_id: int,
-             logprob_fn: Callable[[dict[str, np.ndarray]], np.ndarray],
-             choice_fn: Callable[[dict[str, np.ndarray]], np.ndarray]) -> dict[str, dict]:
+def evaluate(tasks: Sequence[Task], buckets: Sequence[int], batch_size: int, pad_id: int,
+             logprob_fn: Callable[[dict[str, np.ndarray]], Any],
+             choice_fn: Callable[[dict[str, np.ndarray]], Any]) -> dict[str, dict]:
   """{task: {metric: value, ..., "docs": n}}. `logprob_fn(batch)` returns each row's summed
-  label log-probability [B]; `choice_fn(batch)` each row's choice log-probabilities [B, K]."""
-  results = {}
-  for task in tasks:
-    logprobs: list[np.ndarray | None] = [None] * len(task.requests)
-    for rows, batch in batches(task, seq_len, batch_size, pad_id):
-      fn = choice_fn if "choices" in batch else logprob_fn
-      out = np.asarray(fn(batch), np.float64)
+  label log-probability [B]; `choice_fn(batch)` each row's choice log-probabilities [B, K].
+  Every batch is dispatched before any result is read (results may be device arrays: one
+  transfer at the end instead of a round trip per batch)."""
+  pooled = [(t, i) for t, task in enumerate(tasks) for i in range(len(task.requests))]
+  logprobs: list[list[np.ndarray | None]] = [[None] * len(task.requests) for task in tasks]
+  for fast in (False, True):
+    kind = [(t, i) for t, i in pooled if (tasks[t].requests[i].choices is not None) == fast]
+    if not kind:
+      continue
+    fn = choice_fn if fast else logprob_fn
+    pending = [(rows, fn(batch)) for rows, batch in
+               batches([tasks[t].requests[i] for t, i in kind], buckets, batch_size, pad_id)]
+    for rows, out in pending:
+      out = np.asarray(out, np.float64)
       for row, index in enumerate(rows):
-        logprobs[index] = out[row]
-    results[task.name] = {**score(task, logprobs), "docs": task.docs}
-  return results
+        t, i = kind[index]
+        logprobs[t][i] = out[row]
+  return {task.name: {**score(task, lp), "docs": task.docs} for task, lp in zip(tasks, logprobs)}

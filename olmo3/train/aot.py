@@ -1,7 +1,9 @@
 """Ahead-of-time compilation of the real train step: for the local devices, or for a TPU
 topology from a CPU machine (`kind:AxBxC`, needs the `tpu` extra's libtpu). Reports per-device
 memory, whether it fits the chip's HBM, compiled vs analytic FLOPs and the compile time; the
-experiment's LIBTPU_INIT_ARGS are parsed by the compiler, so a bad flag fails here."""
+experiment's LIBTPU_INIT_ARGS are parsed by the compiler, so a bad flag fails here.
+`compile_eval_batch` does the same for the evaluator's programs at one batch shape
+(benchmarks/eval_price_7b.py prices the 7B's evaluation with it)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from olmo3 import flops as flops_lib
 from olmo3.config import AttentionKernel, Experiment
+from olmo3.data.pipeline import batch_only
+from olmo3.eval.evaluator import scoring_functions
 from olmo3.sharded_model import ShardedModel
 from olmo3.train.state import StateLayout
 from olmo3.train.step import abstract_inputs, jit_train_step
@@ -75,6 +80,31 @@ class CompileReport:
         + (f"; {self.flops_caveat}" if self.flops_caveat else "")])
 
 
+def _compile(lowered: Any, topology: str | None) -> Any:
+  try:
+    return lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise DoesNotFit(f"{topology or 'local devices'}: the compiler ran out of device memory: "
+                     f"{str(e).splitlines()[0]}") from None
+
+
+def _memory_gb(compiled: Any) -> tuple[float, float, float, float]:
+  """Per-device (arguments, temporaries, outputs, donated) in GB, as the compiler reports."""
+  mem = compiled.memory_analysis()
+  gb = lambda name: getattr(mem, name, 0) / 1e9 if mem is not None else 0.0
+  return (gb("argument_size_in_bytes"), gb("temp_size_in_bytes"),
+          gb("output_size_in_bytes"), gb("alias_size_in_bytes"))
+
+
+def _compiled_flops(compiled: Any) -> float | None:
+  """XLA's FLOPs per device (a scanned layer group counted once, Pallas kernels as zero)."""
+  cost: Any = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return (cost or {}).get("flops")
+
+
 def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileReport:
   devices = topology_devices(topology) if topology else None
   model = ShardedModel.for_experiment(exp, devices)
@@ -82,24 +112,13 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
   start = time.perf_counter()
   with model.context():
     lowered = jit_train_step(exp, model, layout).lower(*abstract_inputs(exp, model, layout))
-  try:
-    compiled = lowered.compile()
-  except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e):
-      raise
-    raise DoesNotFit(f"{topology or 'local devices'}: the compiler ran out of device memory: "
-                     f"{str(e).splitlines()[0]}") from None
+  compiled = _compile(lowered, topology)
   seconds = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  gb = lambda name: getattr(mem, name, 0) / 1e9 if mem is not None else 0.0
-  args, temps, outs, alias = (gb("argument_size_in_bytes"), gb("temp_size_in_bytes"),
-                              gb("output_size_in_bytes"), gb("alias_size_in_bytes"))
+  args, temps, outs, alias = _memory_gb(compiled)
   total = args + temps + outs - alias
   kind = model.mesh.devices.flat[0].device_kind
   hbm = flops_lib.hbm_bytes_per_device(kind)
-  cost: Any = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  per_device = (cost or {}).get("flops")
+  per_device = _compiled_flops(compiled)
   n = model.mesh.devices.size
   analytic = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
   caveats = []
@@ -115,3 +134,52 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
       fits=None if hbm is None else total * 1e9 <= hbm,
       compiled_tflops_per_step=per_device * n / 1e12 if per_device else None,
       analytic_tflops_per_step=analytic / 1e12, compile_s=seconds, flops_caveat="; ".join(caveats))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalCompileReport:
+  """One evaluation program (olmo3.eval.evaluator.scoring_functions) at one batch shape."""
+
+  program: str  # row_logprob or choice_logprobs
+  rows: int
+  length: int
+  devices: int
+  total_gb: float  # arguments + temporaries + outputs per device
+  temp_gb: float
+  hbm_gb: float | None
+  compiled_tflops: float | None  # XLA's count, whole batch (see _compiled_flops)
+  compile_s: float
+
+
+def compile_eval_batch(exp: Experiment, length: int, choices: int | None = None,
+                       topology: str | None = None, model: ShardedModel | None = None
+                       ) -> EvalCompileReport:
+  """Compiles the evaluation program for one batch of eval.batch_size rows x `length` tokens:
+  row log-probabilities, or with `choices` (K) the one-pass multiple-choice program."""
+  model = model or ShardedModel.for_experiment(
+      exp, topology_devices(topology) if topology else None)
+  rows = exp.eval.batch_size
+  vector = batch_only(model.batch_sharding)
+  batch = {"input_ids": jax.ShapeDtypeStruct((rows, length), jnp.int32,
+                                             sharding=model.batch_sharding)}
+  if choices is None:
+    batch["labels"] = batch["input_ids"]
+  else:
+    batch["position"] = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=vector)
+    batch["choices"] = jax.ShapeDtypeStruct((rows, choices), jnp.int32, sharding=vector)
+  row_logprob, choice_logprobs = scoring_functions(model)
+  start = time.perf_counter()
+  with model.context():
+    lowered = (row_logprob if choices is None else choice_logprobs).lower(
+        model.param_target, batch)
+  compiled = _compile(lowered, topology)
+  seconds = time.perf_counter() - start
+  args, temps, outs, _ = _memory_gb(compiled)
+  hbm = flops_lib.hbm_bytes_per_device(model.mesh.devices.flat[0].device_kind)
+  per_device = _compiled_flops(compiled)
+  n = model.mesh.devices.size
+  return EvalCompileReport(
+      program="row_logprob" if choices is None else "choice_logprobs", rows=rows,
+      length=length, devices=n, total_gb=args + temps + outs, temp_gb=temps,
+      hbm_gb=hbm / 1e9 if hbm else None,
+      compiled_tflops=per_device * n / 1e12 if per_device else None, compile_s=seconds)
