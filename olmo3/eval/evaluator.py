@@ -89,10 +89,9 @@ class Evaluator:
     if not cfg.tasks:
       return []
     try:
-      tokenizer = tasks_lib.load_tokenizer(sources.tokenizer_file(cfg.tokenizer),
-                                           model.eos_token_id, model.pad_token_id)
-      return [tasks_lib.load_task(label, tokenizer, self.exp.data.seq_len, cfg.task_limit)
-              for label in cfg.tasks]
+      return tasks_lib.load_tasks(cfg.tasks, sources.tokenizer_file(cfg.tokenizer),
+                                  model.eos_token_id, model.pad_token_id, self.exp.data.seq_len,
+                                  cfg.task_limit)
     except tasks_lib.TasksUnavailable as e:
       logging.warning("downstream tasks skipped (held-out loss still runs): %s", e)
       return []

