@@ -67,8 +67,7 @@ CACHE = flags.DEFINE_string(
     "compilation_cache", os.environ.get("JAX_COMPILATION_CACHE_DIR",
                                         os.path.join("~", ".cache", "olmo3", "jax")),
     "persistent XLA compilation cache (a restarted or resumed run skips recompiling; a shared "
-    "path such as gs://... serves every host; a job of several CPU processes goes without it); "
-    "'' turns it off")
+    "path such as gs://... serves every host); '' turns it off")
 # A process of a multi-process job that dies (SIGKILL, OOM, a lost host) stops sending
 # heartbeats: this long after its last one, every other process stops too (non-zero) instead of
 # waiting in a collective for a peer that is gone (a dead coordinator, process 0, stops them at
@@ -79,13 +78,14 @@ DEFAULT_HEARTBEAT_S = 100
 
 def start_jax() -> None:
   """Joins the job's other processes (JAX_COORDINATOR_* or the cluster's own environment) and
-  turns the persistent compilation cache on (off for a job of several CPU processes)."""
+  turns the persistent compilation cache on."""
   import jax
 
+  from olmo3 import compilation_cache
   from olmo3.io import storage
 
   if CACHE.value:
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(CACHE.value))
+    compilation_cache.enable(CACHE.value)
   env = os.environ
   heartbeat = max(1, round(storage.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
   if "JAX_COORDINATOR_ADDRESS" in env:
@@ -96,13 +96,6 @@ def start_jax() -> None:
   elif int(env.get("SLURM_NTASKS", "1")) > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
     # Cluster auto-detection (SLURM, multi-host TPU).
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
-  if jax.process_count() > 1 and jax.default_backend() == "cpu":
-    # CPU processes compile alike, without the persistent cache: its keys differ per process on
-    # CPU and only process 0 writes entries, so process 0 alone loaded its executables and
-    # reached its first collective a minute before the others, past the 30 s gloo allows for
-    # setting up a collective's context: a restarted job failed at its first step
-    # (benchmarks/pod_rehearsal.py, 4 processes on 2 cores).
-    jax.config.update("jax_enable_compilation_cache", False)
 
 
 @contextlib.contextmanager

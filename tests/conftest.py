@@ -10,10 +10,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache, shared by the xdist workers and every launcher subprocess
 # (they inherit the environment): a restarted run loads its executables instead of recompiling
 # them, which is what makes the many-restart tests affordable. It is kept between sessions
-# ($OLMO3_CACHE/jax-tests, at most 2 GiB, least recently used entries evicted first), so a
-# session after an edit compiles only what the edit changed (an entry's key is the program,
-# the flags and the jax/jaxlib versions). OLMO3_TEST_JAX_CACHE=fresh: a fresh one for this
-# session, removed at exit (what every session did before).
+# ($OLMO3_CACHE/jax-tests), so a session after an edit compiles only what the edit changed (an
+# entry's key is the program, the flags and the jax/jaxlib versions); past 2 GiB it is emptied
+# when a session starts. Not JAX's own size limit: its eviction reads every entry's access-time
+# file, and an entry whose writer was killed before that file (the tests SIGKILL launchers)
+# made every later write fail, so nothing new was cached. OLMO3_TEST_JAX_CACHE=fresh: a fresh
+# one for this session, removed at exit.
+_CACHE_LIMIT_BYTES = 2 << 30
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   if os.environ.get("OLMO3_TEST_JAX_CACHE") == "fresh":
     import atexit
@@ -23,9 +26,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="olmo3-test-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   else:
+    import shutil
+
     _cache = os.path.join(os.path.expanduser(os.environ.get("OLMO3_CACHE", "~/.cache/olmo3")),
                           "jax-tests")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+    if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(_cache) and sum(
+        e.stat().st_size for e in os.scandir(_cache) if e.is_file()) > _CACHE_LIMIT_BYTES:
+      shutil.rmtree(_cache, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 

@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Lowest first. A module imports from its own entry or from lower layers; entries of one layer
 # do not import each other.
 LAYERS = (
-    ("olmo3.io", "olmo3.platforms"),
+    ("olmo3.io", "olmo3.platforms", "olmo3.compilation_cache"),
     ("olmo3.remat", "olmo3.loss", "olmo3.xla_flags"),
     ("olmo3.config",),
     ("olmo3.sharding", "olmo3.flops"),

@@ -25,14 +25,15 @@ SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/
 TINY = "--fdl_config=experiments.olmo3_tiny:stage1"
 
 
-def _child(program: str, argv: list[str], cwd: str, env: dict[str, str], out: str) -> None:
+def _child(program: str, argv: list[str], cwd: str, out: str,
+           env: dict[str, str] | None = None) -> None:
   """Runs one program in this (forked) process as Python would run it (`python launch/X.py`,
   `python -m olmo3.eval`): as __main__, with its argv, sys.path and the case's environment
   variables; never returns."""
   code = 70
   try:
     os.chdir(cwd)
-    os.environ.update(env)
+    os.environ.update(env or {})
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -65,7 +66,7 @@ def drive(cases: list[dict], out_dir: str) -> list[dict]:
     out = os.path.join(out_dir, f"{i}.out")
     pid = os.fork()
     if pid == 0:
-      _child(case["program"], case["argv"], case["cwd"], case["env"], out)
+      _child(case["program"], case["argv"], case["cwd"], out, case.get("env"))
     _, status = os.waitpid(pid, 0)
     with open(out) as f:
       results.append({"rc": os.waitstatus_to_exitcode(status), "output": f.read()})

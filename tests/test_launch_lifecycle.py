@@ -61,18 +61,17 @@ def _signal_in_step(call: int, sig: str) -> None:
 
 
 def _signal_in_evaluation(sig: str) -> None:
-  """... as the first evaluation takes its second held-out batch."""
+  """... as the first evaluation reads its first held-out batch (the evaluator asks whether to
+  stop before each batch that follows)."""
   from olmo3.data import heldout
 
-  real, evaluations = heldout.HeldoutDocs.batches, itertools.count(1)
+  real, calls = heldout.HeldoutDocs.rows, itertools.count(1)
 
-  def batches(self, *args, **kwargs):
-    first = next(evaluations) == 1
-    for i, batch in enumerate(real(self, *args, **kwargs)):
-      if first and i == 1:
-        os.kill(os.getpid(), getattr(signal, sig))
-      yield batch
-  heldout.HeldoutDocs.batches = batches
+  def rows(self, *args, **kwargs):
+    if next(calls) == 1:
+      os.kill(os.getpid(), getattr(signal, sig))
+    return real(self, *args, **kwargs)
+  heldout.HeldoutDocs.rows = rows
 
 
 def _before_first_call(owner, name: str, action) -> None:
@@ -273,7 +272,7 @@ def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start
         "resume (step 3's evaluation did not run)", "last line")
   name = "the same command resumes"
   check(name, f"resumed from {w['step']}/checkpoints/3 " in out[name]
-        and _last(out[name]).startswith("alarm/"), "resumed and finished")
+        and f"run complete: {w['step']} (2 launches)" in out[name], "resumed and finished")
   # (and later extended by one step, below: a row per step, evaluated at step 6 only)
   check(name, _metric_steps(w["step"]) == [1, 2, 3, 4, 5, 6, 7], "train rows")
   check(name, _metric_steps(w["step"], "eval/") == [6], "evaluations")

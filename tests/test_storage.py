@@ -173,7 +173,8 @@ def test_the_loader_reads_a_mix_under_an_http_root_as_it_reads_it_from_disk(tmp_
   mix = tmp_path / "mix.txt"
   mix.write_text("\n".join(lines) + "\n")
   cfg = DataConfig(mix=os.fspath(mix), root=os.fspath(root), tokenizer_id="dolma2-tokenizer",
-                   seq_len=64, global_batch_size=8, seed=7, validate_tokens=False)
+                   seq_len=64, max_target_seq_len=None, global_batch_size=8, seed=7,
+                   validate_tokens=False)
 
   def steps(cfg):
     loader = pipeline.Loader(cfg, batch_sharding(4), start_step=2, num_steps=4,
@@ -539,6 +540,9 @@ def test_a_stalled_store_fails_tensorstore_requests_within_the_budget():
   """Orbax reads and writes arrays through TensorStore, whose requests have no deadline from
   Python: a store that accepts connections and never answers fails them after the request
   timeout (2 s here), retried within the budget (3 s), not after TensorStore's minutes."""
+  # This process's configure_clients (earlier tests) derived TENSORSTORE_CURL_* from the
+  # default timeout; the child inherits them and must derive its own from its 2 s.
+  storage.configure_clients()
   env = dict(os.environ, GOOGLE_AUTH_TOKEN_FOR_TESTING="test",
              **{storage.TIMEOUT_ENV: "2", storage.RETRY_ENV: "3"})
   done = subprocess.run([sys.executable, "-c", _STALLED_TENSORSTORE], capture_output=True,

@@ -1,0 +1,45 @@
+"""The persistent XLA compilation cache, for every kind of job (the launcher calls `enable`).
+
+A workaround for one JAX behaviour, isolated here (tests/test_compilation_cache.py): on CPU, the
+cache key of a program compiled by a job of several processes includes a fingerprint of the
+device topology as *this process* sees it, so the same program has a different key in each
+process, while only process 0 writes entries. A relaunched job then had process 0 load its
+executables while every other process compiled again; on a machine with few cores that put
+process 0 a minute ahead, past the 30 s gloo allows for setting up a collective, and the job
+failed at its first step. Keying CPU programs by the global devices instead (each device's
+kind, id and process: the same list in every process, and what the executable is compiled
+for) gives every process process 0's entry. Accelerators keep JAX's own key: a GPU or TPU
+topology is the same in every process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+
+
+def enable(directory: str) -> None:
+  """The cache in `directory` (a local path or a URL such as gs://...: one cache for every
+  host), shared by every process of a job, on CPU too. Call before the first compile."""
+  jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+  _same_key_in_every_cpu_process()
+
+
+@functools.cache
+def _same_key_in_every_cpu_process() -> None:
+  from jax._src import cache_key  # pylint: disable=g-import-not-at-top
+
+  topology_key = cache_key._hash_accelerator_config  # pylint: disable=protected-access
+
+  def global_devices_key(hash_obj, devices_array) -> None:
+    devices = list(devices_array.flat)
+    if not all(d.platform == "cpu" for d in devices):
+      topology_key(hash_obj, devices_array)
+      return
+    for d in devices:
+      cache_key._hash_string(  # pylint: disable=protected-access
+          hash_obj, f"{d.device_kind}:{d.id}:{d.process_index}")
+
+  cache_key._hash_accelerator_config = global_devices_key  # pylint: disable=protected-access

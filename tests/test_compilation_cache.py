@@ -1,0 +1,56 @@
+"""olmo3/compilation_cache.py: every process of a CPU job finds process 0's cache entries."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One process of a 2-process job started by the launcher's own start_jax: compiles a program
+# sharded over both processes' devices, runs it, and says whether the compile was a cache hit.
+_JOB = """
+import jax
+import numpy as np
+from absl import flags
+from launch import main as launcher
+flags.FLAGS(["launch/main.py"])
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else 0)
+launcher.start_jax()
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+x = jax.make_array_from_callback((8,), sharding, lambda index: np.arange(8.0)[index])
+total = jax.jit(lambda x: (x * 3).sum())(x)
+print(jax.process_index(), float(total), len(hits), flush=True)
+"""
+
+
+def _job(cache: str) -> list[str]:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = []
+  for rank in range(2):
+    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(rank), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    procs.append(subprocess.Popen([sys.executable, "-c", _JOB], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  outs = [p.communicate(timeout=240) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return [out.strip().splitlines()[-1] for out, _ in outs]
+
+
+@pytest.mark.slow(seconds=12)
+def test_a_relaunched_cpu_job_loads_its_program_in_every_process(tmp_path):
+  """JAX keys a CPU program by the topology each process sees, so only process 0 (the one
+  that writes entries) found them again; keyed by the global devices, every process does."""
+  cache = os.fspath(tmp_path / "cache")
+  assert _job(cache) == ["0 84.0 0", "1 84.0 0"]  # compiled
+  assert _job(cache) == ["0 84.0 1", "1 84.0 1"]  # both loaded from the cache, same result
