@@ -44,8 +44,12 @@ def test_each_mix_is_read_once_per_launch(tmp_path):
   done = subprocess.run(
       [sys.executable, "-c", _DRIVER, "--fdl_config=experiments.olmo3_tiny:stage1",
        f"--workdir={tmp_path / 'run'}", "--fdl_set=train.steps=2",
-       "--fdl_set=train.eval_every=2", "--fdl_set=eval.tasks=()"],
-      capture_output=True, text=True, cwd=ROOT, timeout=600)
+       "--fdl_set=train.eval_every=2", "--fdl_set=eval.tasks=()",
+       # test_launch's tiny shapes: the session's compilation cache serves both.
+       "--fdl_set=data.global_batch_size=8", "--fdl_set=eval.max_documents=8",
+       "--fdl_set=eval.batch_size=8"],
+      capture_output=True, text=True, cwd=ROOT, timeout=600,
+      env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # 1 device, as launches
   assert done.returncode == 0, done.stderr[-3000:]
   counts = json.loads(done.stdout.split("COUNTS ")[-1])
   assert counts == {"prepared embedded": 1, "prepared embedded-heldout": 1,

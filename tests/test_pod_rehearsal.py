@@ -17,11 +17,12 @@ def test_a_pod_job_survives_its_faults_and_loses_nothing(tmp_path):
   devices through the sbatch script and the srun stand-in, the workdir in fake-gcs-server,
   token files over HTTP with latency and injected 500s), with their checks against an
   uninterrupted job (state bit-equal, losses, no checkpoint lost, one history line per launch),
-  in 12 steps. Short as the faults allow, since the whole suite is over its 10-minute budget:
-  what is left is process starts and compiles (the uninterrupted job, a, b, b's relaunch where
-  c happens, d), one per fault. So it leaves out the full rehearsal's data audit (covered by
-  tests/test_data_audit.py) and stage 2's 4-process evaluation (tests/test_reliability.py checks
-  a 2-process one against 1 process); benchmarks/RESULTS.md has the full run."""
+  in 12 steps. Short as the faults allow: what is left is one job start per fault (the
+  uninterrupted job, a, b, b's relaunch where c happens, d), the first compiling and the others
+  loading its programs from the compilation cache in every process (olmo3/compilation_cache.py).
+  It leaves out the full rehearsal's data audit (covered by tests/test_data_audit.py) and stage
+  2's 4-process evaluation (tests/test_reliability.py checks a 2-process one against 1
+  process); benchmarks/RESULTS.md has the full run."""
   done = subprocess.run([sys.executable, "benchmarks/pod_rehearsal.py", "--quick",
                          f"--keep={tmp_path / 'rehearsal'}"], cwd=ROOT, capture_output=True,
                         text=True, timeout=1800)
