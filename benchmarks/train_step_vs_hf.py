@@ -6,8 +6,8 @@ Olmo3ForCausalLM (torch, AdamW), on the same tiny OLMo 3, batch and machine, run
 
 Our side is the shipped step: the experiment's `jit_train_step` on its `StateLayout` (loss with
 z-loss through the fused vocabulary-chunked cross-entropy, clipping, AdamW with the scheduled
-learning rate, step skipping), on one device, with the experiment's model, batch and sequence
-length (the tiny stage 1: 16 x 256 tokens). The peer trains transformers' model of the same
+learning rate, step skipping), on one device, with the experiment's model, batch, sequence
+length (the tiny stage 1: 16 x 256 tokens) and XLA flags. The peer trains transformers' model of the same
 shape with torch's AdamW on the same tokens. Each round times `--steps` steps of each side
 after a warm-up (compile / first step); the table reports the median tokens/s per side. Ends
 with one JSON line of headline figures.
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from olmo3 import platforms
+from olmo3 import platforms, xla_flags as flags_lib
 
 
 def ours(exp, tokens, steps):
@@ -112,6 +112,9 @@ def main() -> None:
   if args.vocab_chunk is not None:
     chunk = None if args.vocab_chunk == "none" else int(args.vocab_chunk)
     exp = dataclasses.replace(exp, model=exp.model.replace(vocab_chunk=chunk))
+  # As the launcher does, before JAX starts its backend: the experiment's XLA flags (the tiny
+  # stages: the `cpu` set).
+  flags_lib.apply_to_environ(exp.xla_flags, exp.libtpu_flags, exp.env)
   cfg, b, t = exp.model, exp.data.global_batch_size, exp.data.seq_len
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t + 1))
   sides = {"olmo3 (JAX, the shipped train step)": ours(exp, tokens, args.steps),

@@ -11,7 +11,7 @@ initialisation) reaches the run that tests it. `laptop_stage` changes size field
 (the embedded corpus, its held-out split and tokenizer, zero-shot task variants, the documents
 scored per task) and, through
 `cpu`, the machine fields a CPU needs (XLA attention instead of TPU splash, float32 compute, no
-TPU flags, no Grain worker processes).
+remat, XLA:CPU flags instead of TPU flags, no Grain worker processes).
 
 The data order keeps the 7B's grain. AI2's scripts pass max_target_sequence_length =
 max(8192, seq_len) (DataConfig.max_target_seq_len): at the 7B's 8192 tokens an epoch shuffles
@@ -29,6 +29,8 @@ import fiddle as fdl
 
 from experiments import olmo3_7b
 from olmo3.config import AttentionKernel, DType, Experiment, Schedule, olmo3_tiny
+from olmo3.remat import Remat
+from olmo3.xla_flags import FLAG_SETS
 from olmo3.run.record import workdir_of
 
 # The tiny model's shape (2,902,144 parameters; an 8k BPE vocabulary trained on the corpus).
@@ -50,10 +52,14 @@ TASK_LIMIT = 10
 
 def cpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
   """Fiddler: what a CPU needs of a TPU recipe: XLA attention (splash would run interpreted),
-  float32 compute, no libtpu flags, batches read in the main process."""
+  float32 compute, no remat, XLA:CPU's flag set instead of libtpu's, batches read in the main
+  process."""
   cfg.model.attention = AttentionKernel.XLA
   cfg.model.compute_dtype = DType.FLOAT32
-  cfg.xla_flags, cfg.libtpu_flags, cfg.env = (), (), ()
+  # The TPU policy recomputes activations to fit HBM; a CPU's memory is the host's, and the
+  # recomputation only costs time (the tiny step: 5-8% of it).
+  cfg.model.remat, cfg.model.remat_custom = Remat.NONE, ()
+  cfg.xla_flags, cfg.libtpu_flags, cfg.env = FLAG_SETS["cpu"].xla, (), ()
   cfg.data.num_workers = 0
   return cfg
 

@@ -1,7 +1,8 @@
 """The OLMo 3 transformer in Flax NNX, top to bottom (docs/architecture.md).
 
 Shapes in names: B batch, T query positions, S key positions, D d_model, H query heads,
-G key/value heads, R = H / G, K head dim, F MLP hidden, V padded vocabulary, L layers.
+G key/value heads, R = H / G, U = T·R (a key/value head's queries), K head dim, F MLP hidden,
+V padded vocabulary, L layers.
 
 Parameters are float32; matmuls run in `cfg.compute_dtype`; norms, RoPE and softmax run in
 float32. A float64 model (`DType.FLOAT64`, for parity checks below float32 rounding; it needs
@@ -118,15 +119,85 @@ def attention_mask(seq_len: int, window: int | None) -> jax.Array:
 def masked_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                      mask_TS: jax.Array) -> jax.Array:
   """Grouped-query attention where query t sees key s when mask_TS[t, s]; softmax in float32.
-  The XLA kernel, and the KV-cache decode (olmo3.sample.decode: queries at later positions)."""
-  b, t, h, k = q_BTHK.shape
-  g = k_BSGK.shape[2]
-  q_BTGRK = q_BTHK.reshape(b, t, g, h // g, k)
-  scores = jnp.einsum("btgrk,bsgk->bgrts", q_BTGRK, k_BSGK) * (k ** -0.5)
-  accum = wide(scores.dtype)
-  scores = jnp.where(mask_TS, scores.astype(accum), jnp.finfo(accum).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGK.dtype)
-  return jnp.einsum("bgrts,bsgk->btgrk", probs, v_BSGK).reshape(b, t, h, k)
+  The XLA kernel, and the KV-cache decode (olmo3.sample.decode: queries at later positions).
+
+  Laid out for XLA:CPU, where it is the training kernel: each key/value head's R query heads
+  form one [U, K] block of queries (keys and values are never repeated), every [U, S] array is
+  4-dimensional (a size-1 R axis makes XLA:CPU copy them between layouts), and the gradient is
+  written out (`_attention_bwd`): a layer's forward and backward passes write three [U, S]
+  arrays (scores, exponentials, their gradient) where autodiff of a masked softmax wrote seven
+  (docs/performance.md#attention-kernels)."""
+  return _attention(mask_TS, q_BTHK, k_BSGK, v_BSGK)
+
+
+def _to_groups(x_BTHK: jax.Array, g: int) -> jax.Array:
+  """[B, T, H, K] -> [B, G, U, K]: head h = g·R + r is query row t·R + r of group g."""
+  b, t, h, k = x_BTHK.shape
+  return x_BTHK.reshape(b, t, g, h // g, k).transpose(0, 2, 1, 3, 4).reshape(b, g, t * h // g, k)
+
+
+def _from_groups(x_BGUK: jax.Array, t: int) -> jax.Array:
+  b, g, u, k = x_BGUK.shape
+  return x_BGUK.reshape(b, g, t, u // t, k).transpose(0, 2, 1, 3, 4).reshape(b, t, g * u // t, k)
+
+
+def _transposed(x: jax.Array) -> jax.Array:
+  """x with its last two axes swapped, and copied: XLA would fold the swap into the next dot,
+  which XLA:CPU then runs outside YNNPACK at half the speed. Only [.., K, U] operands go here:
+  the copy is S / K times smaller than the [U, S] operand it spares."""
+  return jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2))
+
+
+@jax.custom_vjp
+def _attention(mask_TS, q_BTHK, k_BSGK, v_BSGK):
+  return _attention_fwd(mask_TS, q_BTHK, k_BSGK, v_BSGK)[0]
+
+
+def _attention_fwd(mask_TS, q_BTHK, k_BSGK, v_BSGK):
+  t, g, k = q_BTHK.shape[1], k_BSGK.shape[2], q_BTHK.shape[3]
+  accum = wide(q_BTHK.dtype)
+  # Scaled before the matmul: a scalar inside it is a [U, S] operand XLA:CPU materialises.
+  q_BGUK = _to_groups(q_BTHK, g) * k ** -0.5
+  k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
+  # The mask as an additive bias (0 or the most negative float, so a row with no visible key
+  # averages them all, as a masked softmax does): XLA:CPU adds it in the scores' matmul, where
+  # a select would be a pass of its own.
+  bias_US = jnp.repeat(jnp.where(mask_TS, 0.0, jnp.finfo(accum).min).astype(accum),
+                       q_BTHK.shape[2] // g, axis=0)
+  scores_BGUS = jnp.einsum("bguk,bgsk->bgus", q_BGUK, k_BGSK).astype(accum) + bias_US
+  # Unnormalised probabilities and their row sums, kept for the backward pass; the output is
+  # divided by the sums instead of the [U, S] probabilities.
+  exp_BGUS = jnp.exp(scores_BGUS - scores_BGUS.max(axis=-1, keepdims=True))
+  sum_BGU1 = exp_BGUS.sum(axis=-1, keepdims=True)
+  out_BGUK = jnp.einsum("bgus,bgsk->bguk", exp_BGUS.astype(v_BGSK.dtype),
+                        v_BGSK).astype(accum) / sum_BGU1
+  # Whether a row sees a key. A masked score's exponential is 0 in such a row, so it gets no
+  # gradient; a row that sees none averages the values whatever its scores: none of them do.
+  seen_U1 = jnp.repeat(mask_TS.any(axis=-1, keepdims=True), q_BTHK.shape[2] // g, axis=0)
+  out_BTHK = _from_groups(out_BGUK, t).astype(q_BTHK.dtype)
+  return out_BTHK, (q_BGUK, k_BGSK, v_BGSK, exp_BGUS, sum_BGU1, seen_U1, out_BGUK)
+
+
+def _attention_bwd(residuals, d_out_BTHK):
+  q_BGUK, k_BGSK, v_BGSK, exp_BGUS, sum_BGU1, seen_U1, out_BGUK = residuals
+  t, k, dtype = d_out_BTHK.shape[1], q_BGUK.shape[3], q_BGUK.dtype
+  d_out_BGUK = _to_groups(d_out_BTHK, q_BGUK.shape[1]).astype(exp_BGUS.dtype)
+  # The softmax's gradient, p · (dp - Σ_s p·dp), with Σ_s p·dp = Σ_k out·d_out: a [U, K] sum
+  # instead of a [U, S] one.
+  d_p_BGUS = jnp.einsum("bguk,bgsk->bgus", d_out_BGUK.astype(dtype), v_BGSK).astype(
+      exp_BGUS.dtype)
+  d_scores_BGUS = (exp_BGUS * (d_p_BGUS - (d_out_BGUK * out_BGUK).sum(axis=-1, keepdims=True))
+                   * jnp.where(seen_U1, 1 / sum_BGU1, 0.0)).astype(dtype)
+  d_q_BGUK = jnp.einsum("bgus,bgsk->bguk", d_scores_BGUS, k_BGSK) * k ** -0.5
+  # Keys and values contract over U: [K, U] x [U, S], the [U, S] operand read in place.
+  d_k_BGKS = jnp.einsum("bgku,bgus->bgks", _transposed(q_BGUK), d_scores_BGUS)
+  d_v_BGKS = jnp.einsum("bgku,bgus->bgks", _transposed((d_out_BGUK / sum_BGU1).astype(dtype)),
+                        exp_BGUS.astype(dtype))
+  return (None, _from_groups(d_q_BGUK, t), d_k_BGKS.transpose(0, 3, 1, 2),
+          d_v_BGKS.transpose(0, 3, 1, 2))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _attend_xla(q_BTHK, k_BSGK, v_BSGK, window):

@@ -53,6 +53,11 @@ FLAG_SETS: dict[str, FlagSet] = {
         "--xla_gpu_enable_while_loop_double_buffering=true",
         "--xla_disable_hlo_passes=rematerialization",
     ), env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)),
+    # XLA:CPU (the tiny experiments' `cpu` fiddler): YNNPACK runs the matmuls only. By default
+    # it also takes elementwise and reduce fusions from XLA's loop emitter, and their broadcast
+    # operands (norm weights, row statistics) are then written out in full: ≈ 10% more CPU time
+    # in the tiny step (benchmarks/RESULTS.md). jaxlib 0.10.2's name for the switch.
+    "cpu": FlagSet(xla=("--xla_cpu_experimental_ynn_fusion_type=dot",)),
 }
 
 

@@ -18,8 +18,8 @@ SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
     "train.eval_every", "checkpoint.every", "eval.batch_size"}
 DATA = {"data.mix", "data.root", "checkpoint.init_from", "eval.heldout", "eval.tokenizer",
         "eval.max_documents", "eval.tasks", "eval.task_limit"}
-MACHINE = {"model.attention", "model.compute_dtype", "xla_flags", "libtpu_flags", "env",
-           "data.num_workers"}
+MACHINE = {"model.attention", "model.compute_dtype", "model.remat", "model.remat_custom",
+           "xla_flags", "libtpu_flags", "env", "data.num_workers"}
 
 
 def _field(path: str) -> str:
