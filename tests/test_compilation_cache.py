@@ -52,5 +52,7 @@ def test_a_relaunched_cpu_job_loads_its_program_in_every_process(tmp_path):
   """JAX keys a CPU program by the topology each process sees, so only process 0 (the one
   that writes entries) found them again; keyed by the global devices, every process does."""
   cache = os.fspath(tmp_path / "cache")
-  assert _job(cache) == ["0 84.0 0", "1 84.0 0"]  # compiled
+  # Process 0 compiles and writes the entry; process 1 compiles too, or finds it already there.
+  first = _job(cache)
+  assert first[0] == "0 84.0 0" and first[1] in ("1 84.0 0", "1 84.0 1"), first
   assert _job(cache) == ["0 84.0 1", "1 84.0 1"]  # both loaded from the cache, same result
