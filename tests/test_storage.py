@@ -149,9 +149,9 @@ def test_held_out_documents_over_http_equal_local(tmp_path):
   with RangeServer(os.fspath(tmp_path), latency_s=0.01) as server:
     remote = HeldoutDocs([f"{server.url}/h.npy"], 64, eos_id=0, pad_id=1)
   assert len(remote) == len(local) == 2
-  for a, b in zip(remote.batches(2), local.batches(2)):
-    for key in a:
-      np.testing.assert_array_equal(a[key], b[key])
+  a, b = (docs.rows(range(len(docs)), docs.seq_len, len(docs)) for docs in (remote, local))
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key])
 
 
 def test_the_loader_reads_a_mix_under_an_http_root_as_it_reads_it_from_disk(tmp_path):
@@ -478,8 +478,9 @@ def test_a_prepared_directory_and_a_mix_file_over_http_are_read_as_from_disk(
       for key in a:
         np.testing.assert_array_equal(a[key], b[key])
     held = [HeldoutDocs(p.heldout[0].paths, 32, eos_id=0, pad_id=1) for p in (plan, local)]
-    for a, b in zip(held[0].batches(4), held[1].batches(4), strict=True):
-      np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    assert len(held[0]) == len(held[1])
+    a, b = (docs.rows(range(len(docs)), docs.seq_len, len(docs)) for docs in held)
+    np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
     with open(sources.tokenizer_file(plan.exp.eval.tokenizer), "rb") as f:
       assert f.read() == (served / "mine" / "tokenizer.json").read_bytes()
     assert sources.read_mix(f"{server.url}/mix.txt") == [
@@ -533,6 +534,23 @@ try:
 except Exception as e:
   print(round(time.monotonic() - started), str(e).splitlines()[0])
 """
+
+
+def test_tensorstore_timeouts_follow_this_process_budget_unless_the_user_set_them(monkeypatch):
+  """A value olmo3 derived in a parent (inherited) is derived again from this process's
+  OLMO3_STORAGE_TIMEOUT_S; one the user set is kept, whichever of the three it is."""
+  connect, low_speed = ("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS",
+                        "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS")
+  for key in (connect, low_speed, "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",
+              storage._DERIVED_ENV):  # pylint: disable=protected-access
+    monkeypatch.delenv(key, raising=False)
+  monkeypatch.setenv(connect, "77")  # the user's
+  monkeypatch.setenv(storage.TIMEOUT_ENV, "30")
+  storage.configure_clients()  # the parent
+  assert (os.environ[connect], os.environ[low_speed]) == ("77", "30")
+  monkeypatch.setenv(storage.TIMEOUT_ENV, "2")
+  storage.configure_clients()  # a child, with the parent's environment and its own budget
+  assert (os.environ[connect], os.environ[low_speed]) == ("77", "2")
 
 
 @pytest.mark.slow(seconds=12)

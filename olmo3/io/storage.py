@@ -54,7 +54,7 @@ READ_WRITE_SCHEMES = ("gs", "s3")
 READ_ONLY_SCHEMES = ("http", "https")
 RETRY_ENV, TIMEOUT_ENV = "OLMO3_STORAGE_RETRY_S", "OLMO3_STORAGE_TIMEOUT_S"
 DEFAULT_RETRY_S, DEFAULT_TIMEOUT_S = 180.0, 60.0
-_DERIVED_ENV = "OLMO3_TENSORSTORE_CURL_DERIVED"  # set when the TENSORSTORE_CURL_* are ours
+_DERIVED_ENV = "OLMO3_TENSORSTORE_CURL_DERIVED"  # the TENSORSTORE_CURL_* olmo3 set
 _FIRST_BACKOFF_S = 0.25  # then doubled (+ jitter) up to _MAX_BACKOFF_S, within the budget
 _MAX_BACKOFF_S = 15.0
 
@@ -200,16 +200,17 @@ def configure_clients() -> None:
   # its curl transport reads these when it makes its first request: a connection that does
   # not open, or that carries less than a byte a second, for the request timeout fails (and
   # is retried within the budget: `tensorstore_context`) instead of waiting for ever. A
-  # user's own values win; values a parent process derived (marked) are derived again here,
-  # so a child given another OLMO3_STORAGE_TIMEOUT_S does not inherit the parent's.
+  # user's own values win; those a parent process derived (listed in _DERIVED_ENV) are derived
+  # again here, so a child given another OLMO3_STORAGE_TIMEOUT_S does not inherit the parent's.
   timeout = str(max(1, math.ceil(request_timeout_s())))
-  derived = os.environ.get(_DERIVED_ENV) == "1"
+  derived = set(filter(None, os.environ.get(_DERIVED_ENV, "").split(",")))
   for key, value in (("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", timeout),
                      ("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", timeout),
                      ("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")):
-    if derived or key not in os.environ:
+    if key in derived or key not in os.environ:
       os.environ[key] = value
-      os.environ[_DERIVED_ENV] = "1"
+      derived.add(key)
+  os.environ[_DERIVED_ENV] = ",".join(sorted(derived))
 
 
 _VERBS = {"GET": "reading", "HEAD": "reading", "POST": "writing", "PUT": "writing",
