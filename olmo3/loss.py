@@ -180,11 +180,6 @@ def lm_loss(per_token: PerToken, z_loss_weight: float = 0.0,
   return ce + z_loss_weight * z_loss, metrics
 
 
-def summed_nll(per_token: PerToken) -> tuple[jax.Array, jax.Array]:
-  """(summed cross-entropy, unmasked token count) of a batch: held-out sets add these up."""
-  return per_token.nll_BT.sum(), per_token.mask_BT.sum()
-
-
 def row_logprob(per_token: PerToken) -> jax.Array:
   """[B]: each row's summed log-probability of its unmasked labels (a task choice's score)."""
   return -per_token.nll_BT.sum(axis=-1)

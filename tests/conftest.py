@@ -18,16 +18,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # one for this session, removed at exit.
 _CACHE_LIMIT_BYTES = 2 << 30
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import shutil
+
   if os.environ.get("OLMO3_TEST_JAX_CACHE") == "fresh":
     import atexit
-    import shutil
     import tempfile
 
     _cache = tempfile.mkdtemp(prefix="olmo3-test-jax-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   else:
-    import shutil
-
     _cache = os.path.join(os.path.expanduser(os.environ.get("OLMO3_CACHE", "~/.cache/olmo3")),
                           "jax-tests")
     if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(_cache) and sum(

@@ -151,12 +151,13 @@ def test_heldout_docs_are_padded_and_masked(tmp_path):
   tokens.write_token_file(tmp_path / "h.npy", np.array([5, 6, 7, 0, 8, 9, 10, 11, 12, 13, 0]))
   docs = HeldoutDocs([tmp_path / "h.npy"], seq_len=5, eos_id=0, pad_id=1)
   assert len(docs) == 2
-  ids, labels = docs[0]
+  batch = docs.rows([0, 1], docs.seq_len, 3)
+  ids, labels = batch["input_ids"][0], batch["labels"][0]
   assert ids.tolist() == [5, 6, 7, 0, 1] and labels.tolist() == [6, 7, 0, IGNORE, IGNORE]
-  ids, labels = docs[1]  # truncated to seq_len
+  ids, labels = batch["input_ids"][1], batch["labels"][1]  # truncated to seq_len
   assert ids.tolist() == [8, 9, 10, 11, 12] and labels.tolist() == [9, 10, 11, 12, IGNORE]
-  batches = list(docs.batches(3))
-  assert len(batches) == 1 and (batches[0]["labels"][2] == IGNORE).all()
+  assert (batch["labels"][2] == IGNORE).all()  # a row past the documents: masked
+  assert docs.lengths.tolist() == [4, 5]
 
 
 @pytest.mark.seconds(12)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from olmo3.loss import IGNORE
 
 
 class HeldoutDocs:
-  """Random access to held-out documents as fixed-length, padded instances."""
+  """Held-out documents, read as padded rows of any batch shape (`rows`)."""
 
   def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int, eos_id: int, pad_id: int,
                max_documents: int | None = None, vocab_size: int | None = None):
@@ -44,11 +44,6 @@ class HeldoutDocs:
   def __len__(self) -> int:
     return len(self._docs)
 
-  def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids [T], labels [T]) of document `index`."""
-    batch = self.rows([index], self.seq_len, 1)
-    return batch["input_ids"][0], batch["labels"][0]
-
   @functools.cached_property
   def lengths(self) -> np.ndarray:
     """Each document's tokens as scored: cut to seq_len."""
@@ -66,12 +61,6 @@ class HeldoutDocs:
       ids[row, :len(doc)] = doc
       labels[row, :len(doc) - 1] = doc[1:]
     return {"input_ids": ids, "labels": labels}
-
-  def batches(self, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-    """All documents in order at seq_len; the last batch is filled with fully masked rows."""
-    for first in range(0, len(self), batch_size):
-      yield self.rows(range(first, min(first + batch_size, len(self))), self.seq_len,
-                      batch_size)
 
 
 def _read_tokens(path: str) -> np.ndarray:
