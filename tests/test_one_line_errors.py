@@ -187,6 +187,13 @@ errors.EXIT_GRACE_S = 2.0
 def main():
   # A library's leftover (as Orbax's commit threads of a failed save): waits for ever.
   threading.Thread(target=threading.Event().wait, name="stuck").start()
+  # One whose join raises when it times out, as Orbax's CommitFuture threads' does.
+  class Raising(threading.Thread):
+    def join(self, timeout=None):
+      super().join(timeout)
+      if self.is_alive():
+        raise TimeoutError(f"{self.name} did not complete within {timeout} seconds")
+  Raising(target=threading.Event().wait, name="raising").start()
   # Work that ends within the grace is waited for.
   threading.Thread(target=lambda: (time.sleep(0.5), pathlib.Path(sys.argv[2]).touch())).start()
   if sys.argv[1] == "fail":

@@ -82,7 +82,10 @@ def end_within(grace_s: float, code: int, *, say: bool = False) -> None:
   def watch() -> None:
     deadline = time.monotonic() + grace_s
     for thread in waiting:
-      thread.join(max(0.0, deadline - time.monotonic()))
+      # threading.Thread's own join, not the thread's: Orbax's commit threads override it to
+      # raise TimeoutError when the wait runs out (or their error when they failed), which
+      # ended this watcher instead of the process.
+      threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
     stuck = [t.name for t in waiting if t.is_alive()]
     if stuck:
       if say:
