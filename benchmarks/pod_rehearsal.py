@@ -12,7 +12,13 @@ cluster starts it, taken through the faults a weeks-long run meets, in order:
      tasks on 4 processes: equal to `python -m olmo3.eval` of that checkpoint in 1 process.
 
   python benchmarks/pod_rehearsal.py          # the whole rehearsal (RESULTS.md: its time)
-  python benchmarks/pod_rehearsal.py --quick  # a-d only, shorter: tests/test_pod_rehearsal.py
+  python benchmarks/pod_rehearsal.py --quick  # a-d on a 2 x 2 job: tests/test_pod_rehearsal.py
+
+The quick mode is the test's: the same faults and checks on 2 processes x 2 devices (the
+signals to task 1; d resizes to half the devices), fewer steps, no audit, no stage 2. On 2
+cores an 8-device step of the tiny model costs about twice a 4-device one (XLA:CPU runs a
+collective per sharded weight), and every process of a job starts, imports and compiles on
+the same cores: the full job's shape is measured here, not in every suite run.
 
 The run is the tiny recipe (experiments.olmo3_tiny:stage1, with the half-length instances the
 reliability tests use). Every job is the sbatch script `launch/jobs.py` renders for 4 nodes of 2
@@ -60,7 +66,7 @@ from olmo3 import platforms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRUN_STANDIN = os.path.join(ROOT, "tests", "slurm_standin")
-PROCESSES, DEVICES = 4, 2
+DEVICES = 2  # per process
 BUCKET = "rehearsal"
 STAGE1, STAGE2 = f"gs://{BUCKET}/stage1", f"gs://{BUCKET}/stage2"
 LATENCY_S, ERROR_RATE = 0.02, 0.05
@@ -81,10 +87,14 @@ RECIPE = ("--fdl_set=data.global_batch_size=8", "--fdl_set=data.seq_len=128",
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Step counts. The job trains stage 1 to `job_steps` (SIGTERM, SIGKILL and the outage fall
-  inside it), the resized run continues to `steps`; then, unless `faults_only`, the audit, and
-  stage 2 trains `stage2_steps` and evaluates at its last step."""
+  """The job's processes (of DEVICES each) and the tasks signalled; step counts. The job trains
+  stage 1 to `job_steps` (SIGTERM, SIGKILL and the outage fall inside it), the resized run
+  continues to `steps`; then, unless `faults_only`, the audit, and stage 2 trains
+  `stage2_steps` and evaluates at its last step."""
 
+  processes: int
+  term_task: int  # a: SIGTERM to this task alone
+  kill_task: int  # b: SIGKILL of this task
   steps: int
   job_steps: int
   every: int  # checkpoint.every
@@ -95,12 +105,13 @@ class Plan:
   faults_only: bool = False
 
 
-FULL = Plan(steps=20, job_steps=15, every=2, stage2_steps=4,
+FULL = Plan(processes=4, term_task=2, kill_task=1, steps=20, job_steps=15, every=2, stage2_steps=4,
             tasks=("arc_easy_rc_0shot", "boolq_rc_0shot", "hellaswag_rc_0shot",
                    "piqa_rc_0shot"), task_limit=20, max_documents=32)
-# The test's: every fault (a-d) and its checks, fewer steps, no audit and no stage 2 (e), which
-# tests/test_data_audit.py and tests/test_reliability.py's 2-process evaluation cover in part.
-QUICK = Plan(steps=12, job_steps=10, every=2, stage2_steps=0, tasks=(), task_limit=0,
+# The test's: every fault (a-d) and its checks on a 2 x 2 job, fewer steps, no audit and no
+# stage 2 (e), which tests/test_data_audit.py and tests/test_reliability.py's 2-process
+# evaluation cover in part.
+QUICK = Plan(processes=2, term_task=1, kill_task=1, steps=12, job_steps=10, every=2, stage2_steps=0, tasks=(), task_limit=0,
              max_documents=0, faults_only=True)
 
 
@@ -344,8 +355,8 @@ class Rehearsal:
             "--fdl_set=eval.tasks=()", f"--fdl_set=checkpoint.every={every}",
             f"--fdl_set=train.steps={steps}", f"--workdir={workdir}"]
 
-  def job(self, name: str, args: list[str], nodes: int = PROCESSES) -> Job:
-    job = Job(name, args, nodes, DEVICES, self.env(), self.logs)
+  def job(self, name: str, args: list[str], nodes: int | None = None) -> Job:
+    job = Job(name, args, nodes or self.plan.processes, DEVICES, self.env(), self.logs)
     self.jobs.append(job)
     return job
 
@@ -391,16 +402,16 @@ class Rehearsal:
                                                                           "metrics.jsonl"))}
 
   def sigterm(self) -> int:
-    """a: SIGTERM to task 2 alone, once the first checkpoint is saved."""
+    """a: SIGTERM to one task alone (term_task), once the first checkpoint is saved."""
     p = self.plan
     job = self.job("a-sigterm", self.stage1_args(p.job_steps, STAGE1, p.every))
     job.wait_for(rf"\] step {p.every + 1}/")
     at = job.last_step()
-    sent = job.signal(2, signal.SIGTERM)
+    sent = job.signal(p.term_task, signal.SIGTERM)
     code = job.finish(600)
     took = time.monotonic() - sent
     stops = {rank: [int(m[2]) for m in job.find(r"interrupted \((\w+)\) at step (\d+): saved",
-                                                rank)] for rank in range(PROCESSES)}
+                                                rank)] for rank in range(p.processes)}
     stopped = stops[0][0] if stops[0] else None
     self.checks("a: every task stopped at the same step", all(
         s == [stopped] for s in stops.values()) and stopped is not None, stops)
@@ -410,7 +421,7 @@ class Rehearsal:
     self.checks("a: the step it stopped at is saved", stopped in committed and logged == stopped,
                 {"stopped": stopped, "committed": committed, "logged": logged})
     self.checks("a: the lease was released", not self.exists(STAGE1, "lease.json"))
-    self.faults.append({"fault": "SIGTERM to task 2 only", "signalled_at_step": at,
+    self.faults.append({"fault": f"SIGTERM to task {p.term_task} only", "signalled_at_step": at,
                         "stopped_at_step": stopped, "exit_code": code,
                         "steps_lost": logged - max(committed),
                         "seconds_from_signal_to_exit": round(took, 1)})
@@ -418,7 +429,7 @@ class Rehearsal:
     return stopped
 
   def sigkill(self, resumed_at: int) -> int:
-    """b: SIGKILL of task 1 after the job's first save since resuming."""
+    """b: SIGKILL of one task (kill_task) after the job's first save since resuming."""
     p = self.plan
     job = self.job("b-sigkill", self.stage1_args(p.job_steps, STAGE1, p.every))
     resumed = int(job.wait_for(r"resumed from \S+/(\d+) \(step")[1])
@@ -427,17 +438,17 @@ class Rehearsal:
     saved = int(job.wait_for(r"saving the checkpoint of step (\d+)")[1])
     job.wait_for(rf"\] step {saved + 1}/")
     at = job.last_step()
-    sent = job.signal(1, signal.SIGKILL)
+    sent = job.signal(p.kill_task, signal.SIGKILL)
     code = job.finish(HEARTBEAT_S + 300)
     took = time.monotonic() - sent
     failures = job.task_failures()
     self.checks("b: the job failed, every task non-zero", code != 0 and sorted(failures) == list(
-        range(PROCESSES)), {"code": code, "tasks": failures})
+        range(p.processes)), {"code": code, "tasks": failures})
     self.checks("b: the others stopped within the heartbeat timeout + 60 s",
                 took < HEARTBEAT_S + 60, {"seconds": round(took, 1)})
     committed = self.committed(STAGE1)
     left = self.exists(STAGE1, "lease.json")
-    self.faults.append({"fault": "SIGKILL of task 1", "killed_at_step": at,
+    self.faults.append({"fault": f"SIGKILL of task {p.kill_task}", "killed_at_step": at,
                         "exit_code": code, "tasks": {str(k): v for k, v in failures.items()},
                         "newest_checkpoint": committed[-1], "steps_lost": at - committed[-1],
                         "lease_left_behind": left,
@@ -536,7 +547,7 @@ class Rehearsal:
     self.same_sharding = {"steps": p.job_steps,
                           "bit_equal": sum(u == 0 for u in ulps.values()),
                           "max_ulps": max(ulps.values())}
-    self.checks(f"losses of steps 1-{p.job_steps} (4 x 2) equal to the uninterrupted job's "
+    self.checks(f"losses of steps 1-{p.job_steps} ({p.processes} x {DEVICES}) equal to the uninterrupted job's "
                 "(within one unit in the last place)", self.same_sharding["max_ulps"] <= 1,
                 {s: (losses[s], straight[s]) for s, u in ulps.items() if u})
     resized = range(p.job_steps + 1, p.steps + 1)
@@ -552,14 +563,15 @@ class Rehearsal:
                 record == list(enumerate(launches, start=1)), record)
 
   def audit(self) -> dict[str, Any]:
-    """launch/audit.py: the 4 x 2 job's loader over the whole run, and the 1 x 2 one's over the
+    """launch/audit.py: the job's loader over the whole run, and the 1 x 2 one's over the
     resized part: each step exactly the global order's batch, no instance twice."""
     p = self.plan
     base = [sys.executable, os.path.join(ROOT, "launch", "audit.py"),
             "--fdl_config=experiments.olmo3_tiny:stage1", *RECIPE[:2],
             f"--fdl_set=data.mix='{self.mix}'"]
     reports = {}
-    for name, processes, start in (("4x2", PROCESSES, 0), ("1x2", 1, p.job_steps)):
+    job = f"{p.processes}x{DEVICES}"
+    for name, processes, start in ((job, p.processes, 0), ("1x2", 1, p.job_steps)):
       done = subprocess.run([*base, "--processes", str(processes), "--devices_per_process",
                              str(DEVICES), "--start_step", str(start),
                              "--steps", str(p.steps - start)],
@@ -567,12 +579,12 @@ class Rehearsal:
       if done.returncode not in (0, 1):
         raise Failed(f"the {name} audit failed:\n{done.stderr[-3000:]}")
       reports[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    whole, resized = reports["4x2"], reports["1x2"]
+    whole, resized = reports[job], reports["1x2"]
     for name, report in reports.items():
       self.checks(f"audit {name}: each step the global order's batch, no instance twice",
                   report["ok"], {k: v for k, v in report.items() if k != "digests"})
     same = all(resized["digests"][s] == whole["digests"][s] for s in resized["digests"])
-    self.checks("audit: the 1 x 2 loader reads the 4 x 2 job's batches", same)
+    self.checks(f"audit: the 1 x 2 loader reads the {job} job's batches", same)
     return {"steps": whole["steps"], "batches_per_epoch": whole["batches_per_epoch"],
             "instances_read": whole["instances_read"],
             "instances_read_per_process": whole["instances_read_per_process"],
@@ -580,8 +592,8 @@ class Rehearsal:
             "complete_epochs": whole["complete_epochs"]}
 
   def stage2(self) -> dict[str, Any]:
-    """e: stage 2 from the bucket's stage 1, evaluating on 4 processes; then the same checkpoint
-    evaluated by `python -m olmo3.eval` in 1 process."""
+    """e: stage 2 from the bucket's stage 1, evaluating on the job's processes; then the same
+    checkpoint evaluated by `python -m olmo3.eval` in 1 process."""
     p = self.plan
     args = ["--fdl_config=experiments.olmo3_tiny:stage2", *RECIPE,
             f"--fdl_set=data.mix='{self.mix}'", f"--fdl_set=checkpoint.init_from='{STAGE1}'",
@@ -612,7 +624,7 @@ class Rehearsal:
              if k != "tokens"}
     again.update({f"downstream/{t}/{k}": v for t, r in result["tasks"].items()
                   for k, v in r.items() if k != "docs"})
-    self.checks("e: the 4-process evaluation logged every held-out set and task",
+    self.checks(f"e: the {p.processes}-process evaluation logged every held-out set and task",
                 bool(logged) and again.keys() == logged.keys() and any(
                     k.startswith("eval/") for k in logged) and all(
                     any(k.startswith(f"downstream/{t}/") for k in logged) for t in p.tasks),
@@ -621,7 +633,8 @@ class Rehearsal:
     worst = max(diffs, key=lambda k: diffs[k] / max(abs(logged[k]), 1e-6)) if diffs else None
     # float32 sums in another order on another mesh (tests/test_reliability.py's tolerance).
     bad = [k for k in diffs if diffs[k] > 1e-5 * abs(logged[k]) + 1e-6]
-    self.checks("e: 4-process evaluation equals 1-process evaluation (rel 1e-5, abs 1e-6)",
+    self.checks(f"e: {p.processes}-process evaluation equals 1-process evaluation (rel 1e-5, "
+                "abs 1e-6)",
                 not bad, {k: (logged[k], again[k]) for k in bad})
     return {"metrics_compared": len(diffs), "max_abs_diff": max(diffs.values(), default=None),
             "worst_metric": worst}
@@ -674,7 +687,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "date": datetime.date.today().isoformat(),
       "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
       "mode": "quick" if args.quick else "full",
-      "job": {"processes": PROCESSES, "devices_per_process": DEVICES,
+      "job": {"devices_per_process": DEVICES,
               "started_as": "launch/jobs.py's sbatch script, tests/slurm_standin/srun",
               "recipe": "experiments.olmo3_tiny:stage1 (+ stage2), 8 x 128 tokens per step",
               **dataclasses.asdict(plan)},

@@ -145,8 +145,9 @@ def test_two_processes_train_save_and_resume_on_another_mesh(tmp_path, request):
   way, 4 processes resumed on 1: benchmarks/pod_rehearsal.py, tests/test_pod_rehearsal.py.)"""
   labels = _v3_small_stand_in(tmp_path / "data")
   _run(tmp_path, steps=4, devices=2)  # 2 devices in 1 process
-  # -> 8 devices in 2 processes, evaluating at step 9.
-  _run(tmp_path, steps=9, devices=4, processes=2, extra=_eval_7b(tmp_path / "data"))
+  # -> 4 devices in 2 processes (the shape of tests/test_pod_rehearsal.py's job, whose
+  # programs it then shares in the compilation cache), evaluating at step 9.
+  _run(tmp_path, steps=9, devices=2, processes=2, extra=_eval_7b(tmp_path / "data"))
   losses = _losses(tmp_path)
   straight = request.getfixturevalue("straight")  # only now: see `straight`
   assert sorted(losses) == list(range(1, 10))
@@ -267,7 +268,7 @@ def _eval_7b(root):
   return ["--fdl_set=eval.heldout=('v3-small-ppl-validation',)",
           f"--fdl_set=eval.heldout_root='{root}'", f"--fdl_set=eval.tasks={TASKS_7B!r}",
           "--fdl_set=eval.task_limit=4", "--fdl_set=eval.max_documents=16",
-          "--fdl_set=train.eval_every=3"]
+          "--fdl_set=train.eval_every=9"]
 
 
 def _check_evaluated_as_one_process(workdir, step, labels):
