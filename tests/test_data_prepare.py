@@ -276,8 +276,8 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
        "--fdl_config=experiments.olmo3_tiny:stage1", f"--fdl_set=data.mix='{mine}'",
        f"--workdir={run}", "--fdl_set=train.steps=2", "--fdl_set=eval.tasks=()",
        # test_launch's tiny shapes: the session's compilation cache serves both.
-       "--fdl_set=data.global_batch_size=8", "--fdl_set=eval.max_documents=8",
-       "--fdl_set=eval.batch_size=8"],
+       "--fdl_set=data.global_batch_size=8", "--fdl_set=data.seq_len=128",
+       "--fdl_set=eval.max_documents=8", "--fdl_set=eval.batch_size=8"],
       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
   assert done.returncode == 0, done.stderr[-3000:]
   experiment = json.loads((run / "experiment.json").read_text())["eval"]

@@ -19,8 +19,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "launch", "main.py")
 # The README's command runs on the plain CPU device; tests give JAX 8 fake ones.
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-TINY_FAST = ["--fdl_set=data.global_batch_size=8", "--fdl_set=eval.max_documents=8",
-             "--fdl_set=eval.batch_size=8", "--fdl_set=eval.task_limit=2"]
+# The tiny recipe at the reliability tests' half-length instances (tests/test_reliability.py's
+# TINY): the session's compilation cache holds their train step after the first launch.
+TINY_FAST = ["--fdl_set=data.global_batch_size=8", "--fdl_set=data.seq_len=128",
+             "--fdl_set=eval.max_documents=8", "--fdl_set=eval.batch_size=8",
+             "--fdl_set=eval.task_limit=2"]
 
 
 def _main(*args, timeout=600, check=True):
@@ -258,7 +261,7 @@ def _losses(workdir):
           if "loss" in r}
 
 
-@pytest.mark.slow(seconds=80)
+@pytest.mark.slow(seconds=50)
 def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   s1, s2 = tmp_path / "s1", tmp_path / "s2"
   done = _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
@@ -323,12 +326,14 @@ def test_workdir_of_another_experiment_is_refused(tmp_path):
   assert done.returncode != 0 and "holds a run of a different config" in done.stderr
 
 
-@pytest.mark.slow(seconds=42)
+@pytest.mark.slow(seconds=20)
 def test_memorize_fires_the_generalization_gap_alarm(tmp_path):
-  # Half-length instances and an evaluation every 5 steps: memorised (and caught) in 35 steps.
+  # Half-length instances, 16 of them (2 steps an epoch, as the recipe's 32 at its batch of 16)
+  # at the shared batch of 8, and an evaluation every 5 steps: memorised (and caught) in 35
+  # steps.
   done = _main("--fdl_config=experiments.olmo3_tiny:memorize", f"--workdir={tmp_path}",
-               *TINY_FAST, "--fdl_set=data.global_batch_size=16", "--fdl_set=data.seq_len=128",
-               "--fdl_set=train.eval_every=5", "--fdl_set=train.steps=40")
+               *TINY_FAST, "--fdl_set=data.max_instances=16", "--fdl_set=train.eval_every=5",
+               "--fdl_set=train.steps=40")
   assert "generalization gap" in done.stderr
   rows = metrics_lib.read_jsonl(tmp_path / "metrics.jsonl")
   flags = {r["step"]: r["alarm/generalization_gap"] for r in rows

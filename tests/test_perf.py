@@ -189,7 +189,7 @@ def _compile_tiny(topologies, libtpu_args=""):
   code = ("import sys; sys.path.insert(0, '.'); from launch import refs; import fiddle as fdl;"
           "from olmo3.train import aot;"
           "exp = fdl.build(refs.resolve('experiments.olmo3_tiny:stage1', "
-          "['data.global_batch_size=8']));"
+          "['data.global_batch_size=8', 'data.seq_len=128']));"
           f"[print(aot.compile_train_step(exp, t).format()) for t in {list(topologies)!r}]")
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                         env=dict(ENV, LIBTPU_INIT_ARGS=libtpu_args), timeout=600)
@@ -197,7 +197,7 @@ def _compile_tiny(topologies, libtpu_args=""):
 
 @pytest.mark.parametrize("topologies, flag_set", [(["tpu7x:2x2x1"], "tpu7x"),
                                                   (["v5p:2x2x1*2"], "v5p")])
-@pytest.mark.slow(seconds=14)
+@pytest.mark.slow(seconds=25)
 def test_compile_for_tpu_topologies_with_their_flag_sets(topologies, flag_set):
   done = _compile_tiny(topologies, " ".join(FLAG_SETS[flag_set].libtpu))
   assert done.returncode == 0, done.stderr[-3000:]
@@ -237,7 +237,7 @@ def test_shipped_sweeps_build_every_variant():
     assert len(names) == len(sweep()) == 12  # distinct names: results never overwrite
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=50)
 def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
   (tmp_path / "small_sweep.py").write_text(
       "def sweep():\n"

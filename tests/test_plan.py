@@ -46,8 +46,8 @@ def test_each_mix_is_read_once_per_launch(tmp_path):
        f"--workdir={tmp_path / 'run'}", "--fdl_set=train.steps=2",
        "--fdl_set=train.eval_every=2", "--fdl_set=eval.tasks=()",
        # test_launch's tiny shapes: the session's compilation cache serves both.
-       "--fdl_set=data.global_batch_size=8", "--fdl_set=eval.max_documents=8",
-       "--fdl_set=eval.batch_size=8"],
+       "--fdl_set=data.global_batch_size=8", "--fdl_set=data.seq_len=128",
+       "--fdl_set=eval.max_documents=8", "--fdl_set=eval.batch_size=8"],
       capture_output=True, text=True, cwd=ROOT, timeout=600,
       env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # 1 device, as launches
   assert done.returncode == 0, done.stderr[-3000:]

@@ -269,7 +269,8 @@ def test_a_run_kept_in_a_bucket_is_killed_resumes_from_it_and_matches_the_local_
   storage_servers.upload_tree(os.fspath(embedded.corpus_dir()), f"{bucket}/embedded")
   workdir = f"{bucket}/run"
   args = [sys.executable, MAIN, *TINY, f"--workdir={workdir}",
-          f"--fdl_set=data.mix='{bucket}/embedded'", "--fdl_set=train.eval_every=9"]
+          f"--fdl_set=data.mix='{bucket}/embedded'", "--fdl_set=train.eval_every=9",
+          "--fdl_set=eval.batch_size=8"]  # the evaluation program other launches compile
   run_env = dict(_env(1), **env)
   first = subprocess.Popen([*args, "--fdl_set=train.steps=1000"], cwd=ROOT, env=run_env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
