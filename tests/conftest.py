@@ -36,8 +36,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import contextlib  # noqa: E402
+import json  # noqa: E402
 import multiprocessing.process  # noqa: E402
+import resource  # noqa: E402
 import subprocess  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -163,3 +166,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
   if 1 < workers and 2 * workers <= len(items):
     first = items[:2 * workers]
     items[:2 * workers] = [x for i in range(workers) for x in (first[i], first[-1 - i])]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+  """OLMO3_TEST_CPU_LOG=FILE: one JSON line per test with the CPU seconds it cost, its own and
+  its finished child processes' (what a launch, a job or a server it waited for used), its
+  wall time and start. The suite's budget is CPU on 2 cores: wall time alone hides what a test
+  costs the other worker."""
+  out = os.environ.get("OLMO3_TEST_CPU_LOG")
+  if not out:
+    return (yield)
+
+  def cpu() -> tuple[float, float]:
+    own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                     resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+  before, start = cpu(), time.time()
+  try:
+    return (yield)
+  finally:
+    after = cpu()
+    with open(out, "a") as f:
+      f.write(json.dumps({"test": item.nodeid, "cpu_s": round(after[0] - before[0], 2),
+                          "children_cpu_s": round(after[1] - before[1], 2),
+                          "wall_s": round(time.time() - start, 2), "start": start}) + "\n")
