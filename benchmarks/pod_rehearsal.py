@@ -21,12 +21,12 @@ collective per sharded weight), and every process of a job starts, imports and c
 the same cores: the full job's shape is measured here, not in every suite run.
 
 The run is the tiny recipe (experiments.olmo3_tiny:stage1, with the half-length instances the
-reliability tests use). Every job is the sbatch script `launch/jobs.py` renders for 4 nodes of 2
-devices, run by bash with tests/slurm_standin/srun first on PATH (as tests/test_reliability.py
-runs its SLURM jobs): JAX's SLURM detection joins the tasks. The workdir is in a bucket of
-fake-gcs-server (its filesystem backend, so its objects outlive the server's restart); the
-token files, held-out split and tokenizer come over HTTP from olmo3.data.serve's Range server,
-20 ms away, answering 5% of requests with HTTP 500.
+reliability tests use). Every job is the sbatch script `launch/jobs.py` renders for its nodes
+(a process of 2 devices each), run by bash with tests/slurm_standin/srun first on PATH (as
+tests/test_reliability.py runs its SLURM jobs): JAX's SLURM detection joins the tasks. The
+workdir is in a bucket of fake-gcs-server (its filesystem backend, so its objects outlive the
+server's restart); the token files, held-out split and tokenizer come over HTTP from
+olmo3.data.serve's Range server, 20 ms away, answering 5% of requests with HTTP 500.
 
 Checks: against an uninterrupted job of the same sharding, the parameters and Adam moments where
 the job ends bit-equal, and its losses equal but for at most one unit in the last place
@@ -105,14 +105,14 @@ class Plan:
   faults_only: bool = False
 
 
-FULL = Plan(processes=4, term_task=2, kill_task=1, steps=20, job_steps=15, every=2, stage2_steps=4,
-            tasks=("arc_easy_rc_0shot", "boolq_rc_0shot", "hellaswag_rc_0shot",
+FULL = Plan(processes=4, term_task=2, kill_task=1, steps=20, job_steps=15, every=2,
+            stage2_steps=4, tasks=("arc_easy_rc_0shot", "boolq_rc_0shot", "hellaswag_rc_0shot",
                    "piqa_rc_0shot"), task_limit=20, max_documents=32)
 # The test's: every fault (a-d) and its checks on a 2 x 2 job, fewer steps, no audit and no
 # stage 2 (e), which tests/test_data_audit.py and tests/test_reliability.py's 2-process
 # evaluation cover in part.
-QUICK = Plan(processes=2, term_task=1, kill_task=1, steps=12, job_steps=10, every=2, stage2_steps=0, tasks=(), task_limit=0,
-             max_documents=0, faults_only=True)
+QUICK = Plan(processes=2, term_task=1, kill_task=1, steps=12, job_steps=10, every=2,
+             stage2_steps=0, tasks=(), task_limit=0, max_documents=0, faults_only=True)
 
 
 def _load(relative: str):
@@ -547,8 +547,9 @@ class Rehearsal:
     self.same_sharding = {"steps": p.job_steps,
                           "bit_equal": sum(u == 0 for u in ulps.values()),
                           "max_ulps": max(ulps.values())}
-    self.checks(f"losses of steps 1-{p.job_steps} ({p.processes} x {DEVICES}) equal to the uninterrupted job's "
-                "(within one unit in the last place)", self.same_sharding["max_ulps"] <= 1,
+    self.checks(f"losses of steps 1-{p.job_steps} ({p.processes} x {DEVICES}) equal to the "
+                "uninterrupted job's (within one unit in the last place)",
+                self.same_sharding["max_ulps"] <= 1,
                 {s: (losses[s], straight[s]) for s, u in ulps.items() if u})
     resized = range(p.job_steps + 1, p.steps + 1)
     rel = max(abs(losses[s] - straight[s]) / abs(straight[s]) for s in resized)
