@@ -17,6 +17,7 @@ from olmo3.data.heldout import HeldoutDocs
 from olmo3.loss import IGNORE
 from olmo3.run.plan import RunPlan
 from olmo3.data.tokens import DataError
+from tests.test_launch import TINY_FAST
 
 ROOT_PATH = pathlib.Path(__file__).resolve().parent.parent
 ROOT = str(ROOT_PATH)
@@ -275,9 +276,7 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
       [sys.executable, os.path.join(ROOT, "launch", "main.py"),
        "--fdl_config=experiments.olmo3_tiny:stage1", f"--fdl_set=data.mix='{mine}'",
        f"--workdir={run}", "--fdl_set=train.steps=2", "--fdl_set=eval.tasks=()",
-       # test_launch's tiny shapes: the session's compilation cache serves both.
-       "--fdl_set=data.global_batch_size=8", "--fdl_set=data.seq_len=128",
-       "--fdl_set=eval.max_documents=8", "--fdl_set=eval.batch_size=8"],
+       *TINY_FAST],  # test_launch's tiny shapes: the session's compilation cache serves both
       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
   assert done.returncode == 0, done.stderr[-3000:]
   experiment = json.loads((run / "experiment.json").read_text())["eval"]

@@ -13,6 +13,7 @@ import pytest
 from olmo3.io.checkpoint import CheckpointError
 from olmo3.run.plan import RunPlan, Start, decide_start, stage_end
 from olmo3.run.record import Workdir, read_history
+from tests.test_launch import TINY_FAST
 
 from train_helpers import micro_experiment, write_corpus
 
@@ -45,9 +46,7 @@ def test_each_mix_is_read_once_per_launch(tmp_path):
       [sys.executable, "-c", _DRIVER, "--fdl_config=experiments.olmo3_tiny:stage1",
        f"--workdir={tmp_path / 'run'}", "--fdl_set=train.steps=2",
        "--fdl_set=train.eval_every=2", "--fdl_set=eval.tasks=()",
-       # test_launch's tiny shapes: the session's compilation cache serves both.
-       "--fdl_set=data.global_batch_size=8", "--fdl_set=data.seq_len=128",
-       "--fdl_set=eval.max_documents=8", "--fdl_set=eval.batch_size=8"],
+       *TINY_FAST],  # test_launch's tiny shapes: the session's compilation cache serves both
       capture_output=True, text=True, cwd=ROOT, timeout=600,
       env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})  # 1 device, as launches
   assert done.returncode == 0, done.stderr[-3000:]

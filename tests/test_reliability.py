@@ -142,7 +142,8 @@ def test_a_live_workdir_is_refused_and_sigterm_stops_cleanly_even_at_startup(tmp
 def test_two_processes_train_save_and_resume_on_another_mesh(tmp_path, request):
   """A run resumed on more devices and processes continues the same data sequence, and the
   2-process run evaluates (the 7B's held-out sets and task kinds) as 1 process does. (The other
-  way, 4 processes resumed on 1: benchmarks/pod_rehearsal.py, tests/test_pod_rehearsal.py.)"""
+  way, 2 processes resumed on 1: tests/test_pod_rehearsal.py; 4 on 1: the full
+  benchmarks/pod_rehearsal.py.)"""
   labels = _v3_small_stand_in(tmp_path / "data")
   _run(tmp_path, steps=4, devices=2)  # 2 devices in 1 process
   # -> 4 devices in 2 processes (the shape of tests/test_pod_rehearsal.py's job, whose
