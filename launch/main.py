@@ -96,6 +96,7 @@ def start_jax() -> None:
   elif int(env.get("SLURM_NTASKS", "1")) > 1 or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
     # Cluster auto-detection (SLURM, multi-host TPU).
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat)
+  compilation_cache.compile_once_per_cpu_job()
 
 
 @contextlib.contextmanager

@@ -10,6 +10,11 @@ failed at its first step. Keying CPU programs by the global devices instead (eac
 kind, id and process: the same list in every process, and what the executable is compiled
 for) gives every process process 0's entry. Accelerators keep JAX's own key: a GPU or TPU
 topology is the same in every process.
+
+A CPU job of several processes also compiles each new program once (`compile_once_per_cpu_job`):
+process 0 compiles it and hands the executable to the others through jax.distributed's
+key-value store (JAX's `jax_share_binary_between_hosts`), instead of every process compiling
+the same program on the same machine's cores and only process 0 writing it to the cache.
 """
 
 from __future__ import annotations
@@ -43,3 +48,12 @@ def _same_key_in_every_cpu_process() -> None:
           hash_obj, f"{d.device_kind}:{d.id}:{d.process_index}")
 
   cache_key._hash_accelerator_config = global_devices_key  # pylint: disable=protected-access
+
+
+def compile_once_per_cpu_job() -> None:
+  """In a CPU job of several processes (call after jax.distributed.initialize), process 0
+  compiles each program the processes share and the others receive its executable. Only on
+  CPU, where the processes share a machine's cores: GPU and TPU hosts compile in parallel,
+  each on its own CPUs, and a large executable would cross the coordinator once per host."""
+  if jax.distributed.is_initialized() and jax.default_backend() == "cpu":
+    jax.config.update("jax_share_binary_between_hosts", True)
