@@ -2,9 +2,9 @@
 file or experiment and says what to do; no traceback, nothing half-created.
 
 One driver process (this file run as a script) imports the programs' dependencies once and, for
-each case, forks a child that runs the program as the interpreter would (launch/main.py,
-launch/diff.py, launch/audit.py as __main__, or `python -m olmo3.eval`) with its own argv,
-working directory and captured output. Every case stops before JAX starts a backend, so
+each case, forks a child that runs the program as the interpreter would (tests/forked.py's
+`run_as_main`: launch/main.py, launch/diff.py, launch/audit.py as __main__, or
+`python -m olmo3.eval`) with its own argv, working directory and captured output. Every case stops before JAX starts a backend, so
 forking is safe, and the cases cost one interpreter start instead of one each.
 """
 
@@ -12,51 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import subprocess
 import sys
-import traceback
 
+import forked  # beside this file (the driver runs as a script)
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELP = "Run 'python launch/main.py --help' for the flags."
-SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/audit.py"}
 TINY = "--fdl_config=experiments.olmo3_tiny:stage1"
-
-
-def _child(program: str, argv: list[str], cwd: str, out: str,
-           env: dict[str, str] | None = None) -> None:
-  """Runs one program in this (forked) process as Python would run it (`python launch/X.py`,
-  `python -m olmo3.eval`): as __main__, with its argv, sys.path and the case's environment
-  variables; never returns."""
-  code = 70
-  try:
-    os.chdir(cwd)
-    os.environ.update(env or {})
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    if program in SCRIPTS:
-      path = os.path.join(ROOT, SCRIPTS[program])
-      sys.argv, sys.path[0] = [path, *argv], os.path.dirname(path)
-      runpy.run_path(path, run_name="__main__")
-    else:
-      sys.argv = [program, *argv]
-      runpy.run_module(program, run_name="__main__", alter_sys=True)
-    code = 0
-  except SystemExit as e:
-    if isinstance(e.code, str):  # as the interpreter reports sys.exit("message")
-      print(e.code, file=sys.stderr)
-      code = 1
-    else:
-      code = e.code or 0
-  except BaseException:  # pylint: disable=broad-except
-    traceback.print_exc()
-  finally:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def drive(cases: list[dict], out_dir: str) -> list[dict]:
@@ -66,7 +30,7 @@ def drive(cases: list[dict], out_dir: str) -> list[dict]:
     out = os.path.join(out_dir, f"{i}.out")
     pid = os.fork()
     if pid == 0:
-      _child(case["program"], case["argv"], case["cwd"], out, case.get("env"))
+      forked.run_as_main(case["program"], case["argv"], case["cwd"], out, case.get("env"))
     _, status = os.waitpid(pid, 0)
     with open(out) as f:
       results.append({"rc": os.waitstatus_to_exitcode(status), "output": f.read()})

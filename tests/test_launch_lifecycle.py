@@ -11,7 +11,7 @@
   means the end of its stage, not its newest checkpoint;
 - `python -m olmo3.eval` picks the CPU on a machine without an accelerator (no TPU lines).
 
-One driver process (this file run as a script, with tests/test_launch_errors.py's `_child`)
+One driver process (this file run as a script, with tests/forked.py's `run_as_main`)
 forks a child per case and runs the program as the interpreter would. A case may first patch
 the code so that its fault happens at a precise point (the process signals itself inside the
 train step, an evaluation batch or a save; a token file is cut short once the launch has sized
@@ -125,7 +125,7 @@ FAULTS = {f.__name__: f for f in (_signal_in_step, _signal_in_evaluation, _signa
 def drive(cases: list[dict], out_dir: str) -> list[dict]:
   """Runs the cases in order, each in a forked child (its setup first, here; its fault in the
   child); returns each case's exit code and output."""
-  import test_launch_errors  # beside this file: the driver runs as a script
+  import forked  # beside this file: the driver runs as a script
 
   results = []
   for i, case in enumerate(cases):
@@ -141,7 +141,7 @@ def drive(cases: list[dict], out_dir: str) -> list[dict]:
         if "fault" in case:
           FAULTS[case["fault"][0]](*case["fault"][1:])
       finally:
-        test_launch_errors._child(case["program"], case["argv"], case["cwd"], out)
+        forked.run_as_main(case["program"], case["argv"], case["cwd"], out)
     _, status = os.waitpid(pid, 0)
     with open(out) as f:
       results.append({"rc": os.waitstatus_to_exitcode(status), "output": f.read()})

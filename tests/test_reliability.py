@@ -16,6 +16,7 @@ import pytest
 
 from launch import jobs, refs
 from olmo3.io import metrics as metrics_lib
+from tests import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "launch", "main.py")
@@ -90,11 +91,11 @@ def straight(tmp_path_factory):
     return {int(k): v for k, v in json.loads(done.read_text()).items()}
 
 
-def _launch(workdir, *extra, stderr=subprocess.PIPE):
+def _launch(workdir, *extra):
   """The launcher in the background (the 9-step run unless `extra` says otherwise)."""
   return subprocess.Popen([sys.executable, MAIN, *TINY, "--fdl_set=train.steps=9",
                            f"--workdir={workdir}", *extra], cwd=ROOT, env=_env(1),
-                          stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(path, proc, seconds=300):
@@ -185,12 +186,20 @@ def _resumed_from(log_path):
   return int(found[-1]) if found else None
 
 
-KILLS, TERMS, DAMAGES = 4, 2, 2  # each restart costs a process start; the session's
-# compilation cache (conftest) spares it the compile
+@pytest.fixture
+def driver():
+  """Launches forked from one driver in these tests' environment (1 device): tests/forked.py."""
+  with forked.Driver(_env(1)) as launches:
+    yield launches
+
+
+KILLS, TERMS, DAMAGES = 4, 2, 2  # each restart costs a launch: a process forked from one
+# driver (tests/forked.py) spares it the interpreter's start, the session's compilation cache
+# (conftest) the compile
 
 
 @pytest.mark.slow(seconds=105)
-def test_soak_kills_signals_and_damage_never_lose_a_checkpoint(tmp_path, request):
+def test_soak_kills_signals_and_damage_never_lose_a_checkpoint(tmp_path, request, driver):
   """One tiny run after another, each interrupted at random: SIGKILL mid-step or mid-async-save,
   SIGTERM (exit 0 at the next step boundary, every=1 and every=3), 16 flipped bytes in the
   newest checkpoint between launches. Every restart of the same command resumes from the newest
@@ -213,19 +222,19 @@ def test_soak_kills_signals_and_damage_never_lose_a_checkpoint(tmp_path, request
         continue
       log = tmp_path / f"launch{launches}.log"
       launches += 1
-      with open(log, "w") as err:
-        proc = _launch(workdir, f"--fdl_set=checkpoint.every={every}", stderr=err)
-        if event != "finish":
-          # 1-2 new rows: the loop writes a step's row once the next step is dispatched, so
-          # the signal lands 2-3 steps in, and most of the 9 steps are left for later events.
-          seen, target = _logged_steps(workdir), int(rng.integers(1, 3))
-          while proc.poll() is None and _logged_steps(workdir) < seen + target:
-            time.sleep(0.01)
-          time.sleep(float(rng.uniform(0, 0.1)))  # a step takes about 0.2 s
-          if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL if event == "kill" else signal.SIGTERM)
-            done[event] += 1
-        code = proc.wait(timeout=300)
+      proc = driver.start("main", [*TINY, "--fdl_set=train.steps=9", f"--workdir={workdir}",
+                                   f"--fdl_set=checkpoint.every={every}"], out=log)
+      if event != "finish":
+        # 1-2 new rows: the loop writes a step's row once the next step is dispatched, so
+        # the signal lands 2-3 steps in, and most of the 9 steps are left for later events.
+        seen, target = _logged_steps(workdir), int(rng.integers(1, 3))
+        while proc.poll() is None and _logged_steps(workdir) < seen + target:
+          time.sleep(0.01)
+        time.sleep(float(rng.uniform(0, 0.1)))  # a step takes about 0.2 s
+        if proc.poll() is None:
+          proc.send_signal(signal.SIGKILL if event == "kill" else signal.SIGTERM)
+          done[event] += 1
+      code = proc.wait(timeout=300)
       text = log.read_text()
       assert code == 0 or (event == "kill" and code == -signal.SIGKILL), text[-3000:]
       if "quarantined it as" in text:

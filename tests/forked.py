@@ -1,0 +1,156 @@
+"""The repo's programs as forked children of one driver process that imported their
+dependencies once: each child runs its program as the interpreter would (`python launch/X.py`,
+`python -m olmo3.eval`), a real process of its own with its own pid, signals, argv, working
+directory, environment and output file, but without an interpreter start and its imports
+(≈ 2.5 CPU s a launch on 2 cores). The driver never starts a JAX backend, so forking is safe.
+
+- `run_as_main`: what a child runs (tests/test_launch_errors.py and
+  tests/test_launch_lifecycle.py drive their cases with it);
+- `Driver`: a driver that forks on request, for tests that start launches one after another
+  and signal them as they run (tests/test_reliability.py's soak): `Driver.start` gives a
+  `Child` with Popen's pid, send_signal, poll and wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/audit.py"}
+
+
+def run_as_main(program: str, argv: list[str], cwd: str, out: str,
+                env: dict[str, str] | None = None) -> None:
+  """Runs one program in this (forked) process as Python would run it: as __main__, with its
+  argv, sys.path and the environment variables `env` adds; stdout and stderr to `out`. Never
+  returns: the process exits with the program's code."""
+  code = 70
+  try:
+    os.chdir(cwd)
+    os.environ.update(env or {})
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    if program in SCRIPTS:
+      path = os.path.join(ROOT, SCRIPTS[program])
+      sys.argv, sys.path[0] = [path, *argv], os.path.dirname(path)
+      runpy.run_path(path, run_name="__main__")
+    else:
+      sys.argv = [program, *argv]
+      runpy.run_module(program, run_name="__main__", alter_sys=True)
+    code = 0
+  except SystemExit as e:
+    if isinstance(e.code, str):  # as the interpreter reports sys.exit("message")
+      print(e.code, file=sys.stderr)
+      code = 1
+    else:
+      code = e.code or 0
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Child:
+  """A program the driver forked: its pid, and Popen's ways to signal it and learn its exit
+  code (a signal's negated number, as Popen reports it)."""
+
+  def __init__(self, driver: Driver, pid: int):
+    self.driver, self.pid, self.returncode = driver, pid, None
+
+  def send_signal(self, sig: int) -> None:
+    if self.returncode is None:
+      os.kill(self.pid, sig)
+
+  def poll(self) -> int | None:
+    if self.returncode is None:
+      self.returncode = self.driver.ask({"poll": self.pid})["code"]
+    return self.returncode
+
+  def wait(self, timeout: float) -> int:
+    """The exit code; past `timeout` seconds the child is killed and TimeoutError raised."""
+    if self.returncode is None:
+      self.driver.send({"wait": self.pid})
+      try:
+        self.returncode = self.driver.receive(timeout)["code"]
+      except TimeoutError:
+        os.kill(self.pid, signal.SIGKILL)
+        self.driver.receive(60)
+        raise
+    return self.returncode
+
+
+class Driver:
+  """This file run as a driver in `env` (its imports see that environment, as a launch's do);
+  `start` forks a program. Use as a context manager: the driver ends with the block."""
+
+  def __init__(self, env: dict[str, str]):
+    self.proc = subprocess.Popen([sys.executable, __file__], cwd=ROOT, env=env, text=True,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+  def __enter__(self) -> Driver:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.proc.stdin.close()
+    self.proc.wait(timeout=60)
+
+  def start(self, program: str, argv: list[str], out: str | os.PathLike,
+            env: dict[str, str] | None = None, cwd: str = ROOT) -> Child:
+    reply = self.ask({"program": program, "argv": argv, "out": os.fspath(out), "env": env or {},
+                      "cwd": cwd})
+    return Child(self, reply["pid"])
+
+  def send(self, request: dict) -> None:
+    self.proc.stdin.write(json.dumps(request) + "\n")
+    self.proc.stdin.flush()
+
+  def receive(self, timeout: float = 60) -> dict:
+    if not select.select([self.proc.stdout], [], [], timeout)[0]:
+      raise TimeoutError(f"the driver did not answer in {timeout:g} s")
+    line = self.proc.stdout.readline()
+    assert line, f"the driver ended (exit code {self.proc.poll()})"
+    return json.loads(line)
+
+  def ask(self, request: dict) -> dict:
+    self.send(request)
+    return self.receive()
+
+
+def _serve() -> None:
+  """The driver's loop: a request line in, an answer line out."""
+  for line in sys.stdin:
+    request = json.loads(line)
+    if "wait" in request or "poll" in request:
+      pid = request.get("wait") or request["poll"]
+      done, status = os.waitpid(pid, 0 if "wait" in request else os.WNOHANG)
+      answer = {"code": os.waitstatus_to_exitcode(status) if done else None}
+    else:
+      pid = os.fork()
+      if pid == 0:
+        sys.stdin.close()
+        run_as_main(request["program"], request["argv"], request["cwd"], request["out"],
+                    request["env"])
+      answer = {"pid": pid}
+    print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, ROOT)  # (a child's program puts its own directory first, as Python does)
+  # What a launch imports anyway, imported once (JAX starts no backend here).
+  import fiddle  # noqa: F401
+
+  import launch.config_files  # noqa: F401
+  import olmo3.data.sources  # noqa: F401
+  import olmo3.train.loop  # noqa: F401
+
+  _serve()
