@@ -4,13 +4,19 @@ schedule (longest first), and shared helpers."""
 
 import os
 
-# In-process tests also compile at LLVM's -O0: their programs run a few steps of a micro model,
-# so compiling is most of what they cost (the fast tier from empty caches on 2 cores: 544 CPU s,
-# 408 at -O0; every result the same within the tests' tolerances). The processes tests start
-# compile as a user's do: while a process-level test runs, XLA_FLAGS is `_USER_XLA_FLAGS`.
+# In-process tests compile for speed of compiling: their programs run a few steps of a micro
+# model, so compiling was most of what they cost. LLVM at -O0, XLA:CPU's older elemental
+# emitters instead of its MLIR fusion emitters (which, at -O0, compile slower than the program
+# they save) and one codegen thread: a micro train step compiles in 1.9 CPU s instead of 10.1
+# (the fast tier from empty caches on 2 cores: 544 CPU s with XLA's defaults, 408 at -O0, 342
+# with all three), and runs about twice as slowly; results agree within the tests' tolerances,
+# not bit for bit. The processes tests start compile as a user's do: while a process-level test
+# runs, XLA_FLAGS is `_USER_XLA_FLAGS` (a launcher's step would take twice as long).
 _USER_XLA_FLAGS = (os.environ.get("XLA_FLAGS", "") +
                    " --xla_force_host_platform_device_count=8").strip()
-os.environ["XLA_FLAGS"] = _USER_XLA_FLAGS + " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = " ".join([_USER_XLA_FLAGS, "--xla_backend_optimization_level=0",
+                                    "--xla_cpu_use_fusion_emitters=false",
+                                    "--xla_cpu_parallel_codegen_split_count=1"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache, shared by the xdist workers and every launcher subprocess
 # (they inherit the environment): a restarted run loads its executables instead of recompiling
