@@ -5,8 +5,8 @@ cluster starts it, taken through the faults a weeks-long run meets, in order:
   b. SIGKILL of one process: the other three exit non-zero within a bounded time (JAX's
      coordination heartbeat, OLMO3_HEARTBEAT_TIMEOUT_S), and the same job relaunched (the same
      hostnames, the lease the dead job left behind) resumes from the newest checkpoint;
-  c. the storage server killed mid-run (during a checkpoint save) and started again within
-     the retry budget (OLMO3_STORAGE_RETRY_S): nothing lost;
+  c. the store down mid-run (during a checkpoint save: connections refused, those open cut)
+     and back within the retry budget (OLMO3_STORAGE_RETRY_S): nothing lost;
   d. the run resumed on 1 process x 2 devices (a quarter of the devices): the same data order;
   e. stage 2 initialised from the bucket's stage-1 checkpoint, evaluating its held-out set and
      tasks on 4 processes: equal to `python -m olmo3.eval` of that checkpoint in 1 process.
@@ -457,7 +457,7 @@ class Rehearsal:
 
   def relaunch_with_outage(self, newest: int) -> None:
     """b's relaunch (the same script: the same hostnames, the lease behind) and c: the store
-    killed during a save and started again within the budget."""
+    taken down during a save and brought back within the budget."""
     p = self.plan
     left = self.exists(STAGE1, "lease.json")
     start = time.monotonic()
@@ -495,11 +495,11 @@ class Rehearsal:
     self.checks("c: the save under way in the outage was committed", recovered is not None,
                 {"saving": saving, "committed": committed})
     self.checks("c: the job reached its end, saved", committed[-1] == p.job_steps, committed)
-    self.faults.append({"fault": f"storage server killed for {OUTAGE_S:g} s during the save of "
+    self.faults.append({"fault": f"store down for {OUTAGE_S:g} s during the save of "
                         f"step {saving}", "retry_budget_s": RETRY_S,
                         "steps_lost": 0 if recovered is not None else None,
                         "steps_trained_while_down": len(steps_in_outage),
-                        "seconds_from_kill_to_recovery": None if recovered is None
+                        "seconds_from_down_to_recovery": None if recovered is None
                         else round(recovered, 1),
                         "seconds_store_down": round(up - down, 1)})
     self.snapshot("c")

@@ -553,11 +553,9 @@ with launcher.leaving_at_once_on_failure():
 """
 
 
-@pytest.mark.slow(seconds=20)
-def test_a_failing_process_ends_the_whole_job_at_once(tmp_path):
-  """A process whose launch fails exits once it has said why, instead of waiting at exit for
-  the others at jax.distributed's shutdown barrier (300 s) while they wait for it in a
-  collective: process 0 stops within the heartbeat timeout (OLMO3_HEARTBEAT_TIMEOUT_S)."""
+def _two_process_job(script: str, *args: str, cache) -> tuple[list, list, float]:
+  """`script` run as a job of 2 processes of 1 CPU device each (the heartbeat timeout 5 s):
+  the processes, their (stdout, stderr) and the seconds until both ended (at most 120)."""
   import socket
   import time
 
@@ -570,12 +568,79 @@ def test_a_failing_process_ends_the_whole_job_at_once(tmp_path):
     env = dict(ENV, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(rank), JAX_PLATFORMS="cpu", OLMO3_HEARTBEAT_TIMEOUT_S="5",
                XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               JAX_COMPILATION_CACHE_DIR=os.fspath(tmp_path / "cache"))
-    procs.append(subprocess.Popen([sys.executable, "-c", _FAILING_JOB], cwd=ROOT, env=env,
+               JAX_COMPILATION_CACHE_DIR=os.fspath(cache))
+    procs.append(subprocess.Popen([sys.executable, "-c", script, *args], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-  outs = [p.communicate(timeout=240) for p in procs]
-  took = time.monotonic() - started
+  try:
+    outs = [p.communicate(timeout=120) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  return procs, outs, time.monotonic() - started
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_failing_process_ends_the_whole_job_at_once(tmp_path):
+  """A process whose launch fails exits once it has said why, instead of waiting at exit for
+  the others at jax.distributed's shutdown barrier (300 s) while they wait for it in a
+  collective: process 0 stops within the heartbeat timeout (OLMO3_HEARTBEAT_TIMEOUT_S)."""
+  procs, outs, took = _two_process_job(_FAILING_JOB, cache=tmp_path / "cache")
   assert procs[1].returncode == 1, outs[1][1][-3000:]
   assert outs[1][1].strip().splitlines()[-1] == "error: process 1 failed"
   assert procs[0].returncode != 0, outs[0][1][-3000:]
   assert took < 90, (took, outs[0][1][-3000:])  # 300 s and more when process 1 waited
+
+
+# Two processes save one checkpoint of a 2-device array; process 1's part of the save fails (its
+# store refuses its array metadata, a write of Orbax's background commit); both then check the
+# save at every "step", as the train loop does.
+_SAVE_FAILS_IN_ONE_PROCESS = """
+import sys
+import time
+import numpy as np
+from absl import flags
+from launch import main as launcher
+flags.FLAGS(["launch/main.py"])
+launcher.start_jax()
+import jax
+from orbax.checkpoint._src.metadata import array_metadata_store
+from olmo3.io import errors
+from olmo3.io.checkpoint import CheckpointError
+from olmo3.train.run_checkpoints import RunCheckpoints
+
+if jax.process_index() == 1:
+  async def refused(*args, **kwargs):
+    raise PermissionError("the store refused process 1's write")
+  array_metadata_store.Store.write = refused
+
+def main():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+  x = jax.make_array_from_callback((8,), sharding, lambda i: np.arange(8.0, dtype=np.float32)[i])
+  with launcher.leaving_at_once_on_failure():
+    checkpoints = RunCheckpoints(sys.argv[1], keep=3, async_save=True)
+    checkpoints.save(1, {"w": x}, {"m": x}, {"step": 1})
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+      checkpoints.check()
+      time.sleep(0.1)
+
+errors.reported(main, lambda: (CheckpointError,))()
+"""
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_save_that_fails_in_one_process_ends_the_whole_job_at_once(tmp_path):
+  """The process whose part of a save failed stops at its next check, with the save's error;
+  the others stop within the heartbeat timeout. (Orbax's background commit of the failed part
+  skips the barrier where the others wait, and its own finalize waits at another one: every
+  process waited there for Orbax's async timeout, 20 minutes, before the job stopped.)"""
+  procs, outs, took = _two_process_job(_SAVE_FAILS_IN_ONE_PROCESS,
+                                       os.fspath(tmp_path / "checkpoints"), cache=tmp_path / "cache")
+  assert procs[1].returncode == 1, outs[1][1][-3000:]
+  last = outs[1][1].strip().splitlines()[-1]
+  assert last.startswith("error: saving checkpoint step 1 to ") and (
+      "the store refused process 1's write" in last), last
+  assert procs[0].returncode != 0, outs[0][1][-3000:]
+  assert took < 90, (took, outs[0][1][-3000:])
+  assert not (tmp_path / "checkpoints" / "1").exists()  # never committed (renamed into place)

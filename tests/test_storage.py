@@ -224,6 +224,25 @@ def s3_env():
     yield env
 
 
+def test_a_file_another_process_removed_does_not_exist_for_this_one(s3_env):
+  """A listing this process made earlier does not answer for files another process changed
+  since (fsspec's default keeps listings for ever: `exists` said yes to a removed file, and
+  reading it failed a 2-process save in the pod rehearsal)."""
+  import fsspec
+
+  storage.configure_clients()
+  url = "s3://olmo3-test/listed/array_metadatas"
+  for name in ("process_0", "process_1"):
+    storage.write_bytes_atomic(f"{url}/{name}", b"{}")
+  here = storage.filesystem(url)
+  assert len(here.ls(url)) == 2  # a listing of the directory
+  elsewhere = fsspec.filesystem("s3", skip_instance_cache=True)  # another process's client
+  elsewhere.rm(f"{url}/process_1")
+  assert not here.exists(f"{url}/process_1")
+  assert [p.rsplit("/", 1)[1] for p in here.ls(url)] == ["process_0"]
+  assert storage.client_options()["gcs"]["use_listings_cache"] is False  # gs:// the same
+
+
 @pytest.mark.seconds(15)
 def test_orbax_checkpoints_on_s3_commit_by_file_and_restore(s3_env, tmp_path):
   """Orbax 0.12.8 cannot write s3:// (olmo3.io.orbax_s3 says why): a model checkpoint saved to

@@ -14,6 +14,8 @@ TensorStore reads them), and
 `temporary_path_class(directory)` is what every checkpoint manager and checkpointer here passes,
 so object-store saves are committed by that file everywhere (Orbax's own default for gs://).
 `is_committed` is the matching check for readers that list step directories themselves.
+`failed_save` reads the error of this process's part of an async save as soon as it failed
+(`install` has Orbax keep a copy of it).
 tests/test_storage.py saves, lists and restores through a real S3 server (moto).
 
 `install()` also bounds TensorStore's own retries on GCS and S3 (Orbax builds every
@@ -29,6 +31,7 @@ import os
 from typing import Any
 
 from etils import epath
+from orbax.checkpoint._src.checkpointers import async_checkpointer
 from orbax.checkpoint._src.path import atomicity, gcs_utils, step as step_lib
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
@@ -55,7 +58,8 @@ def _s3_kvstore(path: str) -> dict[str, Any]:
 
 @functools.cache
 def install() -> None:
-  """Patches Orbax (once per process) so `s3://` directories use TensorStore's s3 driver."""
+  """Patches Orbax (once per process) so `s3://` directories use TensorStore's s3 driver, its
+  retries end within the budget and a failed commit's error can be read (`failed_save`)."""
   normalize, use_native, for_gcs = (tensorstore_utils._normalize_path,  # pylint: disable=protected-access
                                     tensorstore_utils._use_gcs_driver,  # pylint: disable=protected-access
                                     gcs_utils.get_kvstore_for_gcs)
@@ -77,6 +81,7 @@ def install() -> None:
   for name in ("_BASE_TS_CONTEXT", "_DEFAULT_OCDBT_TS_CONTEXT"):  # deep-copied at each use
     base = getattr(tensorstore_utils, name)
     setattr(tensorstore_utils, name, storage.tensorstore_context(base))
+  _keep_commit_failures()
 
 
 def temporary_path_class(directory: str | os.PathLike):
@@ -94,3 +99,32 @@ def is_committed(step_dir: str | os.PathLike) -> bool:
   path = epath.Path(step_dir)
   return step_lib.is_path_finalized(path, temporary_path_cls=temporary_path_class(path) or
                                     atomicity.AtomicRenameTemporaryPath)
+
+
+def failed_save(manager: Any) -> BaseException | None:
+  """The error of this process's part of `manager`'s (an ocp.CheckpointManager) latest async
+  save, once that part has failed; None while it runs or after it succeeded. Why: when one
+  process's part of a multi-process save fails, Orbax's background commit skips the barrier at
+  which the other processes then wait for it, and this process's finalize thread takes the
+  error and waits at another barrier: every process waits for Orbax's async timeout (20
+  minutes) before any raises, and `wait_until_finished` with them. `install` keeps the error
+  where this reads it."""
+  async_manager = getattr(getattr(manager, "_checkpointer", None), "_async_manager", None)
+  return getattr(async_manager, _FAILED, None)
+
+
+_FAILED = "olmo3_failed"
+
+
+def _keep_commit_failures() -> None:
+  """Orbax's background commit keeps its error until the finalize thread takes it; a copy
+  stays on the async manager (`failed_save`), made before the commit thread ends."""
+  manager_class = async_checkpointer._AsyncManager  # pylint: disable=protected-access
+  commit = manager_class._thread_func  # pylint: disable=protected-access
+
+  def thread_func(self, *args, **kwargs):
+    setattr(self, _FAILED, None)
+    commit(self, *args, **kwargs)
+    setattr(self, _FAILED, self._exception)  # pylint: disable=protected-access
+
+  manager_class._thread_func = thread_func  # pylint: disable=protected-access

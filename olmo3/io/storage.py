@@ -174,11 +174,16 @@ def _silence_library_retries() -> None:
 
 def client_options() -> dict[str, dict[str, Any]]:
   """Per protocol, the fsspec options that give every request a deadline (gcsfs's
-  `requests_timeout`; s3fs's connect / read timeouts, botocore's retries left to us)."""
+  `requests_timeout`; s3fs's connect / read timeouts, botocore's retries left to us) and keep
+  no directory listings (`use_listings_cache`). fsspec keeps each listing for the life of the
+  process by default and answers `exists` from it: a file another process had removed since
+  (a crashed save's, removed by process 0 of the relaunched job) still existed for process 1,
+  which read it back to extend it (Orbax's array metadata) and failed the save."""
   timeout = request_timeout_s()
-  return {"gcs": {"requests_timeout": timeout},
+  return {"gcs": {"requests_timeout": timeout, "use_listings_cache": False},
           "s3": {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
-                                   "retries": {"max_attempts": 2, "mode": "standard"}}}}
+                                   "retries": {"max_attempts": 2, "mode": "standard"}},
+                 "use_listings_cache": False}}
 
 
 def configure_clients() -> None:

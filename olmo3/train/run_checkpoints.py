@@ -109,23 +109,31 @@ class RunCheckpoints:
 
   def check(self) -> None:
     """Raises a finished async save's failure now (Orbax would raise it only at the next save,
-    up to checkpoint.every steps later). Cheap: no wait while a save is still running."""
-    if self._saving is not None and not self._manager.is_saving_in_progress():
+    up to checkpoint.every steps later), and this process's part of a save as soon as it has
+    failed. Cheap: no wait while a save is still running."""
+    if self._saving is not None and (not self._manager.is_saving_in_progress()
+                                     or orbax_s3.failed_save(self._manager) is not None):
       self.wait()
 
   def wait(self) -> None:
-    """Waits for an async save to land; CheckpointError with its cause if it failed."""
+    """Waits for an async save to land; CheckpointError with its cause if it failed. In a job
+    of several processes, a process whose part failed raises at once: the others wait for it
+    at a barrier it will not reach, and stop when it has gone (jax.distributed's heartbeat)."""
     step, self._saving = self._saving, None
+    failed = orbax_s3.failed_save(self._manager) if jax.process_count() > 1 else None
     try:
+      if failed is not None:
+        raise failed
       self._manager.wait_until_finished()
     except Exception as e:  # whatever the storage raised: say which step, keep the cause
       error = CheckpointError(
           f"saving checkpoint step {step} to {self.directory} failed: {type(e).__name__}: {e}. "
           f"It is not listed; the checkpoints are steps {self.steps()}")
-      # The save's other writers may still be running (Orbax's finalize stops at the first
-      # error): let them end, so nothing writes into the directory after the run stops.
-      with contextlib.suppress(Exception):
-        self._manager.close()
+      if failed is None:
+        # The save's other writers may still be running (Orbax's finalize stops at the first
+        # error): let them end, so nothing writes into the directory after the run stops.
+        with contextlib.suppress(Exception):
+          self._manager.close()
       raise error from e
 
 
