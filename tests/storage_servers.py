@@ -62,9 +62,9 @@ class _Front:
   """A TCP front for a server on this machine. Up, it relays each connection to the server;
   down, its port refuses connections and the connections open are reset: what clients see of a
   store that went down. The server behind it keeps running, so a request that reached it
-  either happened or did not, as on a real store. (Killing fake-gcs-server itself instead
-  could leave an object it was writing half-made, listed but unreadable: a state no real
-  store has, which failed a save that the outage should only have delayed.)"""
+  either happened or did not, as on a real store, whose outage is its front end out of reach
+  (killing fake-gcs-server instead also tested how its filesystem backend recovers from a
+  crash mid-write, which no real store shares)."""
 
   def __init__(self, port: int, backend_port: int):
     self.port, self.backend_port = port, backend_port
