@@ -635,8 +635,8 @@ def test_a_save_that_fails_in_one_process_ends_the_whole_job_at_once(tmp_path):
   the others stop within the heartbeat timeout. (Orbax's background commit of the failed part
   skips the barrier where the others wait, and its own finalize waits at another one: every
   process waited there for Orbax's async timeout, 20 minutes, before the job stopped.)"""
-  procs, outs, took = _two_process_job(_SAVE_FAILS_IN_ONE_PROCESS,
-                                       os.fspath(tmp_path / "checkpoints"), cache=tmp_path / "cache")
+  procs, outs, took = _two_process_job(
+      _SAVE_FAILS_IN_ONE_PROCESS, os.fspath(tmp_path / "checkpoints"), cache=tmp_path / "cache")
   assert procs[1].returncode == 1, outs[1][1][-3000:]
   last = outs[1][1].strip().splitlines()[-1]
   assert last.startswith("error: saving checkpoint step 1 to ") and (
