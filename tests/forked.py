@@ -4,8 +4,8 @@ dependencies once: each child runs its program as the interpreter would (`python
 directory, environment and output file, but without an interpreter start and its imports
 (≈ 2.5 CPU s a launch on 2 cores). The driver never starts a JAX backend, so forking is safe.
 
-- `run_as_main`: what a child runs (tests/test_launch_errors.py and
-  tests/test_launch_lifecycle.py drive their cases with it);
+- `run_as_main`: what a child runs; `run` forks one and waits for it (tests/test_launch_errors.py
+  and tests/test_launch_lifecycle.py drive their cases with it);
 - `Driver`: a driver that forks on request, for tests that start launches one after another
   and signal them as they run (tests/test_reliability.py's soak): `Driver.start` gives a
   `Child` with Popen's pid, send_signal, poll and wait.
@@ -21,6 +21,8 @@ import signal
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/audit.py"}
@@ -58,6 +60,22 @@ def run_as_main(program: str, argv: list[str], cwd: str, out: str,
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run(program: str, argv: list[str], cwd: str, out: str, env: dict[str, str] | None = None,
+        before: Callable[[], None] | None = None) -> dict[str, Any]:
+  """`program` in a forked child (`run_as_main`, after `before()` there if given), waited for:
+  its exit code ("rc") and its output ("output")."""
+  pid = os.fork()
+  if pid == 0:
+    try:
+      if before is not None:
+        before()
+    finally:
+      run_as_main(program, argv, cwd, out, env)
+  _, status = os.waitpid(pid, 0)
+  with open(out) as f:
+    return {"rc": os.waitstatus_to_exitcode(status), "output": f.read()}
 
 
 class Child:

@@ -199,6 +199,7 @@ class GcsServer:
       if not token:
         return names
 
+
 @contextlib.contextmanager
 def gcs_server():
   """fake-gcs-server on a free port: yields the environment of its clients."""

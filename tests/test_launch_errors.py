@@ -4,8 +4,9 @@ file or experiment and says what to do; no traceback, nothing half-created.
 One driver process (this file run as a script) imports the programs' dependencies once and, for
 each case, forks a child that runs the program as the interpreter would (tests/forked.py's
 `run_as_main`: launch/main.py, launch/diff.py, launch/audit.py as __main__, or
-`python -m olmo3.eval`) with its own argv, working directory and captured output. Every case stops before JAX starts a backend, so
-forking is safe, and the cases cost one interpreter start instead of one each.
+`python -m olmo3.eval`) with its own argv, working directory and captured output. Every case
+stops before JAX starts a backend, so forking is safe, and the cases cost one interpreter start
+instead of one each.
 """
 
 from __future__ import annotations
@@ -25,16 +26,9 @@ TINY = "--fdl_config=experiments.olmo3_tiny:stage1"
 
 def drive(cases: list[dict], out_dir: str) -> list[dict]:
   """Forks one child per case; returns each case's exit code and output."""
-  results = []
-  for i, case in enumerate(cases):
-    out = os.path.join(out_dir, f"{i}.out")
-    pid = os.fork()
-    if pid == 0:
-      forked.run_as_main(case["program"], case["argv"], case["cwd"], out, case.get("env"))
-    _, status = os.waitpid(pid, 0)
-    with open(out) as f:
-      results.append({"rc": os.waitstatus_to_exitcode(status), "output": f.read()})
-  return results
+  return [forked.run(case["program"], case["argv"], case["cwd"],
+                     os.path.join(out_dir, f"{i}.out"), case.get("env"))
+          for i, case in enumerate(cases)]
 
 
 def _cases(tmp) -> list[dict]:

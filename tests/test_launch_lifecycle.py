@@ -134,17 +134,10 @@ def drive(cases: list[dict], out_dir: str) -> list[dict]:
         shutil.copyfile(*args)
       elif op == "copytree":
         shutil.copytree(*args)
-    out = os.path.join(out_dir, f"{i}.out")
-    pid = os.fork()
-    if pid == 0:
-      try:
-        if "fault" in case:
-          FAULTS[case["fault"][0]](*case["fault"][1:])
-      finally:
-        forked.run_as_main(case["program"], case["argv"], case["cwd"], out)
-    _, status = os.waitpid(pid, 0)
-    with open(out) as f:
-      results.append({"rc": os.waitstatus_to_exitcode(status), "output": f.read()})
+    fault = case.get("fault")
+    results.append(forked.run(case["program"], case["argv"], case["cwd"],
+                              os.path.join(out_dir, f"{i}.out"),
+                              before=fault and (lambda: FAULTS[fault[0]](*fault[1:]))))
   return results
 
 

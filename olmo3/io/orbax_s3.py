@@ -38,6 +38,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils
 from olmo3.io import storage
 
 _S3 = "s3://"
+_FAILED = "olmo3_failed"  # where `install` keeps a failed commit's error (`failed_save`)
 
 
 def _s3_kvstore(path: str) -> dict[str, Any]:
@@ -111,9 +112,6 @@ def failed_save(manager: Any) -> BaseException | None:
   where this reads it."""
   async_manager = getattr(getattr(manager, "_checkpointer", None), "_async_manager", None)
   return getattr(async_manager, _FAILED, None)
-
-
-_FAILED = "olmo3_failed"
 
 
 def _keep_commit_failures() -> None:
