@@ -181,6 +181,7 @@ def test_a_run_stopped_by_its_skip_limit_says_so_in_one_line(tmp_path):
 
 _STUCK_PROGRAM = """
 import pathlib, sys, threading, time
+from absl import logging
 from olmo3.io import errors
 
 errors.EXIT_GRACE_S = 2.0
@@ -197,6 +198,13 @@ def main():
   # Work that ends within the grace is waited for.
   threading.Thread(target=lambda: (time.sleep(0.5), pathlib.Path(sys.argv[2]).touch())).start()
   if sys.argv[1] == "fail":
+    # Leftovers of the failure that speak after the error line (a commit thread's exception
+    # and log record): the line stays the last one.
+    def leftover():
+      time.sleep(0.5)
+      logging.error("the commit failed")
+      raise PermissionError("the store refused the write")
+    threading.Thread(target=leftover, name="leftover").start()
     raise OSError("the store is down")
 errors.reported(main, lambda: (OSError,))()
 """

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -356,10 +357,15 @@ def test_per_source_sums_match_a_direct_computation(microbatches):
 def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(monkeypatch):
   import logging as py_logging
 
+  from olmo3.train import logs
+
+  # configure() installs its unraisable hook: put back the one pytest had.
+  monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+  monkeypatch.setattr(logs, "_PREVIOUS_HOOK", logs._PREVIOUS_HOOK)  # pylint: disable=protected-access
+
   from absl import logging as absl_logging
 
   from olmo3 import platforms
-  from olmo3.train import logs
 
   def record(path, level=py_logging.INFO):
     return py_logging.LogRecord("absl", level, path, 1, "msg", (), None)
@@ -369,6 +375,7 @@ def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(mo
   handler = absl_logging.get_absl_handler()
   try:
     logs.configure(0)
+    assert sys.unraisablehook is logs._unraisable  # pylint: disable=protected-access
     assert not handler.filter(record(library))  # a library's INFO: dropped
     assert handler.filter(record(library, py_logging.WARNING))  # its warnings: kept
     assert handler.filter(record(ours)) and handler.filter(record("/work/my_experiment.py"))
@@ -393,6 +400,48 @@ def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(mo
     assert os.environ["JAX_PLATFORMS"] == "cuda"  # the user's choice stands
   finally:  # nothing leaks into other tests' logging
     handler.removeFilter(logs._FILTER)  # pylint: disable=protected-access
+
+
+def test_a_result_that_reaches_a_closed_event_loop_goes_to_the_log_not_stderr(monkeypatch, caplog):
+  """Orbax closes its loop without cancelling pending TensorStore writes once a save failed; the
+  late write's callback must not print a traceback under the run's one-line error. Every other
+  unraisable exception still reaches the hook that was there before."""
+  import asyncio
+  import logging as py_logging
+
+  import tensorstore as ts
+
+  from olmo3.train import logs
+
+  before = []
+  monkeypatch.setattr(logs, "_PREVIOUS_HOOK", before.append)
+  monkeypatch.setattr(sys, "unraisablehook", logs._unraisable)  # pylint: disable=protected-access
+  promise, write = ts.Promise.new()
+
+  async def save():
+    asyncio.ensure_future(wait(write))  # another part's write, still in flight
+    await asyncio.sleep(0)
+    raise OSError("one part of the save failed")
+
+  async def wait(future):
+    await future
+
+  loop = asyncio.new_event_loop()  # as Orbax runs a save: run_until_complete, then close
+  with pytest.raises(OSError):
+    loop.run_until_complete(save())
+  loop.close()
+  with caplog.at_level(py_logging.DEBUG, logger="absl"):
+    promise.set_result(None)  # the write completes: its callback meets the closed loop
+  assert before == []
+  assert "a result arrived after its event loop closed" in caplog.text
+  assert "Event loop is closed" in caplog.text
+
+  class Broken:
+    def __del__(self):
+      raise ValueError("not this one")
+
+  Broken()
+  assert [type(u.exc_value) for u in before] == [ValueError]
 
 
 def test_heartbeat_reports_a_long_phase_while_it_runs(caplog):

@@ -56,7 +56,10 @@ def reported(main: Callable[..., Any], errors: Callable[[], tuple[type[BaseExcep
         raise
       sys.exit(one_line(e))
     finally:
-      end_within(EXIT_GRACE_S, code, say=traceback_wanted(verbosity()))
+      verbose = traceback_wanted(verbosity())
+      if code and not verbose:
+        quiet_leftovers()
+      end_within(EXIT_GRACE_S, code, say=verbose)
 
   return wrapped
 
@@ -64,6 +67,19 @@ def reported(main: Callable[..., Any], errors: Callable[[], tuple[type[BaseExcep
 def exit_code(stop: SystemExit) -> int:
   """The status Python exits with for `stop`: 0 for None, the number, or 1 for a message."""
   return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+
+
+def quiet_leftovers() -> None:
+  """Keeps the error line the program's last: what library threads still say after it (an
+  uncaught exception in one of Orbax's commit threads of the failed save, its log records, a
+  TensorStore write's result reaching an event loop already closed) is a leftover of the same
+  failure, printed only when the traceback is wanted. Python prints the line itself after
+  this, when the SystemExit carrying it leaves the program."""
+  import logging as py_logging
+
+  threading.excepthook = lambda args: None
+  sys.unraisablehook = lambda unraisable: None
+  py_logging.disable(py_logging.CRITICAL)  # every record, absl's included
 
 
 def end_within(grace_s: float, code: int, *, say: bool = False) -> None:

@@ -7,6 +7,12 @@ dropped, their warnings and errors kept without their tracebacks; `-v 1` shows t
 also makes the platform choice every program makes (`olmo3.platforms.choose`: the CPU on a
 machine without a TPU or GPU, so libtpu is never probed there).
 
+It also keeps one library race off the run's stderr: a TensorStore write that completes after
+Orbax closed the event loop that was waiting for it (Orbax closes its loop without cancelling
+what is still pending once one part of a save has failed) reports `RuntimeError: Event loop is
+closed` as an unraisable exception, after the run's one-line error. Nothing waits for that
+result, so it goes to the log at `-v 1`; every other unraisable exception prints as before.
+
 `Heartbeat` says, every few seconds from a thread, that a long phase (a compile) is still
 running and for how long.
 """
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import logging as py_logging
 import os
+import sys
 import threading
 import time
+import traceback
 
 from absl import logging
 
@@ -53,13 +61,39 @@ _FILTER = _QuietThirdParty()
 
 
 def configure(verbosity: int) -> None:
-  """The run's logging: third-party INFO off below verbosity 1; no TPU probing without a TPU."""
+  """The run's logging: third-party INFO off below verbosity 1; no TPU probing without a TPU;
+  results that reach a closed event loop to the log."""
   handler = logging.get_absl_handler()
   if verbosity >= 1:
     handler.removeFilter(_FILTER)
   else:
     handler.addFilter(_FILTER)
   platforms.choose()
+  if sys.unraisablehook is not _unraisable:
+    global _PREVIOUS_HOOK
+    _PREVIOUS_HOOK = sys.unraisablehook
+    sys.unraisablehook = _unraisable
+
+
+_PREVIOUS_HOOK = sys.unraisablehook
+
+
+def _unraisable(unraisable) -> None:
+  """sys.unraisablehook: a result delivered to a closed asyncio loop goes to the log at -v 1
+  (see the module docstring); anything else to the hook that was there before."""
+  if _reached_a_closed_loop(unraisable.exc_value):
+    logging.vlog(1, "a result arrived after its event loop closed (nothing waits for it): %s",
+                 "".join(traceback.format_exception(unraisable.exc_value)).rstrip())
+    return
+  _PREVIOUS_HOOK(unraisable)
+
+
+def _reached_a_closed_loop(exc: BaseException | None) -> bool:
+  """Whether `exc` is asyncio refusing a call_soon_threadsafe because its loop is closed."""
+  if not isinstance(exc, RuntimeError) or str(exc) != "Event loop is closed":
+    return False
+  return any(frame.name == "call_soon_threadsafe"
+             for frame in traceback.extract_tb(exc.__traceback__))
 
 
 def duration(seconds: float) -> str:
