@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import re
 import shlex
@@ -40,6 +41,12 @@ from olmo3.train.preemption import Preemption
 # cleanly (exit 0) at its first step boundary instead of killing it.
 PREEMPTION = Preemption() if __name__ == "__main__" else None
 STARTED = time.monotonic()  # this launch's wall time, in its closing summary
+if __name__ == "__main__":
+  # A launch makes millions of objects that live as long as it does (its imports, then JAX's
+  # tracing of every program), and at Python's default threshold (700 allocations) the cycle
+  # collector scans them again and again: 0.4 CPU s of a short launch (6.5 -> 6.1, measured
+  # on the tiny run). Refcounting still frees everything else at once.
+  gc.set_threshold(50_000, 20, 20)
 
 import fiddle as fdl  # noqa: E402
 from absl import app, flags, logging  # noqa: E402

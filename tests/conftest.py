@@ -11,12 +11,15 @@ import os
 # (the fast tier from empty caches on 2 cores: 544 CPU s with XLA's defaults, 408 at -O0, 342
 # with all three), and runs about twice as slowly; results agree within the tests' tolerances,
 # not bit for bit. The processes tests start compile as a user's do: while a process-level test
-# runs, XLA_FLAGS is `_USER_XLA_FLAGS` (a launcher's step would take twice as long).
+# runs, XLA_FLAGS is `_USER_XLA_FLAGS` (a launcher's step would take twice as long), except
+# in processes that compile much and run little, whose tests hand them FAST_COMPILE_XLA_FLAGS
+# (a sweep's compile-only variants, the MFU benchmark's 2-step smoke run).
+FAST_COMPILE_XLA_FLAGS = " ".join(["--xla_backend_optimization_level=0",
+                                   "--xla_cpu_use_fusion_emitters=false",
+                                   "--xla_cpu_parallel_codegen_split_count=1"])
 _USER_XLA_FLAGS = (os.environ.get("XLA_FLAGS", "") +
                    " --xla_force_host_platform_device_count=8").strip()
-os.environ["XLA_FLAGS"] = " ".join([_USER_XLA_FLAGS, "--xla_backend_optimization_level=0",
-                                    "--xla_cpu_use_fusion_emitters=false",
-                                    "--xla_cpu_parallel_codegen_split_count=1"])
+os.environ["XLA_FLAGS"] = f"{_USER_XLA_FLAGS} {FAST_COMPILE_XLA_FLAGS}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache, shared by the xdist workers and every launcher subprocess
 # (they inherit the environment): a restarted run loads its executables instead of recompiling
@@ -45,6 +48,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
       shutil.rmtree(_cache, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+# As the launcher (launch/main.py): the workers trace hundreds of programs.
+import gc  # noqa: E402
+
+gc.set_threshold(50_000, 20, 20)
 
 import contextlib  # noqa: E402
 import json  # noqa: E402

@@ -129,7 +129,8 @@ def test_every_program_picks_the_platform_first():
                      "train_parity_olmo_core.py"):  # always on the CPU: sets JAX_PLATFORMS
       continue
     functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    named = {n.id for n in ast.walk(mains[0]) if isinstance(n, ast.Name)}  # main, app.run(main)
+    # The last __main__ block runs the program (an earlier one may set the process up).
+    named = {n.id for n in ast.walk(mains[-1]) if isinstance(n, ast.Name)}  # main, app.run(main)
     entry_points = [functions[name] for name in sorted(named) if name in functions]
     if not any(_chooses_first(f) for f in entry_points):
       missing.append(f"{path.relative_to(ROOT)}: {[f.name for f in entry_points]}")

@@ -21,12 +21,14 @@ from olmo3.train import aot
 from olmo3 import xla_flags as flags_lib
 from olmo3.xla_flags import FLAG_SETS
 
-from conftest import random_params
+from conftest import FAST_COMPILE_XLA_FLAGS, random_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Compile-only needs no TPU; let several test processes load libtpu at once.
 ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+# For processes that compile much and run a few steps whose speed no test reads.
+COMPILING_ENV = dict(ENV, XLA_FLAGS=FAST_COMPILE_XLA_FLAGS)
 
 
 def test_flop_conventions_by_hand():
@@ -244,7 +246,7 @@ def test_sweep_compiles_named_variants_and_ranks_them(tmp_path):
       "  return [{'model.remat': r, 'data.global_batch_size': b}\n"
       "          for r, b in (('none', 8), ('full', 8), ('minimal', 16))]\n")
   common = ["--fdl_config=experiments.olmo3_tiny:stage1", "--sweep=small_sweep:sweep"]
-  env = dict(ENV, PYTHONPATH=str(tmp_path))
+  env = dict(COMPILING_ENV, PYTHONPATH=str(tmp_path))
   done = subprocess.run([sys.executable, "launch/sweep.py", *common, "--compile_only=local",
                          "--out", str(tmp_path / "all")], capture_output=True, text=True,
                         cwd=ROOT, env=env, timeout=900)
@@ -296,7 +298,7 @@ def test_each_sweep_variant_gets_its_own_flag_set(tmp_path):
                            "--sweep=flag_sweep:sweep", "--fdl_set=data.global_batch_size=8",
                            "--compile_only=local", "--out", str(tmp_path / "out"), *extra],
                           capture_output=True, text=True, cwd=ROOT,
-                          env=dict(ENV, PYTHONPATH=str(tmp_path)), timeout=600)
+                          env=dict(COMPILING_ENV, PYTHONPATH=str(tmp_path)), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "out" / "results.csv") as f:
       return {r["variant"]: r for r in csv.DictReader(f)}
@@ -314,7 +316,7 @@ def test_each_sweep_variant_gets_its_own_flag_set(tmp_path):
 @pytest.mark.slow(seconds=15)
 def test_mfu_gpu_benchmark_smoke_mode():
   done = subprocess.run([sys.executable, "benchmarks/mfu_gpu.py", "--smoke", "--steps", "2"],
-                        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+                        capture_output=True, text=True, cwd=ROOT, env=COMPILING_ENV, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   import json
 

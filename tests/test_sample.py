@@ -7,9 +7,11 @@ random weights: prompts and continuations run past two windows, so a wrong windo
 or cache slot changes the predictions."""
 
 import json
+import logging as py_logging
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +100,7 @@ def _run(tmp_path, steps=(2, 4), tokenizer: str | None = None) -> tuple:
   return run, cfg
 
 
-def test_user_mistakes_are_one_line(tmp_path, capsys):
+def test_user_mistakes_are_one_line(tmp_path, capsys, monkeypatch, request):
   """An empty prompt, bad options, no run, a run without checkpoints, a step it does not have:
   one `error:` line and exit code 2, before any model is built; a checkpoint that cannot be
   read: one line through the program's wrapper."""
@@ -124,6 +126,11 @@ def test_user_mistakes_are_one_line(tmp_path, capsys):
   (run / "checkpoints" / "4").rmdir()
   assert error("--prompt", "x") == f"error: {run} has no checkpoint"
   (run / "checkpoints" / "4").mkdir()
+  # The wrapper ends a program: its failure quiets what the process's threads say afterwards
+  # (errors.quiet_leftovers). Called here in pytest's process, that is put back.
+  monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+  monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+  request.addfinalizer(lambda: py_logging.disable(py_logging.NOTSET))
   with pytest.raises(SystemExit) as exited:
     errors.reported(main, _one_line_errors)(["--workdir", str(run), "--prompt", "x"])
   assert str(exited.value).startswith("error: ") and "\n" not in str(exited.value)

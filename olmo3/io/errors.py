@@ -40,7 +40,9 @@ def reported(main: Callable[..., Any], errors: Callable[[], tuple[type[BaseExcep
              verbosity: Callable[[], int] = lambda: 0) -> Callable[..., Any]:
   """`main` with the `errors()` types ending the program as one line (exit code 1), unless the
   traceback is wanted (`traceback_wanted(verbosity())`), when they propagate as they are.
-  `errors` is called only when something was raised (its imports cost nothing otherwise)."""
+  `errors` is called only when something was raised (its imports cost nothing otherwise).
+  For a program's main: once it has failed, the rest of the process is its ending
+  (`quiet_leftovers`, `end_within`)."""
   @functools.wraps(main)
   def wrapped(*args, **kwargs):
     code = 1
