@@ -96,7 +96,8 @@ writer = metrics.create_writer(sys.argv[1], True)
 writer.write_scalars(1, {"loss": 2.5})
 writer.close()
 new = set(sys.modules) - before
-print(sorted(m for m in new if m.split(".")[0] in ("torch", "tensorflow", "tensorboardX", "clu")))
+print(sorted(m for m in new if m.split(".")[0] in ("torch", "tensorflow", "tensorboardX", "clu",
+                                                   "boto3", "botocore")))
 print(sorted(m for m in new if sys.modules[m] is None))
 import torch  # installed (the test extra) and importable: nothing hid it
 """
@@ -105,8 +106,9 @@ import torch  # installed (the test extra) and importable: nothing hid it
 @pytest.mark.slow(seconds=4)
 def test_metrics_import_without_torch_tensorflow_or_planted_modules(tmp_path):
   """No import-order trick: olmo3.io.metrics and the TensorBoard writer import neither torch
-  (tensorboardX would, ≈2 s), TensorFlow, tensorboardX nor CLU (a stand-in planted for a CLU
-  module shows as one), block no import (a None entry), and events still land."""
+  (tensorboardX would, ≈2 s), TensorFlow, tensorboardX, CLU (a stand-in planted for a CLU
+  module shows as one) nor boto3 (tensorboard's own writer would, 0.3 s), block no import (a
+  None entry), and events still land."""
   done = subprocess.run([sys.executable, "-c", _IMPORTS_THEN_WRITES, str(tmp_path)],
                         capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
@@ -114,6 +116,32 @@ def test_metrics_import_without_torch_tensorflow_or_planted_modules(tmp_path):
   assert _tensorboard(tmp_path / "tensorboard") == {1: {"loss": 2.5}}
   assert metrics_lib.read_jsonl(tmp_path / metrics_lib.METRICS_JSONL) == [
       {"step": 1, "loss": 2.5}]
+
+
+def test_event_files_are_tfrecords_with_tensorboards_checksums(tmp_path):
+  """Every record's length and bytes carry the masked CRC-32C tensorboard's own record code
+  computes (its reader does not check them; TensorFlow's does), and the file starts with the
+  version event."""
+  from tensorboard.compat.proto import event_pb2
+  from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+  writer = metrics_lib.TensorBoardWriter(tmp_path)
+  writer.write_scalars(7, {"loss": 2.5, "lr": 1e-3})
+  writer.close()
+  (path,) = tmp_path.iterdir()
+  assert path.name.startswith("events.out.tfevents.")
+  data, events = path.read_bytes(), []
+  while data:
+    header, data = data[:8], data[8:]
+    assert int.from_bytes(data[:4], "little") == masked_crc32c(header)
+    n = int.from_bytes(header, "little")
+    record, data = data[4:4 + n], data[4 + n:]
+    assert int.from_bytes(data[:4], "little") == masked_crc32c(record)
+    data = data[4:]
+    events.append(event_pb2.Event.FromString(record))
+  assert events[0].file_version == "brain.Event:2"
+  assert events[1].step == 7 and {v.tag: v.simple_value for v in events[1].summary.value} == (
+      {"loss": 2.5, "lr": pytest.approx(1e-3)})
 
 
 def test_a_mirrored_workdir_gets_every_file_when_the_writer_closes(tmp_path):
