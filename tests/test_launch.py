@@ -330,15 +330,15 @@ def test_workdir_of_another_experiment_is_refused(tmp_path):
 def test_memorize_fires_the_generalization_gap_alarm(tmp_path):
   # Half-length instances, 16 of them (2 steps an epoch, as the recipe's 32 at its batch of 16)
   # at the shared batch of 8, and an evaluation every 5 steps: the alarm fired at step 20 when
-  # measured (2026-12-02), well inside the 40 steps.
+  # measured (2026-12-02), inside the 30 steps.
   done = _main("--fdl_config=experiments.olmo3_tiny:memorize", f"--workdir={tmp_path}",
                *TINY_FAST, "--fdl_set=data.max_instances=16", "--fdl_set=train.eval_every=5",
-               "--fdl_set=train.steps=40")
+               "--fdl_set=train.steps=30")
   assert "generalization gap" in done.stderr
   rows = metrics_lib.read_jsonl(tmp_path / "metrics.jsonl")
   flags = {r["step"]: r["alarm/generalization_gap"] for r in rows
            if "alarm/generalization_gap" in r}
-  assert flags[5] == flags[10] == 0 and flags[40] == 1
+  assert flags[5] == flags[10] == 0 and flags[30] == 1, flags
 
 
 @pytest.mark.slow(seconds=2)

@@ -146,7 +146,9 @@ def test_two_processes_train_save_and_resume_on_another_mesh(tmp_path, request):
   way, 2 processes resumed on 1: tests/test_pod_rehearsal.py; 4 on 1: the full
   benchmarks/pod_rehearsal.py.)"""
   labels = _v3_small_stand_in(tmp_path / "data")
-  _run(tmp_path, steps=4, devices=2)  # 2 devices in 1 process
+  # 1 device in 1 process (the shape of the soak's and `straight`'s launches, whose programs it
+  # loads from the compilation cache)
+  _run(tmp_path, steps=4, devices=1)
   # -> 4 devices in 2 processes (the shape of tests/test_pod_rehearsal.py's job, whose
   # programs it then shares in the compilation cache), evaluating at step 9.
   _run(tmp_path, steps=9, devices=2, processes=2, extra=_eval_7b(tmp_path / "data"))
