@@ -608,6 +608,9 @@ from olmo3.io import errors
 from olmo3.io.checkpoint import CheckpointError
 from olmo3.train.run_checkpoints import RunCheckpoints
 
+# Process 1's commit threads wait at a barrier process 0 never reaches: its exit need not wait
+# the launcher's 10 s for them (tests/test_one_line_errors.py tests that grace).
+errors.EXIT_GRACE_S = 2.0
 if jax.process_index() == 1:
   async def refused(*args, **kwargs):
     raise PermissionError("the store refused process 1's write")

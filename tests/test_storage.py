@@ -573,18 +573,18 @@ def test_tensorstore_timeouts_follow_this_process_budget_unless_the_user_set_the
   assert (os.environ[connect], os.environ[low_speed]) == ("77", "2")
 
 
-@pytest.mark.slow(seconds=12)
+@pytest.mark.slow(seconds=5)
 def test_a_stalled_store_fails_tensorstore_requests_within_the_budget():
   """Orbax reads and writes arrays through TensorStore, whose requests have no deadline from
   Python: a store that accepts connections and never answers fails them after the request
-  timeout (2 s here), retried within the budget (3 s), not after TensorStore's minutes."""
+  timeout (1 s here), retried within the budget (1 s), not after TensorStore's minutes."""
   # This process's configure_clients (earlier tests) derived TENSORSTORE_CURL_* from the
-  # default timeout; the child inherits them and must derive its own from its 2 s.
+  # default timeout; the child inherits them and must derive its own from its 1 s.
   storage.configure_clients()
   env = dict(os.environ, GOOGLE_AUTH_TOKEN_FOR_TESTING="test",
-             **{storage.TIMEOUT_ENV: "2", storage.RETRY_ENV: "3"})
+             **{storage.TIMEOUT_ENV: "1", storage.RETRY_ENV: "1"})
   done = subprocess.run([sys.executable, "-c", _STALLED_TENSORSTORE], capture_output=True,
                         text=True, cwd=ROOT, env=env, timeout=120)
   seconds, _, message = done.stdout.strip().partition(" ")
-  assert seconds.isdigit() and int(seconds) <= 3 * 2 + 3 + 5, done.stdout + done.stderr[-2000:]
+  assert seconds.isdigit() and int(seconds) <= 3 * 1 + 1 + 5, done.stdout + done.stderr[-2000:]
   assert "Timeout was reached" in message, message
