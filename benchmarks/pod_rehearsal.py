@@ -15,7 +15,9 @@ cluster starts it, taken through the faults a weeks-long run meets, in order:
   python benchmarks/pod_rehearsal.py --quick  # a-d on a 2 x 2 job: tests/test_pod_rehearsal.py
 
 The quick mode is the test's: the same faults and checks on 2 processes x 2 devices (the
-signals to task 1; d resizes to half the devices), fewer steps, no audit, no stage 2. On 2
+signals to task 1; d resizes to 1 process of 1 device, the shape of the suite's single-process
+launches, whose programs the session's compilation cache holds), fewer steps, no audit, no
+stage 2. On 2
 cores an 8-device step of the tiny model costs about twice a 4-device one (XLA:CPU runs a
 collective per sharded weight), and every process of a job starts, imports and compiles on
 the same cores: the full job's shape is measured here, not in every suite run.
@@ -93,6 +95,7 @@ class Plan:
   `stage2_steps` and evaluates at its last step."""
 
   processes: int
+  resized_devices: int  # d: the one process's devices
   term_task: int  # a: SIGTERM to this task alone
   kill_task: int  # b: SIGKILL of this task
   steps: int
@@ -105,14 +108,15 @@ class Plan:
   faults_only: bool = False
 
 
-FULL = Plan(processes=4, term_task=2, kill_task=1, steps=20, job_steps=15, every=2,
-            stage2_steps=4, tasks=("arc_easy_rc_0shot", "boolq_rc_0shot", "hellaswag_rc_0shot",
-                   "piqa_rc_0shot"), task_limit=20, max_documents=32)
-# The test's: every fault (a-d) and its checks on a 2 x 2 job, fewer steps, no audit and no
-# stage 2 (e), which tests/test_data_audit.py and tests/test_reliability.py's 2-process
-# evaluation cover in part.
-QUICK = Plan(processes=2, term_task=1, kill_task=1, steps=12, job_steps=10, every=2,
-             stage2_steps=0, tasks=(), task_limit=0, max_documents=0, faults_only=True)
+FULL = Plan(processes=4, resized_devices=DEVICES, term_task=2, kill_task=1, steps=20,
+            job_steps=15, every=2, stage2_steps=4,
+            tasks=("arc_easy_rc_0shot", "boolq_rc_0shot", "hellaswag_rc_0shot", "piqa_rc_0shot"),
+            task_limit=20, max_documents=32)
+# The test's: every fault (a-d) and its checks on a 2 x 2 job, resized to 1 x 1, fewer steps,
+# no audit and no stage 2 (e), which tests/test_data_audit.py and tests/test_reliability.py's
+# 2-process evaluation cover in part.
+QUICK = Plan(processes=2, resized_devices=1, term_task=1, kill_task=1, steps=12, job_steps=10,
+             every=2, stage2_steps=0, tasks=(), task_limit=0, max_documents=0, faults_only=True)
 
 
 def _load(relative: str):
@@ -354,8 +358,9 @@ class Rehearsal:
             "--fdl_set=eval.tasks=()", f"--fdl_set=checkpoint.every={every}",
             f"--fdl_set=train.steps={steps}", f"--workdir={workdir}"]
 
-  def job(self, name: str, args: list[str], nodes: int | None = None) -> Job:
-    job = Job(name, args, nodes or self.plan.processes, DEVICES, self.env(), self.logs)
+  def job(self, name: str, args: list[str], nodes: int | None = None,
+          devices: int = DEVICES) -> Job:
+    job = Job(name, args, nodes or self.plan.processes, devices, self.env(), self.logs)
     self.jobs.append(job)
     return job
 
@@ -505,15 +510,16 @@ class Rehearsal:
     self.snapshot("c")
 
   def resize(self) -> None:
-    """d: the rest of stage 1 on 1 process x 2 devices."""
+    """d: the rest of stage 1 on 1 process of resized_devices."""
     p = self.plan
-    job = self.job("d-resize", self.stage1_args(p.steps, STAGE1, p.every), nodes=1)
+    job = self.job("d-resize", self.stage1_args(p.steps, STAGE1, p.every), nodes=1,
+                   devices=p.resized_devices)
     resumed = int(job.wait_for(r"resumed from \S+/(\d+) \(step")[1])
     code = job.finish(900)
     self.checks("d: the resized run resumed where the job ended", resumed == p.job_steps,
                 {"resumed": resumed})
     self.checks("d: the resized run ended 0", code == 0, {"code": code})
-    self.faults.append({"fault": f"resized to 1 process x {DEVICES} devices",
+    self.faults.append({"fault": f"resized to 1 process x {p.resized_devices} devices",
                         "resumed_from": resumed, "steps_lost": 0})
     self.snapshot("d")
 
@@ -554,8 +560,8 @@ class Rehearsal:
     rel = max(abs(losses[s] - straight[s]) / abs(straight[s]) for s in resized)
     self.resize_diff = {"max_abs": max(abs(losses[s] - straight[s]) for s in resized),
                         "max_rel": rel}
-    self.checks(f"losses of steps {p.job_steps + 1}-{p.steps} (1 x 2) within rtol "
-                f"{RESIZE_RTOL:g}", rel <= RESIZE_RTOL, self.resize_diff)
+    self.checks(f"losses of steps {p.job_steps + 1}-{p.steps} (1 x {p.resized_devices}) within "
+                f"rtol {RESIZE_RTOL:g}", rel <= RESIZE_RTOL, self.resize_diff)
     history = [json.loads(line) for line in
                self.read(STAGE1, "history.jsonl").decode().splitlines() if line.strip()]
     record = [(h["launch"], h["start_step"]) for h in history]

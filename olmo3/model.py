@@ -455,9 +455,17 @@ def abstract_model(cfg: ModelConfig) -> Transformer:
   """The model's structure with ShapeDtypeStructs for parameters; allocates nothing.
 
   Needs no mesh: the logical axis names stay as metadata (nnx.get_partition_spec reads them).
+  Each call gives a new module over the same (immutable) abstract leaves.
   """
+  return nnx.merge(*_abstract_split(cfg))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_split(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  # Tracing the model's construction costs 20-100 ms; a launch asks for it several times
+  # (the sharded model, parameter shapes, conversions) and the test suite hundreds.
   with nnx.use_eager_sharding(False):
-    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
 def param_count(model: Transformer) -> int:

@@ -67,6 +67,7 @@ import pytest  # noqa: E402
 from olmo3 import model as model_lib  # noqa: E402
 from olmo3.config import ModelConfig  # noqa: E402
 from olmo3.convert import hf  # noqa: E402
+from tests import forked  # noqa: E402
 
 
 def random_params(cfg: ModelConfig, seed: int) -> dict:
@@ -107,7 +108,8 @@ def write_random_hf_dir(path, cfg: ModelConfig, seed: int = 0, dtype: str = "flo
 # fast tier).
 _STARTERS = [(subprocess.Popen, "_execute_child"), (os, "fork"), (os, "forkpty"),
              (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"),
-             (multiprocessing.process.BaseProcess, "start")]
+             (multiprocessing.process.BaseProcess, "start"),
+             (forked.Driver, "start")]  # a child forked by a driver started earlier
 _STARTED = pytest.StashKey[list]()
 
 

@@ -8,11 +8,18 @@ directory, environment and output file, but without an interpreter start and its
   and tests/test_launch_lifecycle.py drive their cases with it);
 - `Driver`: a driver that forks on request, for tests that start launches one after another
   and signal them as they run (tests/test_reliability.py's soak): `Driver.start` gives a
-  `Child` with Popen's pid, send_signal, poll and wait.
+  `Child` with Popen's pid, send_signal, poll and wait;
+- `completed`: `subprocess.run(..., capture_output=True, text=True)` of a program, forked by
+  the xdist worker's driver for that environment (started at its first use, kept to the end of
+  the session): what most tests that run a program and read its outcome call.
+
+A child ends as the interpreter would: Python's shutdown (non-daemon threads joined, atexit
+handlers run) before the process exits with the program's code.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -20,26 +27,29 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/audit.py"}
+SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/audit.py",
+           "sweep": "launch/sweep.py"}
 
 
 def run_as_main(program: str, argv: list[str], cwd: str, out: str,
-                env: dict[str, str] | None = None) -> None:
+                env: dict[str, str] | None = None, err: str | None = None) -> None:
   """Runs one program in this (forked) process as Python would run it: as __main__, with its
-  argv, sys.path and the environment variables `env` adds; stdout and stderr to `out`. Never
-  returns: the process exits with the program's code."""
-  code = 70
+  argv, sys.path and the environment variables `env` adds; stdout to `out`, stderr to `err`
+  (default: `out` too). Never returns: the process exits with the program's code."""
+  code = 1  # as the interpreter's, for an exception the program did not catch
   try:
     os.chdir(cwd)
     os.environ.update(env or {})
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if err else fd, 2)
     if program in SCRIPTS:
       path = os.path.join(ROOT, SCRIPTS[program])
       sys.argv, sys.path[0] = [path, *argv], os.path.dirname(path)
@@ -57,6 +67,9 @@ def run_as_main(program: str, argv: list[str], cwd: str, out: str,
   except BaseException:  # pylint: disable=broad-except
     traceback.print_exc()
   finally:
+    # Python's own shutdown: wait for the non-daemon threads, then the atexit handlers.
+    threading._shutdown()  # pylint: disable=protected-access
+    atexit._run_exitfuncs()  # pylint: disable=protected-access
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -123,9 +136,10 @@ class Driver:
     self.proc.wait(timeout=60)
 
   def start(self, program: str, argv: list[str], out: str | os.PathLike,
-            env: dict[str, str] | None = None, cwd: str = ROOT) -> Child:
+            env: dict[str, str] | None = None, cwd: str | os.PathLike = ROOT,
+            err: str | os.PathLike | None = None) -> Child:
     reply = self.ask({"program": program, "argv": argv, "out": os.fspath(out), "env": env or {},
-                      "cwd": cwd})
+                      "cwd": os.fspath(cwd), "err": err and os.fspath(err)})
     return Child(self, reply["pid"])
 
   def send(self, request: dict) -> None:
@@ -144,6 +158,31 @@ class Driver:
     return self.receive()
 
 
+_DRIVERS: dict[tuple[tuple[str, str], ...], Driver] = {}
+
+
+def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.PathLike = ROOT,
+              timeout: float = 600) -> subprocess.CompletedProcess:
+  """What `subprocess.run([python, program's file, *argv], env=env, cwd=cwd,
+  capture_output=True, text=True, timeout=timeout)` returns, the program forked by this
+  process's driver for `env` (its imports saw that environment, as the program's would)."""
+  key = tuple(sorted(env.items()))
+  driver = _DRIVERS.get(key)
+  if driver is None or driver.proc.poll() is not None:
+    if not _DRIVERS:
+      atexit.register(lambda: [d.__exit__() for d in _DRIVERS.values()])
+    driver = _DRIVERS[key] = Driver(env)
+  with tempfile.TemporaryDirectory(prefix="forked-") as directory:
+    out, err = os.path.join(directory, "stdout"), os.path.join(directory, "stderr")
+    child = driver.start(program, argv, out, cwd=cwd, err=err)
+    try:
+      code = child.wait(timeout)
+    except TimeoutError as e:
+      raise subprocess.TimeoutExpired([program, *argv], timeout) from e
+    with open(out) as f_out, open(err) as f_err:
+      return subprocess.CompletedProcess([program, *argv], code, f_out.read(), f_err.read())
+
+
 def _serve() -> None:
   """The driver's loop: a request line in, an answer line out."""
   for line in sys.stdin:
@@ -157,7 +196,7 @@ def _serve() -> None:
       if pid == 0:
         sys.stdin.close()
         run_as_main(request["program"], request["argv"], request["cwd"], request["out"],
-                    request["env"])
+                    request["env"], request["err"])
       answer = {"pid": pid}
     print(json.dumps(answer), flush=True)
 

@@ -13,10 +13,10 @@ import pytest
 from launch import config_files, diffs, refs
 from olmo3.run import record
 from olmo3.io import metrics as metrics_lib
+from tests import forked
 from tests.test_reliability import straight  # noqa: F401  (the trained run, shared)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAIN = os.path.join(ROOT, "launch", "main.py")
 # The README's command runs on the plain CPU device; tests give JAX 8 fake ones.
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 # The tiny recipe at the reliability tests' half-length instances (tests/test_reliability.py's
@@ -27,8 +27,7 @@ TINY_FAST = ["--fdl_set=data.global_batch_size=8", "--fdl_set=data.seq_len=128",
 
 
 def _main(*args, timeout=600, check=True):
-  done = subprocess.run([sys.executable, MAIN, *args], capture_output=True, text=True,
-                        timeout=timeout, cwd=ROOT, env=ENV)
+  done = forked.completed("main", list(args), ENV, timeout=timeout)
   if check:
     assert done.returncode == 0, done.stderr[-3000:]
   return done
@@ -117,9 +116,10 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
       "data.global_batch_size", "data.mix", "data.seed", "optimizer.peak_lr",
       "optimizer.schedule", "optimizer.warmup_steps", "optimizer.final_lr",
       "optimizer.decay_steps", "train.steps", "train.stop_at_epoch", "checkpoint.init_from"}
-  out = subprocess.run([sys.executable, "launch/diff.py", "experiments.olmo3_7b:stage1",
-                        "experiments.olmo3_7b:stage2", "--json"], capture_output=True, text=True,
-                       cwd=ROOT, env=ENV, check=True).stdout
+  done = forked.completed("diff", ["experiments.olmo3_7b:stage1", "experiments.olmo3_7b:stage2",
+                                   "--json"], ENV)
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = done.stdout
   assert {r["path"]: (r["a"], r["b"]) for r in json.loads(out)} == {
       "checkpoint.init_from": (None, "runs/olmo3_7b.stage1"),
       "data.global_batch_size": (512, 256),
@@ -133,9 +133,10 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
       "train.steps": (1413814, 47684),
       "train.stop_at_epoch": (1, None)}
   # The table (flags after the positional arguments, as absl parses them).
-  table = subprocess.run([sys.executable, "launch/diff.py", "experiments.olmo3_7b:stage1",
-                          "experiments.olmo3_7b:stage2"], capture_output=True, text=True,
-                         cwd=ROOT, env=ENV, check=True).stdout.splitlines()
+  done = forked.completed("diff", ["experiments.olmo3_7b:stage1", "experiments.olmo3_7b:stage2"],
+                          ENV)
+  assert done.returncode == 0, done.stderr[-3000:]
+  table = done.stdout.splitlines()
   assert table[0].split() == ["field", "experiments.olmo3_7b:stage1", "->",
                               "experiments.olmo3_7b:stage2"]
   assert len(table) == 12
@@ -151,8 +152,7 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
 ])
 @pytest.mark.slow(seconds=2)
 def test_diff_bad_arguments_fail_clearly(args, message):
-  done = subprocess.run([sys.executable, "launch/diff.py", *args], capture_output=True,
-                        text=True, cwd=ROOT, env=ENV)
+  done = forked.completed("diff", args, ENV)
   assert done.returncode != 0 and message in done.stderr and not done.stdout
 
 
@@ -177,10 +177,9 @@ def test_sweep_with_a_bad_override_path_fails_naming_it(tmp_path):
   sits in the working directory, which the launch scripts make importable."""
   (tmp_path / "bad_sweep.py").write_text(
       "def sweep():\n  return [{'train.steps': 2}, {'model.rematt': 'full'}]\n")
-  done = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sweep.py"),
-                         "--fdl_config=experiments.olmo3_tiny:stage1", "--sweep=bad_sweep:sweep",
-                         "--compile_only=local", "--out", str(tmp_path / "out")],
-                        capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=300)
+  done = forked.completed("sweep", ["--fdl_config=experiments.olmo3_tiny:stage1",
+                                    "--sweep=bad_sweep:sweep", "--compile_only=local", "--out",
+                                    str(tmp_path / "out")], ENV, cwd=tmp_path, timeout=300)
   assert done.returncode != 0
   assert ("variant model.rematt=full: sweep override 'model.rematt': ModelConfig has no field "
           "'rematt'") in done.stderr
@@ -434,9 +433,8 @@ def test_a_run_record_loads_back_and_builds_the_same_experiment(tmp_path):
 def test_resuming_in_a_workdir_with_a_hostile_config_json_stops_in_one_line(tmp_path):
   """Through the launcher, run from the directory holding evilmod.py."""
   side = _evil_workdir(tmp_path, "evilmod in the cwd")
-  done = subprocess.run([sys.executable, MAIN, "--fdl_config=experiments.olmo3_tiny:stage1",
-                         "--workdir=wd"], capture_output=True, text=True, timeout=300,
-                        cwd=tmp_path, env=ENV)
+  done = forked.completed("main", ["--fdl_config=experiments.olmo3_tiny:stage1", "--workdir=wd"],
+                          ENV, cwd=tmp_path, timeout=300)
   assert done.returncode == 1
   last = done.stderr.strip().splitlines()[-1]
   assert last.startswith("error: wd/config.json: refers to module 'evilmod', name 'run'")
@@ -479,8 +477,7 @@ def test_a_finished_run_rerun_changes_nothing_and_a_resumed_change_is_a_new_revi
   args = [*reliability.TINY, f"--workdir={workdir}", "--fdl_set=checkpoint.every=100"]
 
   def launch(*extra):
-    return subprocess.run([sys.executable, MAIN, *args, *extra], capture_output=True,
-                          text=True, cwd=ROOT, env=reliability._env(1), timeout=600)
+    return forked.completed("main", [*args, *extra], reliability._env(1))
 
   before = _snapshot(workdir)
   # An override on the finished run (the rerun of its own command takes the same path: the

@@ -15,6 +15,7 @@ import pytest
 
 from olmo3.train import lease as lease_lib
 from olmo3.train.lease import Lease, LeaseHeld
+from tests import forked
 from tests.test_reliability import MAIN, ROOT, TINY, _env, _losses
 
 TAKEOVER = 2.4  # seconds: the lease heartbeats every 0.2 s
@@ -123,10 +124,9 @@ def test_a_lease_taken_over_or_not_renewed_is_lost(tmp_path):
 
 
 def _launch(workdir, steps, env=(), timeout=300):
-  return subprocess.run([sys.executable, MAIN, *TINY, f"--fdl_set=train.steps={steps}",
-                         f"--workdir={workdir}", "--force_workdir"], cwd=ROOT,
-                        env=dict(_env(1), **dict(env)), capture_output=True, text=True,
-                        timeout=timeout)
+  return forked.completed("main", [*TINY, f"--fdl_set=train.steps={steps}",
+                                   f"--workdir={workdir}", "--force_workdir"],
+                          dict(_env(1), **dict(env)), timeout=timeout)
 
 
 @pytest.mark.slow(seconds=30)

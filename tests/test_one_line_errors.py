@@ -17,7 +17,7 @@ import pytest
 from olmo3.data.serve import RangeServer
 from olmo3.data import embedded
 from olmo3.io import errors, storage
-from tests import storage_servers, test_launch_errors
+from tests import forked, storage_servers, test_launch_errors
 
 TINY = test_launch_errors.TINY
 
@@ -166,13 +166,13 @@ def test_a_run_stopped_by_its_skip_limit_says_so_in_one_line(tmp_path):
   """train.max_consecutive_skips reached (every update non-finite at an absurd learning rate):
   exit 1 and one line, not TrainingStopped's traceback."""
   # pylint: disable-next=import-outside-toplevel
-  from tests.test_reliability import MAIN, ROOT, TINY as RUN, _env
+  from tests.test_reliability import TINY as RUN, _env
 
-  done = subprocess.run([sys.executable, MAIN, *RUN, "--fdl_set=train.steps=20",
-                         "--fdl_set=optimizer.peak_lr=1e30", "--fdl_set=optimizer.warmup_steps=0",
-                         "--fdl_set=train.max_consecutive_skips=2",
-                         f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=_env(1),
-                        capture_output=True, text=True, timeout=600)
+  done = forked.completed("main", [*RUN, "--fdl_set=train.steps=20",
+                                   "--fdl_set=optimizer.peak_lr=1e30",
+                                   "--fdl_set=optimizer.warmup_steps=0",
+                                   "--fdl_set=train.max_consecutive_skips=2",
+                                   f"--workdir={tmp_path / 'run'}"], _env(1))
   assert done.returncode == 1, done.stderr[-3000:]
   assert "Traceback" not in done.stderr, done.stderr[-3000:]
   last = done.stderr.strip().splitlines()[-1]

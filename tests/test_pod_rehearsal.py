@@ -1,5 +1,5 @@
 """The pod in a box: benchmarks/pod_rehearsal.py's quick mode, the launcher as a SLURM job of
-2 processes x 2 devices taken through SIGTERM, SIGKILL, a storage outage and a resize."""
+2 processes x 2 devices taken through SIGTERM, SIGKILL, a storage outage and a resize to 1 x 1."""
 
 import json
 import os

@@ -46,8 +46,7 @@ def _run(workdir, steps, devices=1, processes=1, extra=()):
   args = [*TINY, f"--fdl_set=train.steps={steps}", f"--workdir={workdir}", "--force_workdir",
           *extra]
   if processes == 1:
-    done = subprocess.run([sys.executable, MAIN, *args], capture_output=True, text=True,
-                          cwd=ROOT, env=_env(devices), timeout=600)
+    done = forked.completed("main", args, _env(devices))
     assert done.returncode == 0, done.stderr[-3000:]
     return
   command = jobs.command_from_args(args, python=sys.executable)
@@ -112,9 +111,8 @@ def test_a_live_workdir_is_refused_and_sigterm_stops_cleanly_even_at_startup(tmp
   still starting is a clean exit too. (Every cadence, and resuming: the soak test below.)"""
   proc = _launch(tmp_path / "held", "--fdl_set=train.steps=1000")
   _wait_for(tmp_path / "held" / "checkpoints" / "3", proc)
-  second = subprocess.run([sys.executable, MAIN, *TINY, "--fdl_set=train.steps=1000",
-                           f"--workdir={tmp_path / 'held'}"], cwd=ROOT, env=_env(1),
-                          capture_output=True, text=True, timeout=300)
+  second = forked.completed("main", [*TINY, "--fdl_set=train.steps=1000",
+                                     f"--workdir={tmp_path / 'held'}"], _env(1), timeout=300)
   assert second.returncode != 0
   assert f"is in use by pid {proc.pid} on host {socket.gethostname()}" in second.stderr
   proc.send_signal(signal.SIGTERM)
@@ -124,10 +122,9 @@ def test_a_live_workdir_is_refused_and_sigterm_stops_cleanly_even_at_startup(tmp
   assert not (tmp_path / "held" / "lease.json").exists()  # released on the way out
   # Resuming on other data (another seed) is refused before a step, naming the change.
   stopped = max(_losses(tmp_path / "held"))
-  again = [sys.executable, MAIN, *TINY, f"--fdl_set=train.steps={stopped + 1}",
-           f"--workdir={tmp_path / 'held'}", "--force_workdir", "--fdl_set=data.seed=7"]
-  refused = subprocess.run(again, cwd=ROOT, env=_env(1), capture_output=True, text=True,
-                           timeout=300)
+  again = [*TINY, f"--fdl_set=train.steps={stopped + 1}", f"--workdir={tmp_path / 'held'}",
+           "--force_workdir", "--fdl_set=data.seed=7"]
+  refused = forked.completed("main", again, _env(1), timeout=300)
   assert refused.returncode == 1 and "seed" in refused.stderr.strip().splitlines()[-1]
   assert max(_losses(tmp_path / "held")) == stopped
   # (Continuing with data.allow_changed_data: tests/test_checkpoints.py.)
@@ -293,9 +290,8 @@ def _check_evaluated_as_one_process(workdir, step, labels):
   assert {"downstream/copycolors_10way_fast/acc_v1", "downstream/hellaswag_bpb_5shot/bpb_v2",
           "downstream/basic_skills_pattern_rc_5shot/soft_log_v1"} <= logged.keys()
   report = workdir / "report.json"
-  done = subprocess.run([sys.executable, "-m", "olmo3.eval", f"--workdir={workdir}",
-                         f"--step={step}", f"--out={report}"], cwd=ROOT, env=_env(2),
-                        capture_output=True, text=True, timeout=600)
+  done = forked.completed("olmo3.eval", [f"--workdir={workdir}", f"--step={step}",
+                                         f"--out={report}"], _env(2))
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(report.read_text())["steps"][str(step)]
   again = {f"eval/{s}/{k}": v for s, r in result["heldout"].items() for k, v in r.items()

@@ -11,7 +11,8 @@ import pytest
 
 from olmo3.io import metrics as metrics_lib
 from olmo3.run import record
-from tests.test_reliability import MAIN, ROOT, TINY, _env, _losses, straight  # noqa: F401
+from tests import forked
+from tests.test_reliability import TINY, _env, _losses, straight  # noqa: F401
 
 BAD_LINES = ["{not json", '{"loss": 1.0}', '{"step": "7", "loss": 1.0}', "[1, 2]"]
 
@@ -35,12 +36,8 @@ def test_metric_lines_that_are_no_rows_are_reported_and_set_aside(tmp_path, capl
 
 
 def _launch(workdir, steps):
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-
-  return subprocess.run([sys.executable, MAIN, *TINY, f"--fdl_set=train.steps={steps}",
-                         f"--workdir={workdir}", "--force_workdir"], cwd=ROOT, env=_env(1),
-                        capture_output=True, text=True, timeout=600)
+  return forked.completed("main", [*TINY, f"--fdl_set=train.steps={steps}",
+                                   f"--workdir={workdir}", "--force_workdir"], _env(1))
 
 
 @pytest.mark.slow(seconds=45)
