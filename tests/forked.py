@@ -91,6 +91,17 @@ def run(program: str, argv: list[str], cwd: str, out: str, env: dict[str, str] |
     return {"rc": os.waitstatus_to_exitcode(status), "output": f.read()}
 
 
+# CPU seconds of the drivers' children that have ended, for the test CPU log (tests/conftest.py):
+# they are the drivers' children, not this process's, so its RUSAGE_CHILDREN misses them.
+children_cpu_s = 0.0
+
+
+def _ended(answer: dict) -> int | None:
+  global children_cpu_s
+  children_cpu_s += answer["cpu_s"]
+  return answer["code"]
+
+
 class Child:
   """A program the driver forked: its pid, and Popen's ways to signal it and learn its exit
   code (a signal's negated number, as Popen reports it)."""
@@ -104,7 +115,7 @@ class Child:
 
   def poll(self) -> int | None:
     if self.returncode is None:
-      self.returncode = self.driver.ask({"poll": self.pid})["code"]
+      self.returncode = _ended(self.driver.ask({"poll": self.pid}))
     return self.returncode
 
   def wait(self, timeout: float) -> int:
@@ -112,7 +123,7 @@ class Child:
     if self.returncode is None:
       self.driver.send({"wait": self.pid})
       try:
-        self.returncode = self.driver.receive(timeout)["code"]
+        self.returncode = _ended(self.driver.receive(timeout))
       except TimeoutError:
         os.kill(self.pid, signal.SIGKILL)
         self.driver.receive(60)
@@ -166,7 +177,8 @@ def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.
   """What `subprocess.run([python, program's file, *argv], env=env, cwd=cwd,
   capture_output=True, text=True, timeout=timeout)` returns, the program forked by this
   process's driver for `env` (its imports saw that environment, as the program's would)."""
-  key = tuple(sorted(env.items()))
+  # (pytest names the running test in the environment: not a reason for another driver)
+  key = tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
   driver = _DRIVERS.get(key)
   if driver is None or driver.proc.poll() is not None:
     if not _DRIVERS:
@@ -174,7 +186,7 @@ def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.
     driver = _DRIVERS[key] = Driver(env)
   with tempfile.TemporaryDirectory(prefix="forked-") as directory:
     out, err = os.path.join(directory, "stdout"), os.path.join(directory, "stderr")
-    child = driver.start(program, argv, out, cwd=cwd, err=err)
+    child = driver.start(program, argv, out, env=env, cwd=cwd, err=err)
     try:
       code = child.wait(timeout)
     except TimeoutError as e:
@@ -189,8 +201,9 @@ def _serve() -> None:
     request = json.loads(line)
     if "wait" in request or "poll" in request:
       pid = request.get("wait") or request["poll"]
-      done, status = os.waitpid(pid, 0 if "wait" in request else os.WNOHANG)
-      answer = {"code": os.waitstatus_to_exitcode(status) if done else None}
+      done, status, usage = os.wait4(pid, 0 if "wait" in request else os.WNOHANG)
+      answer = {"code": os.waitstatus_to_exitcode(status) if done else None,
+                "cpu_s": usage.ru_utime + usage.ru_stime if done else 0.0}
     else:
       pid = os.fork()
       if pid == 0:

@@ -17,6 +17,7 @@ from olmo3.data.heldout import HeldoutDocs
 from olmo3.loss import IGNORE
 from olmo3.run.plan import RunPlan
 from olmo3.data.tokens import DataError
+from tests import forked
 from tests.test_launch import TINY_FAST
 
 ROOT_PATH = pathlib.Path(__file__).resolve().parent.parent
@@ -273,12 +274,11 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
        "--tokenizer", sources.tokenizer_file("embedded"), "--out", str(mine),
        "--heldout_fraction", "0.1"], capture_output=True, text=True, timeout=120, env=env)
   assert done.returncode == 0, done.stderr[-2000:]
-  done = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "launch", "main.py"),
-       "--fdl_config=experiments.olmo3_tiny:stage1", f"--fdl_set=data.mix='{mine}'",
-       f"--workdir={run}", "--fdl_set=train.steps=2", "--fdl_set=eval.tasks=()",
-       *TINY_FAST],  # test_launch's tiny shapes: the session's compilation cache serves both
-      capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  done = forked.completed(
+      # test_launch's tiny shapes: the session's compilation cache serves both
+      "main", ["--fdl_config=experiments.olmo3_tiny:stage1", f"--fdl_set=data.mix='{mine}'",
+               f"--workdir={run}", "--fdl_set=train.steps=2", "--fdl_set=eval.tasks=()",
+               *TINY_FAST], env, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   experiment = json.loads((run / "experiment.json").read_text())["eval"]
   assert experiment["heldout"] == [str(mine / "heldout")]
@@ -298,8 +298,7 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
   assert info and set(info) <= ours, sorted(set(info) - ours)
   for noise in ("orbax", "checkpoint_manager", "xla_bridge", "libtpu", "TPU", "PyTorch version"):
     assert noise not in log, noise
-  done = subprocess.run([sys.executable, "-m", "olmo3.eval", "--workdir", str(run), "--tasks"],
-                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+  done = forked.completed("olmo3.eval", ["--workdir", str(run), "--tasks"], env, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   report = json.loads((run / "eval_report.json").read_text())["steps"]["2"]
   assert list(report["heldout"]) == ["mine"]
