@@ -215,7 +215,7 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, ROOT)  # (a child's program puts its own directory first, as Python does)
+  sys.path[0] = ROOT  # not tests/: a child puts its program's directory here, as Python does
   # What a launch imports anyway, imported once (JAX starts no backend here).
   import fiddle  # noqa: F401
 
