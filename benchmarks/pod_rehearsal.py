@@ -17,10 +17,9 @@ cluster starts it, taken through the faults a weeks-long run meets, in order:
 The quick mode is the test's: the same faults and checks on 2 processes x 2 devices (the
 signals to task 1; d resizes to 1 process of 1 device, the shape of the suite's single-process
 launches, whose programs the session's compilation cache holds), fewer steps, no audit, no
-stage 2. On 2
-cores an 8-device step of the tiny model costs about twice a 4-device one (XLA:CPU runs a
-collective per sharded weight), and every process of a job starts, imports and compiles on
-the same cores: the full job's shape is measured here, not in every suite run.
+stage 2. On 2 cores an 8-device step of the tiny model costs about twice a 4-device one
+(XLA:CPU runs a collective per sharded weight), and every process of a job starts, imports
+and compiles on the same cores: the full job's shape is measured here, not in every suite run.
 
 The run is the tiny recipe (experiments.olmo3_tiny:stage1, with the half-length instances the
 reliability tests use). Every job is the sbatch script `launch/jobs.py` renders for its nodes

@@ -172,6 +172,11 @@ class Driver:
 _DRIVERS: dict[tuple[tuple[str, str], ...], Driver] = {}
 
 
+def _close_drivers() -> None:
+  for driver in _DRIVERS.values():
+    driver.__exit__()
+
+
 def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.PathLike = ROOT,
               timeout: float = 600) -> subprocess.CompletedProcess:
   """What `subprocess.run([python, program's file, *argv], env=env, cwd=cwd,
@@ -182,7 +187,7 @@ def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.
   driver = _DRIVERS.get(key)
   if driver is None or driver.proc.poll() is not None:
     if not _DRIVERS:
-      atexit.register(lambda: [d.__exit__() for d in _DRIVERS.values()])
+      atexit.register(_close_drivers)
     driver = _DRIVERS[key] = Driver(env)
   with tempfile.TemporaryDirectory(prefix="forked-") as directory:
     out, err = os.path.join(directory, "stdout"), os.path.join(directory, "stderr")
