@@ -205,6 +205,53 @@ class _Validated:
     """Constraints between fields and on contents (non-empty strings, unique names)."""
 
 
+class ScaledLayers(enum.StrEnum):
+  """Which layers' RoPE a `Yarn` scaling applies to."""
+
+  # The full-attention layers only, the sliding-window layers keep their RoPE: OLMo-core's
+  # `with_rope_scaling(..., full_attn_layers_only=True)`, as AI2 trained OLMo 3 7B's stage 3.
+  FULL_ATTENTION = "full_attention"
+  ALL = "all"  # every layer (what Hugging Face transformers 5.3's Olmo3 runs; for comparison)
+
+
+class RopePositions(enum.StrEnum):
+  """The RoPE positions of an instance that packs several documents (`segments` given)."""
+
+  # 0..T-1 across the instance, whatever the documents: OLMo-core 2.4.0, with which AI2 ran
+  # OLMo 3 7B's stage 3 (documents are separated by the attention mask alone).
+  INSTANCE = "instance"
+  # Restarting at 0 at each document's first token: OLMo-core 3.0.0's intra-document RoPE,
+  # which it applies whenever a batch carries document lengths (without context parallelism).
+  DOCUMENT = "document"
+
+
+@dataclasses.dataclass(frozen=True)
+class Yarn(_Validated):
+  """YaRN RoPE scaling (docs/architecture.md#yarn): each rotary frequency blends its original
+  value with the value divided by `factor`, by a linear ramp over the dimensions whose
+  wavelengths lie between the original context turning `beta_fast` and `beta_slow` times; cos and
+  sin are multiplied by `attention_factor` (0.1 ln factor + 1), so attention logits by its square.
+  Defaults are AI2's OLMo 3 7B stage 3 (OLMo-core's YaRNRoPEScalingConfig defaults)."""
+
+  factor: float = bounded(8.0, ge=1)
+  beta_fast: float = bounded(32.0, gt=0)  # rotations: above it, frequencies keep their value
+  beta_slow: float = bounded(1.0, gt=0)  # and below it, they are divided by `factor`
+  original_context: int = bounded(8192, ge=1)  # the context the unscaled model was trained at
+  layers: ScaledLayers = ScaledLayers.FULL_ATTENTION
+
+  def _check(self) -> None:
+    _require(self, "beta_fast", self.beta_fast > self.beta_slow,
+             f"must be > beta_slow ({self.beta_slow})")
+
+  @property
+  def attention_factor(self) -> float:
+    """What cos and sin are multiplied by (YaRN's section 3.4: 0.1 ln(factor) + 1)."""
+    return 0.1 * math.log(self.factor) + 1.0
+
+  def replace(self, **changes: Any) -> Yarn:
+    return dataclasses.replace(self, **changes)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig(_Validated):
   """The OLMo 3 transformer (docs/architecture.md). Defaults are OLMo 3 7B."""
@@ -221,6 +268,8 @@ class ModelConfig(_Validated):
   # Layer i is global when i % global_every == global_every - 1; the last is always global.
   global_every: int = bounded(4, ge=1)
   rope_theta: float = bounded(500_000.0, gt=0)
+  rope_scaling: Yarn | None = None  # stage 3's long context (None: plain RoPE)
+  rope_positions: RopePositions = RopePositions.INSTANCE
   norm_eps: float = bounded(1e-6, gt=0)
   init_std: float = bounded(0.02, gt=0)
   init_cutoff: float = bounded(3.0, gt=0)  # truncation of the normal init, in standard deviations
@@ -269,6 +318,12 @@ class ModelConfig(_Validated):
   @property
   def layer_is_global(self) -> tuple[bool, ...]:
     return tuple(self.is_global(i) for i in range(self.n_layers))
+
+  def layer_rope_scaled(self, layer: int) -> bool:
+    """Whether `rope_scaling` applies to this layer's RoPE."""
+    if self.rope_scaling is None:
+      return False
+    return self.rope_scaling.layers == ScaledLayers.ALL or self.is_global(layer)
 
   def layer_window(self, layer: int) -> int | None:
     """Keys visible to a query on this layer (the query's own included); None = all causal."""

@@ -13,6 +13,7 @@ follow Hugging Face's names, so conversion is a mechanical mapping.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from olmo3.config import AttentionKernel, DType, ModelConfig
+from olmo3.config import AttentionKernel, DType, ModelConfig, RopePositions, Yarn
 from olmo3 import remat as remat_lib
 from olmo3.remat import Name
 from olmo3.sharding import constrain, logical_to_spec
@@ -81,23 +82,85 @@ class RMSNorm(nnx.Module):
 # --- rotary position embedding -----------------------------------------------------------------
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, dtype: jnp.dtype = jnp.float32
-                ) -> tuple[jax.Array, jax.Array]:
-  """cos, sin of shape [T, K] (`dtype`) for positions 0..T-1, rotate-half layout."""
+def rope_frequencies(head_dim: int, theta: float, scaling: Yarn | None = None,
+                     dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, float]:
+  """The K/2 inverse frequencies (`dtype`) and the factor cos and sin are multiplied by.
+
+  YaRN (`scaling`) as OLMo-core's YaRNRoPEScalingConfig computes it: frequency i is
+  `f_i / factor * ramp_i + f_i * (1 - ramp_i)`, where the ramp rises linearly from 0 at
+  floor(d(beta_fast)) to 1 at ceil(d(beta_slow)) (clipped to [0, K/2 - 1]), and d(r) is the
+  dimension whose wavelength turns r times over the original context:
+  K · ln(original_context / (2π r)) / (2 ln theta)."""
+  half = head_dim // 2
   inv_freq_K2 = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=dtype) / head_dim))
+  if scaling is None:
+    return inv_freq_K2, 1.0
+
+  def dim_turning(rotations: float) -> float:
+    return (head_dim * math.log(scaling.original_context / (rotations * 2.0 * math.pi))
+            / (2.0 * math.log(theta)))
+
+  low = max(math.floor(dim_turning(scaling.beta_fast)), 0)
+  high = min(math.ceil(dim_turning(scaling.beta_slow)), half - 1)
+  ramp_K2 = jnp.clip((jnp.arange(half, dtype=dtype) - low) / max(high - low, 1e-3), 0, 1)
+  inv_freq_K2 = inv_freq_K2 / scaling.factor * ramp_K2 + inv_freq_K2 * (1 - ramp_K2)
+  return inv_freq_K2, scaling.attention_factor
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, dtype: jnp.dtype = jnp.float32,
+                scaling: Yarn | None = None) -> tuple[jax.Array, jax.Array]:
+  """cos, sin of shape [T, K] (`dtype`) for positions 0..T-1, rotate-half layout; with YaRN
+  `scaling`, its frequencies and both tables times its attention factor."""
+  inv_freq_K2, factor = rope_frequencies(head_dim, theta, scaling, dtype)
   angles_TK2 = jnp.arange(seq_len, dtype=dtype)[:, None] * inv_freq_K2[None, :]
   angles_TK = jnp.concatenate([angles_TK2, angles_TK2], axis=-1)
-  return jnp.cos(angles_TK), jnp.sin(angles_TK)
+  return jnp.cos(angles_TK) * factor, jnp.sin(angles_TK) * factor
 
 
-def apply_rope(x_BTNK: jax.Array, cos_TK: jax.Array, sin_TK: jax.Array) -> jax.Array:
-  """NeoX rotate-half RoPE: pairs dimension k with k + K/2. Computed in float32 (float64
+def apply_rope(x_BTNK: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """NeoX rotate-half RoPE: pairs dimension k with k + K/2. The tables are [T, K] (every row
+  at positions 0..T-1) or [B, T, K] (each row's own positions). Computed in float32 (float64
   inputs: float64)."""
   x = x_BTNK.astype(wide(x_BTNK.dtype))
   half = x.shape[-1] // 2
   rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  out = x * cos_TK[None, :, None, :] + rotated * sin_TK[None, :, None, :]
+  cos_BTNK, sin_BTNK = ((t[None, :, None, :] if t.ndim == 2 else t[:, :, None, :])
+                        for t in (cos, sin))
+  out = x * cos_BTNK + rotated * sin_BTNK
   return out.astype(x_BTNK.dtype)
+
+
+def document_positions(segments_BT: jax.Array) -> jax.Array:
+  """[B, T] int32: each token's position within its document (a run of equal segment ids),
+  counted from 0 at the document's first token."""
+  t = segments_BT.shape[1]
+  index_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segments_BT.shape)
+  starts_BT = jnp.concatenate([jnp.ones_like(segments_BT[:, :1], bool),
+                               segments_BT[:, 1:] != segments_BT[:, :-1]], axis=1)
+  first_BT = jax.lax.cummax(jnp.where(starts_BT, index_BT, 0), axis=1)
+  return index_BT - first_BT
+
+
+def layer_ropes(cfg: ModelConfig, seq_len: int, segments_BT: jax.Array | None = None
+                ) -> dict[bool, tuple[jax.Array, jax.Array]]:
+  """The RoPE tables of the layers whose RoPE `cfg.rope_scaling` scales (key True) and of the
+  others (False), computed once per forward in the float32 (float64) RoPE runs in: [T, K] for
+  positions 0..T-1, or, with `segments_BT` and `RopePositions.DOCUMENT`, [B, T, K] at each
+  token's position within its document."""
+  dtype = wide(jnp.dtype(cfg.compute_dtype.value))
+  per_document = segments_BT is not None and cfg.rope_positions == RopePositions.DOCUMENT
+
+  def tables(scaling: Yarn | None) -> tuple[jax.Array, jax.Array]:
+    cos_TK, sin_TK = rope_tables(seq_len, cfg.head_dim, cfg.rope_theta, dtype, scaling)
+    if not per_document:
+      return cos_TK, sin_TK
+    positions_BT = document_positions(segments_BT)
+    return cos_TK[positions_BT], sin_TK[positions_BT]
+
+  ropes = {False: tables(None)}
+  if cfg.rope_scaling is not None:
+    ropes[True] = tables(cfg.rope_scaling)
+  return ropes
 
 
 # --- attention kernels -------------------------------------------------------------------------
@@ -116,10 +179,16 @@ def attention_mask(seq_len: int, window: int | None) -> jax.Array:
   return mask
 
 
+def document_mask(segments_BT: jax.Array) -> jax.Array:
+  """[B, T, S] bool: query t may see key s only within its own document (equal segment ids)."""
+  return segments_BT[:, :, None] == segments_BT[:, None, :]
+
+
 def masked_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                      mask_TS: jax.Array) -> jax.Array:
-  """Grouped-query attention where query t sees key s when mask_TS[t, s]; softmax in float32.
-  The XLA kernel, and the KV-cache decode (olmo3.sample.decode: queries at later positions).
+  """Grouped-query attention where query t sees key s when mask_TS[t, s] (one [T, S] mask for
+  every row, or [B, T, S], each row its own); softmax in float32. The XLA kernel, and the
+  KV-cache decode (olmo3.sample.decode: queries at later positions).
 
   Laid out for XLA:CPU, where it is the training kernel: each key/value head's R query heads
   form one [U, K] block of queries (keys and values are never repeated), every [U, S] array is
@@ -148,6 +217,12 @@ def _transposed(x: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2))
 
 
+def _per_group(x):
+  """A [U, S] mask-derived array as is; a per-row [B, U, S] one as [B, 1, U, S] (the same for
+  every key/value head)."""
+  return x if x.ndim == 2 else x[:, None]
+
+
 @jax.custom_vjp
 def _attention(mask_TS, q_BTHK, k_BSGK, v_BSGK):
   return _attention_fwd(mask_TS, q_BTHK, k_BSGK, v_BSGK)[0]
@@ -161,9 +236,9 @@ def _attention_fwd(mask_TS, q_BTHK, k_BSGK, v_BSGK):
   k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
   # The mask as an additive bias (0 or the most negative float, so a row with no visible key
   # averages them all, as a masked softmax does): XLA:CPU adds it in the scores' matmul, where
-  # a select would be a pass of its own.
-  bias_US = jnp.repeat(jnp.where(mask_TS, 0.0, jnp.finfo(accum).min).astype(accum),
-                       q_BTHK.shape[2] // g, axis=0)
+  # a select would be a pass of its own. Query row u = t·R + r repeats mask row t.
+  bias_US = _per_group(jnp.repeat(jnp.where(mask_TS, 0.0, jnp.finfo(accum).min).astype(accum),
+                                  q_BTHK.shape[2] // g, axis=-2))
   scores_BGUS = jnp.einsum("bguk,bgsk->bgus", q_BGUK, k_BGSK).astype(accum) + bias_US
   # Unnormalised probabilities and their row sums, kept for the backward pass; the output is
   # divided by the sums instead of the [U, S] probabilities.
@@ -173,7 +248,8 @@ def _attention_fwd(mask_TS, q_BTHK, k_BSGK, v_BSGK):
                         v_BGSK).astype(accum) / sum_BGU1
   # Whether a row sees a key. A masked score's exponential is 0 in such a row, so it gets no
   # gradient; a row that sees none averages the values whatever its scores: none of them do.
-  seen_U1 = jnp.repeat(mask_TS.any(axis=-1, keepdims=True), q_BTHK.shape[2] // g, axis=0)
+  seen_U1 = _per_group(jnp.repeat(mask_TS.any(axis=-1, keepdims=True), q_BTHK.shape[2] // g,
+                                  axis=-2))
   out_BTHK = _from_groups(out_BGUK, t).astype(q_BTHK.dtype)
   return out_BTHK, (q_BGUK, k_BGSK, v_BGSK, exp_BGUS, sum_BGU1, seen_U1, out_BGUK)
 
@@ -200,14 +276,23 @@ def _attention_bwd(residuals, d_out_BTHK):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _attend_xla(q_BTHK, k_BSGK, v_BSGK, window):
-  return masked_attention(q_BTHK, k_BSGK, v_BSGK, attention_mask(q_BTHK.shape[1], window))
+def _attend_xla(q_BTHK, k_BSGK, v_BSGK, window, segments_BT):
+  mask = attention_mask(q_BTHK.shape[1], window)
+  if segments_BT is not None:
+    mask = mask[None] & document_mask(segments_BT)
+  return masked_attention(q_BTHK, k_BSGK, v_BSGK, mask)
 
 
-def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, implementation):
+def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, implementation):
+  if segments_BT is not None and implementation == "cudnn":
+    # jax.nn.dot_product_attention's cuDNN path takes documents only as a dense mask, which at
+    # stage 3's lengths does not fit (65,536^2 per row).
+    raise ValueError("model.attention='cudnn' cannot mask documents (packed instances); use "
+                     "'dot_product' or 'splash'")
   # local_window_size=(left, right) counts keys besides the query: W visible keys => W - 1.
   return jax.nn.dot_product_attention(
       q_BTHK, k_BSGK, v_BSGK, scale=q_BTHK.shape[-1] ** -0.5, is_causal=True,
+      mask=None if segments_BT is None else document_mask(segments_BT)[:, None],
       local_window_size=None if window is None else (window - 1, 0),
       implementation=implementation)
 
@@ -219,12 +304,13 @@ def _targets_tpu() -> bool:
   return (device.platform if device is not None else jax.default_backend()) == "tpu"
 
 
-def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window):
-  """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh."""
+def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT):
+  """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh.
+  Documents (`segments_BT`) go in as splash's segment ids."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-  def kernel(q_BHTK, k_BGTK, v_BGTK):
+  def kernel(q_BHTK, k_BGTK, v_BGTK, *segments):
     heads, t = q_BHTK.shape[1], q_BHTK.shape[2]
     one = sm.CausalMask((t, t)) if window is None else sm.LocalMask(
         (t, t), window_size=(window - 1, 0), offset=0)
@@ -236,10 +322,14 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window):
                           block_q_dq=block, block_kv_dq=block)
     splash = sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes,
                                 head_shards=1, q_seq_shards=1, interpret=not _targets_tpu())
-    return jax.vmap(splash)(q_BHTK, k_BGTK, v_BGTK)
+    if not segments:
+      return jax.vmap(splash)(q_BHTK, k_BGTK, v_BGTK)
+    return jax.vmap(lambda q, k, v, ids: splash(q, k, v, segment_ids=sk.SegmentIds(ids, ids)))(
+        q_BHTK, k_BGTK, v_BGTK, segments[0])
 
   scale = q_BTHK.shape[-1] ** -0.5  # splash does not scale the logits itself
   q, k, v = ((x.transpose(0, 2, 1, 3)) for x in (q_BTHK * scale, k_BSGK, v_BSGK))
+  segments = () if segments_BT is None else (segments_BT,)
   mesh = jax.sharding.get_abstract_mesh()
   from flax.core import spmd
 
@@ -251,23 +341,26 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window):
       raise ValueError(f"splash attention does not support a sharded sequence (mesh axes "
                        f"{seq_axes}); use model.attention='xla' or 'dot_product' with "
                        "sequence parallelism")
-    kernel = jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
-                           check_vma=False)
-  return kernel(q, k, v).transpose(0, 2, 1, 3)
+    segment_spec = jax.sharding.PartitionSpec(spec[0], spec[2])
+    kernel = jax.shard_map(kernel, mesh=mesh,
+                           in_specs=(spec,) * 3 + (segment_spec,) * len(segments),
+                           out_specs=spec, check_vma=False)
+  return kernel(q, k, v, *segments).transpose(0, 2, 1, 3)
 
 
 def attend(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int | None,
-           kernel: AttentionKernel) -> jax.Array:
-  """Causal (sliding-window when `window` is set) grouped-query attention."""
+           kernel: AttentionKernel, segments_BT: jax.Array | None = None) -> jax.Array:
+  """Causal (sliding-window when `window` is set) grouped-query attention; with `segments_BT`
+  (a document id per token of a packed instance), never across documents."""
   match kernel:
     case AttentionKernel.XLA:
-      return _attend_xla(q_BTHK, k_BSGK, v_BSGK, window)
+      return _attend_xla(q_BTHK, k_BSGK, v_BSGK, window, segments_BT)
     case AttentionKernel.DOT_PRODUCT:
-      return _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, None)
+      return _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, None)
     case AttentionKernel.CUDNN:
-      return _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, "cudnn")
+      return _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, "cudnn")
     case AttentionKernel.SPLASH:
-      return _attend_splash(q_BTHK, k_BSGK, v_BSGK, window)
+      return _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT)
   raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
@@ -288,11 +381,11 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(cfg, kv, "kv_heads")
 
   def __call__(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array],
-               window: int | None) -> jax.Array:
+               window: int | None, segments_BT: jax.Array | None = None) -> jax.Array:
     cfg = self.cfg
     b, t, _ = x_BTD.shape
     q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, rope)
-    out_BTHK = attend(q_BTHK, k_BTGK, v_BTGK, window, cfg.attention)
+    out_BTHK = attend(q_BTHK, k_BTGK, v_BTGK, window, cfg.attention, segments_BT)
     context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), Name.CONTEXT)
     return checkpoint_name(self.o_proj(context), Name.OUT_PROJ)
 
@@ -337,10 +430,11 @@ class Block(nnx.Module):
     self.post_feedforward_layernorm = RMSNorm(cfg, cfg.d_model, "embed")
 
   def __call__(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array],
-               window: int | None) -> jax.Array:
+               window: int | None, segments_BT: jax.Array | None = None) -> jax.Array:
     x_BTD = constrain(checkpoint_name(x_BTD, Name.DECODER_LAYER_INPUT),
                       ("batch", "seq", "act_embed"))
-    h_BTD = x_BTD + self.post_attention_layernorm(self.self_attn(x_BTD, rope, window))
+    h_BTD = x_BTD + self.post_attention_layernorm(self.self_attn(x_BTD, rope, window,
+                                                                 segments_BT))
     return h_BTD + self.post_feedforward_layernorm(self.mlp(h_BTD))
 
 
@@ -389,39 +483,45 @@ class Transformer(nnx.Module):
     self.norm = RMSNorm(cfg, cfg.d_model, "embed")
     self.lm_head = _dense(cfg, cfg.d_model, cfg.padded_vocab_size, ("embed", "vocab"), rngs)
 
-  def __call__(self, tokens_BT: jax.Array, *, return_hidden: bool = False):
-    """Logits [B, T, V] over the padded vocabulary, in the compute dtype.
+  def __call__(self, tokens_BT: jax.Array, segments_BT: jax.Array | None = None, *,
+               return_hidden: bool = False):
+    """Logits [B, T, V] over the padded vocabulary, in the compute dtype. `segments_BT`: a
+    document id per token of packed instances (attention stays within a document; RoPE
+    positions as `cfg.rope_positions`); None: one sequence per row.
 
     With return_hidden, also every layer's output [L, B, T, D] (for per-layer parity).
     """
-    h_BTD, hidden_LBTD = self._features(tokens_BT, return_hidden)
+    h_BTD, hidden_LBTD = self._features(tokens_BT, segments_BT, return_hidden)
     logits_BTV = constrain(self.lm_head(h_BTD), ("batch", "seq", "act_vocab"))
     return (logits_BTV, hidden_LBTD) if return_hidden else logits_BTV
 
-  def features(self, tokens_BT: jax.Array) -> jax.Array:
+  def features(self, tokens_BT: jax.Array, segments_BT: jax.Array | None = None) -> jax.Array:
     """[B, T, D]: what the LM head reads (the final norm's output, in the compute dtype). The
     fused loss (olmo3.loss.fused_token_nll) takes these and the head's kernel."""
-    return self._features(tokens_BT, False)[0]
+    return self._features(tokens_BT, segments_BT, False)[0]
 
-  def _features(self, tokens_BT: jax.Array, return_hidden: bool):
+  def _features(self, tokens_BT: jax.Array, segments_BT: jax.Array | None, return_hidden: bool):
     cfg = self.cfg
     check_token_ids(tokens_BT, cfg.vocab_size)
     valid = (tokens_BT >= 0) & (tokens_BT < cfg.vocab_size)
     tokens_BT = jnp.where(valid, tokens_BT, cfg.padded_vocab_size)  # no row there: NaN
     x_BTD = self.embed_tokens(tokens_BT)
-    rope = rope_tables(tokens_BT.shape[1], cfg.head_dim, cfg.rope_theta,
-                       wide(jnp.dtype(cfg.compute_dtype.value)))
-    x_BTD, hidden_LBTD = self._blocks(x_BTD, rope, return_hidden)
+    if segments_BT is not None:
+      segments_BT = constrain(segments_BT, ("batch", "seq"))
+    x_BTD, hidden_LBTD = self._blocks(x_BTD, layer_ropes(cfg, tokens_BT.shape[1], segments_BT),
+                                      segments_BT, return_hidden)
     return constrain(self.norm(x_BTD), ("batch", "seq", "act_embed")), hidden_LBTD
 
-  def _blocks(self, x_BTD, rope, return_hidden: bool):
-    """Runs the layers: scanned in groups of `global_every` (same static windows in every
-    group), the remainder unrolled; or all unrolled. Same parameters, same outputs."""
+  def _blocks(self, x_BTD, ropes, segments_BT, return_hidden: bool):
+    """Runs the layers: scanned in groups of `global_every` (same static windows and RoPE
+    tables in every group), the remainder unrolled; or all unrolled. Same parameters, same
+    outputs. `ropes[scaled]`: the RoPE tables of layers whose RoPE is (not) scaled."""
     cfg = self.cfg
     graphdef, stacked = nnx.split(self.layers)
 
-    def block(params, x, window):
-      return nnx.merge(graphdef, params)(x, rope, window)
+    def block(params, x, layer):
+      return nnx.merge(graphdef, params)(x, ropes[cfg.layer_rope_scaled(layer)],
+                                         cfg.layer_window(layer), segments_BT)
 
     remat = remat_lib.policy(cfg.remat, cfg.remat_custom)
     if remat is not None:
@@ -433,12 +533,11 @@ class Transformer(nnx.Module):
     if n_scanned:
       groups = jax.tree.map(
           lambda a: a[:n_scanned].reshape(n_scanned // period, period, *a.shape[1:]), stacked)
-      windows = [cfg.layer_window(j) for j in range(period)]  # equal in every full group
-
+      # Layer j of every full group has the window and RoPE of layer j of the first.
       def group(x, params):
         outs = []
-        for j, window in enumerate(windows):
-          x = block(jax.tree.map(functools.partial(lambda j, a: a[j], j), params), x, window)
+        for j in range(period):
+          x = block(jax.tree.map(functools.partial(lambda j, a: a[j], j), params), x, j)
           outs.append(x)
         return x, (jnp.stack(outs) if return_hidden else None)
 
@@ -446,7 +545,7 @@ class Transformer(nnx.Module):
       if return_hidden:
         hidden.extend(ys.reshape(n_scanned, *x_BTD.shape))
     for i in range(n_scanned, n_layers):
-      x_BTD = block(jax.tree.map(lambda a: a[i], stacked), x_BTD, cfg.layer_window(i))
+      x_BTD = block(jax.tree.map(lambda a: a[i], stacked), x_BTD, i)
       hidden.append(x_BTD)
     return x_BTD, (jnp.stack(hidden) if return_hidden else None)
 

@@ -55,26 +55,28 @@ class ShardedModel:
     with sharding_lib.use_mesh(self.mesh, self.rules):
       yield
 
-  def apply(self, params: Any, tokens_BT: jax.Array) -> jax.Array:
+  def apply(self, params: Any, tokens_BT: jax.Array, segments_BT: jax.Array | None = None
+            ) -> jax.Array:
     """Logits [B, T, V] of a parameter tree (traced inside `context()`: the logical rules there
-    shard the activations)."""
-    return nnx.merge(self.graphdef, params)(tokens_BT)
+    shard the activations). `segments_BT`: documents of packed instances (Transformer)."""
+    return nnx.merge(self.graphdef, params)(tokens_BT, segments_BT)
 
-  def features(self, params: Any, tokens_BT: jax.Array) -> jax.Array:
+  def features(self, params: Any, tokens_BT: jax.Array, segments_BT: jax.Array | None = None
+               ) -> jax.Array:
     """[B, T, D]: the final hidden states the LM head reads."""
-    return nnx.merge(self.graphdef, params).features(tokens_BT)
+    return nnx.merge(self.graphdef, params).features(tokens_BT, segments_BT)
 
   def head(self, params: Any, h_xD: jax.Array) -> jax.Array:
     """The LM head's logits [..., V] of final hidden states [..., D] (any leading shape)."""
     return nnx.merge(self.graphdef, params).lm_head(h_xD)
 
-  def token_losses(self, params: Any, tokens_BT: jax.Array, labels_BT: jax.Array
-                   ) -> loss.PerToken:
+  def token_losses(self, params: Any, tokens_BT: jax.Array, labels_BT: jax.Array,
+                   segments_BT: jax.Array | None = None) -> loss.PerToken:
     """Each position's cross-entropy, log-partition and mask: what training and held-out
     evaluation score. Fused over vocabulary chunks of `cfg.vocab_chunk` columns (never the
     full float32 logits), or from the full logits when it is None; the same to float32
-    rounding. Both read `features`."""
-    h_BTD = self.features(params, tokens_BT)
+    rounding. Both read `features`. `segments_BT`: documents of packed instances."""
+    h_BTD = self.features(params, tokens_BT, segments_BT)
     if self.cfg.vocab_chunk is None:
       logits_BTV = sharding_lib.constrain(self.head(params, h_BTD), ("batch", "seq", "act_vocab"))
       return loss.token_nll(logits_BTV, labels_BT)

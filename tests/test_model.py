@@ -202,3 +202,53 @@ def test_splash_refuses_a_sharded_sequence():
     model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="splash attention does not support a sharded sequence"):
       nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 32), jnp.int32))
+
+
+# --- packed documents ----------------------------------------------------------------------------
+
+
+def _packed_row(cfg, lengths, pad, seed=0):
+  """One row packing documents of `lengths` then `pad` padding tokens, its segment ids (one per
+  document, the padding its own) and each document's tokens alone."""
+  rng = np.random.default_rng(seed)
+  docs = [rng.integers(2, cfg.vocab_size, n) for n in lengths]
+  tokens = np.concatenate(docs + [np.full(pad, cfg.pad_token_id)])
+  segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)]
+                            + [np.full(pad, len(lengths))])
+  return jnp.asarray(tokens[None]), jnp.asarray(segments[None], jnp.int32), docs
+
+
+@pytest.mark.parametrize("kernel", [AttentionKernel.XLA, *_kernels_on_this_backend()])
+@pytest.mark.seconds(5)
+def test_packed_documents_never_attend_across_a_boundary(kernel, micro_params):
+  """Each document of a packed row (longer than the sliding window, so both masks act) gives
+  the logits it gives alone, in every kernel; without its segment ids it does not (it would see
+  the documents before it). Positions reset per document or not: RoPE is relative, so both equal
+  the document alone (to the rounding of larger angles)."""
+  cfg = MICRO.replace(attention=kernel)
+  lengths = (40, 23, 49)
+  tokens, segments, docs = _packed_row(cfg, lengths, pad=16)
+  starts = np.cumsum((0,) + lengths)
+  alone = model_lib.from_params(MICRO, micro_params)  # XLA: splash needs 128-token multiples
+  for positions, tol in ((config.RopePositions.DOCUMENT, 2e-5), (config.RopePositions.INSTANCE,
+                                                                 2e-4)):
+    model = model_lib.from_params(cfg.replace(rope_positions=positions), micro_params)
+    packed = np.asarray(model(tokens, segments))[0]
+    for doc, start in zip(docs, starts):
+      alone_logits = np.asarray(alone(jnp.asarray(doc[None])))[0]
+      np.testing.assert_allclose(packed[start:start + len(doc)], alone_logits, atol=tol,
+                                 rtol=1e-4)
+  unmasked = np.asarray(model(tokens))[0]
+  assert np.abs(unmasked[starts[1]:starts[2]] - packed[starts[1]:starts[2]]).max() > 1e-2
+
+
+def test_document_positions_restart_at_each_document():
+  segments = jnp.asarray([[0, 0, 0, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 7]], jnp.int32)
+  assert model_lib.document_positions(segments).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3],
+                                                              [0, 1, 2, 3, 4, 5, 6, 7, 0]]
+
+
+def test_cudnn_refuses_documents_in_one_line():
+  q = jnp.zeros((1, 8, 2, 8))
+  with pytest.raises(ValueError, match="'cudnn' cannot mask documents"):
+    model_lib.attend(q, q, q, None, AttentionKernel.CUDNN, jnp.zeros((1, 8), jnp.int32))

@@ -78,3 +78,46 @@ def test_float64_training_steps_match_olmo_cores_train_module_to_1e9():
   assert result["skipped_steps"] == [10] and result["skip_decisions_equal"]
   assert result["max_abs_loss_diff"] < 1e-9 and result["max_rel_grad_norm_diff"] < 1e-8
   assert result["within"]
+
+
+# Stage 3's model shrunk: YaRN over an original context of 64 tokens, run at 4x that, with a
+# head dimension (32) whose frequencies span the ramp (dimensions 0..3 blend, the rest are
+# divided by the factor).
+YARN = MICRO.replace(d_model=128, n_heads=4, n_kv_heads=2, n_layers=8, sliding_window=24,
+                     rope_scaling=config.Yarn(factor=8.0, original_context=64))
+
+
+def _olmo_core_logits(reference_cfg, params, tokens):
+  reference = olmo_core.transformer_config(reference_cfg).build(init_device="cpu")
+  reference.load_state_dict(olmo_core.state_dict(reference_cfg, params))
+  reference.eval()
+  with torch.no_grad():
+    return reference(torch.from_numpy(tokens.astype(np.int64))).float().numpy()
+
+
+def test_yarn_on_full_attention_layers_matches_olmo_cores_stage3_model():
+  """OLMo-core's OLMo 3 with `with_rope_scaling(YaRNRoPEScalingConfig(...))` (full-attention
+  layers only, as AI2's stage 3) against ours at 4x the original context: equal logits. YaRN on
+  every layer, or none, is visibly another model (the mutations this test must catch)."""
+  params = random_params(YARN, seed=5)
+  tokens = parity.random_tokens(YARN, 2, 4 * YARN.rope_scaling.original_context)
+  ref_logits = _olmo_core_logits(YARN, params, tokens)
+  ours, _ = parity.our_forward(YARN, params, tokens)
+  metrics = parity.compare_logits(ref_logits, ours)
+  assert metrics["ref_logit_std"] > 2.0
+  assert metrics["max_kl"] <= 1e-6 and metrics["top1_agreement"] == 1.0, metrics
+  every_layer = YARN.replace(rope_scaling=YARN.rope_scaling.replace(
+      layers=config.ScaledLayers.ALL))
+  for wrong in (every_layer, YARN.replace(rope_scaling=None)):
+    theirs, _ = parity.our_forward(wrong, params, tokens)
+    assert parity.compare_logits(ref_logits, theirs)["max_kl"] > 1e-3, wrong.rope_scaling
+
+
+def test_yarn_on_every_layer_matches_olmo_core_with_every_layer_scaled():
+  """The comparison option (`ScaledLayers.ALL`) is OLMo-core's `full_attn_layers_only=False`."""
+  cfg = YARN.replace(rope_scaling=YARN.rope_scaling.replace(layers=config.ScaledLayers.ALL))
+  params = random_params(cfg, seed=6)
+  tokens = parity.random_tokens(cfg, 1, 4 * cfg.rope_scaling.original_context)
+  metrics = parity.compare_logits(_olmo_core_logits(cfg, params, tokens),
+                                  parity.our_forward(cfg, params, tokens)[0])
+  assert metrics["max_kl"] <= 1e-6 and metrics["top1_agreement"] == 1.0, metrics

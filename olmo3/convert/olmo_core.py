@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from olmo3.config import ModelConfig
+from olmo3.config import ModelConfig, ScaledLayers
 
 # OLMo-core name inside a block -> our path inside the stacked layers.
 _LINEAR = {"attention.w_q": ("self_attn", "q_proj"), "attention.w_k": ("self_attn", "k_proj"),
@@ -26,8 +26,11 @@ _NORM = {"attention.q_norm": ("self_attn", "q_norm"), "attention.k_norm": ("self
 
 def transformer_config(cfg: ModelConfig):
   """OLMo-core's own `olmo3_7B` preset with only the sizes changed (and torch SDPA, which runs
-  on CPU, instead of flash-attn): every other setting is what AI2 trained with."""
+  on CPU, instead of flash-attn): every other setting is what AI2 trained with. A YaRN
+  `rope_scaling` goes through OLMo-core's `with_rope_scaling`, as AI2's stage-3 script applies
+  it (`full_attn_layers_only` unless the scaling says every layer)."""
   from olmo_core.nn.attention import AttentionBackendName
+  from olmo_core.nn.rope import YaRNRoPEScalingConfig
   from olmo_core.nn.transformer import TransformerConfig
 
   big = TransformerConfig.olmo3_7B(vocab_size=100_352)
@@ -38,8 +41,15 @@ def transformer_config(cfg: ModelConfig):
                              sliding_window=window, backend=AttentionBackendName.torch)
   block = dataclasses.replace(big.block, sequence_mixer=attn, feed_forward=dataclasses.replace(
       big.block.feed_forward, hidden_size=cfg.mlp_hidden))
-  return dataclasses.replace(big, d_model=cfg.d_model, n_layers=cfg.n_layers,
-                             vocab_size=cfg.padded_vocab_size, block=block)
+  sized = dataclasses.replace(big, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                              vocab_size=cfg.padded_vocab_size, block=block)
+  yarn = cfg.rope_scaling
+  if yarn is None:
+    return sized
+  return sized.with_rope_scaling(
+      YaRNRoPEScalingConfig(factor=yarn.factor, beta_fast=yarn.beta_fast,
+                            beta_slow=yarn.beta_slow, old_context_len=yarn.original_context),
+      full_attn_layers_only=yarn.layers == ScaledLayers.FULL_ATTENTION)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,11 +25,13 @@ from olmo3.train import optim
 from olmo3.train.state import StateLayout, TrainState
 
 # input_ids, labels: [global batch, seq_len] int32; filtered: [global batch] bool (the
-# repetition filter masked the instance); source: [global batch] int32 (olmo3.data.pipeline).
+# repetition filter masked the instance); source: [global batch] int32 (olmo3.data.pipeline);
+# segments: [global batch, seq_len] int32, only for packed instances (a document id per token).
 Batch = dict[str, jax.Array]
 
 
-TokenLosses = Callable[[Any, jax.Array, jax.Array], PerToken]  # (params, tokens, labels)
+# (params, tokens, labels[, segments]): segments only for packed instances
+TokenLosses = Callable[..., PerToken]
 
 
 def loss_and_grads(exp: Experiment, token_losses: TokenLosses, param_shardings: Any,
@@ -37,7 +39,7 @@ def loss_and_grads(exp: Experiment, token_losses: TokenLosses, param_shardings: 
   """((loss, metrics), gradients) of the whole global batch; with train.microbatches = k,
   accumulated over k sequential microbatches (each a 1/k slice of every device's rows, so no
   data moves), normalised by the whole batch's token count: the same loss and update.
-  `token_losses(params, tokens, labels)` is the model's per-token loss
+  `token_losses(params, tokens, labels[, segments])` is the model's per-token loss
   (`ShardedModel.token_losses`: the fused, vocabulary-chunked cross-entropy).
 
   The token count is OLMo-core's: the unmasked labels, plus all T positions of every instance
@@ -46,16 +48,18 @@ def loss_and_grads(exp: Experiment, token_losses: TokenLosses, param_shardings: 
   """
   z_loss_weight, k = exp.train.z_loss_weight, exp.train.microbatches
 
-  def loss_fn(params, tokens_BT, labels_BT, source_B, batch_tokens):
-    return lm_loss(token_losses(params, tokens_BT, labels_BT), z_loss_weight, batch_tokens,
-                   source_B, num_sources)
+  def loss_fn(params, batch_tokens, tokens_BT, labels_BT, source_B, *segments_BT):
+    return lm_loss(token_losses(params, tokens_BT, labels_BT, *segments_BT), z_loss_weight,
+                   batch_tokens, source_B, num_sources)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   seq_len = batch["labels"].shape[1]
   batch_tokens = (batch["labels"] >= 0).sum() + batch["filtered"].sum() * seq_len
   rows = (batch["input_ids"], batch["labels"], batch["source"])
+  if "segments" in batch:
+    rows += (batch["segments"],)
   if k == 1:
-    return grad_fn(params, *rows, batch_tokens)
+    return grad_fn(params, batch_tokens, *rows)
 
   def split(x_B):  # [B, ...] -> [k, B / k, ...]
     # Microbatch i holds rows i, i + k, ...: a slice of every device's rows.
@@ -63,12 +67,12 @@ def loss_and_grads(exp: Experiment, token_losses: TokenLosses, param_shardings: 
     return sharding_lib.constrain(x_KM, (None, "batch", "seq")[:x_KM.ndim])
 
   def accumulate(total, micro):
-    out = grad_fn(params, *micro, batch_tokens)
+    out = grad_fn(params, batch_tokens, *micro)
     total = jax.tree.map(jnp.add, total, out)
     return (total[0], jax.lax.with_sharding_constraint(total[1], param_shardings)), None
 
   micro_K = tuple(split(x) for x in rows)
-  shapes = jax.eval_shape(grad_fn, params, *(x[0] for x in micro_K), batch_tokens)
+  shapes = jax.eval_shape(grad_fn, params, batch_tokens, *(x[0] for x in micro_K))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], param_shardings))
   total, _ = jax.lax.scan(accumulate, zeros, micro_K)
