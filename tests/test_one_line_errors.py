@@ -4,12 +4,15 @@ interpreter, a forked child per case): a prepared directory whose manifest names
 outside it, a store that stays down past the retry budget, a missing file over HTTP, a run
 record python -m olmo3.eval cannot use. OLMO3_TRACEBACK=1 brings the traceback back."""
 
+import http.server
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -223,3 +226,74 @@ def test_a_program_ends_despite_a_thread_that_never_does(tmp_path, how, code, la
   assert ended.returncode == code, ended.stderr
   assert (ended.stderr.strip().splitlines()[-1:] or [None])[-1] == last, ended.stderr
   assert done.exists(), "a thread that ends within the grace was cut short"
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+  """Every request answered as GCS answers an anonymous caller on a private bucket."""
+
+  def _refuse(self):
+    body = json.dumps({"error": {"code": 401, "message": "Anonymous caller does not have "
+                                 "storage.objects.get access to the Google Cloud Storage "
+                                 "object."}}).encode()
+    self.send_response(401)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(body)))
+    self.end_headers()
+    self.wfile.write(body)
+
+  do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _refuse
+
+  def log_message(self, *args):
+    pass
+
+
+@pytest.mark.slow(seconds=30)
+def test_missing_credentials_are_one_line_naming_the_url_and_what_to_set(tmp_path):
+  """Training into, and `prepare --out`, an S3 bucket without AWS credentials (none in the
+  environment, no credentials or config file) end in one `error:` line, the last, naming the
+  URL and the variables to set (botocore's NoCredentialsError was a 70- and an 87-line
+  traceback); a GCS store refusing an anonymous caller (HTTP 401, as GCS answers one that
+  found no credentials) too."""
+  from olmo3.data import embedded
+
+  docs = tmp_path / "docs.jsonl"
+  docs.write_text("".join(json.dumps({"text": f"note {i} on the river"}) + "\n"
+                          for i in range(40)))
+  tokenizer = os.fspath(embedded.corpus_dir() / "tokenizer.json")
+  credentials = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_PROFILE", "AWS_DEFAULT_PROFILE")
+  base = {k: v for k, v in os.environ.items() if k not in credentials and k != "XLA_FLAGS"}
+  refusing = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+  threading.Thread(target=refusing.serve_forever, daemon=True).start()
+  try:
+    with storage_servers.s3_server() as s3_env:
+      env = dict(base, **{k: v for k, v in s3_env.items() if k not in credentials})
+      env.update({"AWS_CONFIG_FILE": os.fspath(tmp_path / "no" / "config"),
+                  "AWS_SHARED_CREDENTIALS_FILE": os.fspath(tmp_path / "no" / "credentials"),
+                  storage.RETRY_ENV: "2"})
+      urllib.request.urlopen(urllib.request.Request(
+          f"{s3_env['AWS_ENDPOINT_URL']}/olmo3-nocreds", method="PUT"), timeout=10).close()
+      runs = {
+          "s3://olmo3-nocreds/run": forked.completed(
+              "main", [TINY, "--workdir=s3://olmo3-nocreds/run"], env),
+          "s3://olmo3-nocreds/prepared": forked.completed(
+              "olmo3.data.prepare", ["--input", os.fspath(docs), "--tokenizer", tokenizer,
+                                     "--out", "s3://olmo3-nocreds/prepared"], env),
+      }
+    gcs_env = dict(base, STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{refusing.server_port}",
+                   GCE_METADATA_HOST="127.0.0.1:9", GCE_METADATA_ROOT="127.0.0.1:9",
+                   GCE_METADATA_IP="127.0.0.1:9", NO_GCE_CHECK="True",
+                   GOOGLE_APPLICATION_CREDENTIALS="", CLOUDSDK_CONFIG=os.fspath(tmp_path / "no"))
+    runs["gs://olmo3-private/run"] = forked.completed(
+        "main", [TINY, "--workdir=gs://olmo3-private/run"], gcs_env)
+  finally:
+    refusing.shutdown()
+    refusing.server_close()
+  for url, done in runs.items():
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors_said = [line for line in lines if line.startswith("error:")]
+    assert errors_said == lines[-1:] and url in lines[-1], done.stderr[-3000:]
+    hint = ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE"
+            if url.startswith("s3") else "GOOGLE_APPLICATION_CREDENTIALS")
+    assert hint in lines[-1], lines[-1]

@@ -147,3 +147,40 @@ def test_a_store_back_within_the_budget_loses_nothing(tmp_path, straight):
             server.read("olmo3-blip", "run/metrics.jsonl").decode().splitlines()]
   assert {r["step"]: r["loss"] for r in rows if "loss" in r} == straight
   assert "Traceback" not in log
+
+
+# A store that hangs: short limits, so the run's own waits are short; the bound is the same.
+STALL_BUDGET_S = 3
+STALL_LIMITS = {storage.RETRY_ENV: str(STALL_BUDGET_S), storage.TIMEOUT_ENV: "3",
+                lease_lib.TAKEOVER_ENV: "40"}
+
+
+@pytest.mark.parametrize("store", ["gs", "s3"])
+@pytest.mark.slow(seconds=45)
+def test_a_store_that_stalls_during_a_save_ends_the_run_in_one_line(store, tmp_path):
+  """A store that accepts connections and never answers (moto stopped by SIGSTOP in its own
+  process; the GCS emulator's front holding every connection) from just after the launcher
+  says it is saving: the run ends non-zero within the budget + 60 s, its last line one
+  `error:` line naming the run's URL. Before the fix an S3 run waited there for minutes:
+  TensorStore's retries were counted without their request timeouts, and s3fs and botocore
+  each retried every request of the cleanup again."""
+  server = (storage_servers.GcsServer(tmp_path / "gcs") if store == "gs"
+            else storage_servers.S3Process())
+  server.start()
+  try:
+    server.make_bucket("olmo3-stall")
+    run = _Launch(["--fdl_set=train.steps=100000", f"--workdir={store}://olmo3-stall/run"],
+                  dict(_env(1), **server.env, **STALL_LIMITS))
+    run.wait_for("saving the checkpoint of step 6")
+    time.sleep(0.05)  # into the save
+    server.stall()
+    stalled = time.monotonic()
+    code, log = run.finish(STALL_BUDGET_S + 60 + 30)
+  finally:
+    server.close()
+  took = time.monotonic() - stalled
+  assert code == 1, log[-3000:]
+  assert took < STALL_BUDGET_S + 60, (took, log[-3000:])
+  last = log.strip().splitlines()[-1]
+  assert last.startswith("error: ") and f"{store}://olmo3-stall/run" in last, log[-3000:]
+  assert "Traceback" not in log, log[-6000:]

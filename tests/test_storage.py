@@ -588,3 +588,36 @@ def test_a_stalled_store_fails_tensorstore_requests_within_the_budget():
   seconds, _, message = done.stdout.strip().partition(" ")
   assert seconds.isdigit() and int(seconds) <= 3 * 1 + 1 + 5, done.stdout + done.stderr[-2000:]
   assert "Timeout was reached" in message, message
+
+
+@pytest.mark.parametrize("budget, timeout", [(3, 1), (1, 1), (8, 5), (30, 10), (60, 5),
+                                             (180, 60), (180, 10)])
+def test_tensorstore_retries_end_within_the_budget_and_a_timeout_when_every_attempt_stalls(
+    budget, timeout):
+  """TensorStore retries a fixed number of times: counted with the request timeouts (and its
+  up-to-1-s jitter per delay), the last retry of a stalled store starts within the budget; a
+  store that refuses at once is still retried over about half the budget (or all the budget
+  leaves after the attempts). Before, 30 s and 10 s gave 5 retries: 91 s."""
+  retries, first = storage.tensorstore_retries(budget, timeout)
+  delays = sum(first * 2 ** i for i in range(retries))
+  assert retries >= 1
+  assert retries * (timeout + 1) + delays <= max(budget, timeout + 1 + 0.5) + 1e-9
+  assert delays >= min(budget / 2 - retries, budget - retries * (timeout + 1)) - 1e-9
+
+
+def test_refused_or_missing_credentials_are_no_access_naming_the_operation():
+  """What botocore raises without credentials, and S3's refusal of a key it does not know (as
+  s3fs hands it: a PermissionError raised from botocore's ClientError), become NoAccess, which
+  says what to set; other errors are left alone."""
+  from botocore import exceptions
+
+  refused = PermissionError("The AWS Access Key Id you provided does not exist in our records.")
+  refused.__cause__ = exceptions.ClientError(
+      {"Error": {"Code": "InvalidAccessKeyId", "Message": "no such key"}}, "GetObject")
+  for error, says in ((exceptions.NoCredentialsError(), "no S3 credentials"),
+                      (refused, "the store refused the S3 credentials (InvalidAccessKeyId")):
+    found = storage._credentials_problem(error, "reading s3://b/k")  # pylint: disable=protected-access
+    assert isinstance(found, storage.NoAccess), error
+    assert str(found).startswith(f"reading s3://b/k failed: {says}"), str(found)
+    assert "AWS_ACCESS_KEY_ID" in str(found)
+  assert storage._credentials_problem(FileNotFoundError("s3://b/k"), "x") is None  # pylint: disable=protected-access

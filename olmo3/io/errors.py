@@ -48,7 +48,9 @@ def reported(main: Callable[..., Any], errors: Callable[[], tuple[type[BaseExcep
     code = 1
     try:
       result = main(*args, **kwargs)
-      code = 0
+      # A main that returns its exit status (`sys.exit(main())`, as `prepare`'s does) ends
+      # with that status even when threads outlive it.
+      code = result if isinstance(result, int) and not isinstance(result, bool) else 0
       return result
     except SystemExit as e:
       code = exit_code(e)

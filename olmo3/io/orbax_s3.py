@@ -21,7 +21,9 @@ tests/test_storage.py saves, lists and restores through a real S3 server (moto).
 `install()` also bounds TensorStore's own retries on GCS and S3 (Orbax builds every
 TensorStore context from two module dicts): by default TensorStore retries a request 32 times
 up to 32 s apart, so a save into a store that went down would outlast the storage retry budget
-(`OLMO3_STORAGE_RETRY_S`, olmo3.io.storage) by a quarter of an hour.
+(`OLMO3_STORAGE_RETRY_S`, olmo3.io.storage) by a quarter of an hour. The retries are counted
+with their request timeouts (`storage.tensorstore_retries`): a store that stalls (accepts
+connections, never answers) fails a save's requests within the budget plus one timeout.
 """
 
 from __future__ import annotations

@@ -20,7 +20,10 @@ Outages end in bounded time. Every request has a deadline (`OLMO3_STORAGE_TIMEOU
 retried with backoff within one budget (`OLMO3_STORAGE_RETRY_S`, default 180 s): a store that
 comes back within it loses nothing; past it the operation raises `StorageError` naming itself
 and its URL. The same limits reach the libraries' own clients (fsspec's gcsfs / s3fs, which
-etils.epath uses, and TensorStore's, which Orbax uses: `tensorstore_context`). A run's cleanup
+etils.epath uses, and TensorStore's, which Orbax uses: `tensorstore_context`), whose own retries
+are turned off or counted with their timeouts, so that a store that stalls (accepts connections,
+never answers) ends an operation within the budget plus about one request timeout. Missing or
+refused credentials are `NoAccess`, naming the URL and what to set. A run's cleanup
 after a failure runs under `attempts_once()` (one attempt per operation), so it ends quickly
 and never hides the error that stopped the run.
 
@@ -72,6 +75,22 @@ class PreconditionFailed(StorageError):
   """A conditional write found the file changed (or present) since it was read."""
 
 
+class NoAccess(StorageError):
+  """The store refused, or the client could not find, the credentials a request needs. The
+  message names the operation and URL and what to set."""
+
+
+# What to set, per store, when a store's credentials are missing or refused.
+_S3_CREDENTIALS = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, a profile "
+                   "of ~/.aws/credentials), and AWS_ENDPOINT_URL for an S3-compatible store")
+_GCS_CREDENTIALS = ("set GOOGLE_APPLICATION_CREDENTIALS to a service account's key file or run "
+                    "`gcloud auth application-default login` (STORAGE_EMULATOR_HOST for an "
+                    "emulator)")
+# S3's answers to a request signed with credentials it does not accept.
+_S3_REFUSED_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                     "InvalidToken", "TokenRefreshRequired")
+
+
 def seconds_setting(name: str, default: float) -> float:
   """A positive number of seconds from the environment variable `name` (default when unset);
   StorageError naming the variable when it is not one."""
@@ -116,10 +135,30 @@ def attempts_once():
       _once_depth -= 1
 
 
+# How TensorStore's errors say its requests failed for good (its retries ran out).
+_TENSORSTORE_TRANSPORT = ("CURL error", "retry attempts failed")
+
+
+def _storage_failure(error: BaseException) -> bool:
+  """Whether `error`, or an error it was raised from, is the storage's: an OSError (this
+  module's, the clients'), or TensorStore's transport giving up (Orbax's saves raise those as
+  ValueErrors, wrapped in the run's CheckpointError)."""
+  seen: list[BaseException] = []
+  e: BaseException | None = error
+  while e is not None and all(e is not s for s in seen):
+    if isinstance(e, OSError) or any(m in str(e) for m in _TENSORSTORE_TRANSPORT):
+      return True
+    seen.append(e)
+    e = e.__cause__ if e.__cause__ is not None else (
+        None if e.__suppress_context__ else e.__context__)
+  return False
+
+
 def cleanup_after(error: BaseException) -> contextlib.AbstractContextManager:
-  """Where the cleanup after `error` runs: after a storage failure (the store may be down) each
-  remote operation is tried once, so the program ends quickly with that error."""
-  return attempts_once() if isinstance(error, OSError) else contextlib.nullcontext()
+  """Where the cleanup after `error` runs: after a storage failure (the store may be down; a
+  failed save's CheckpointError counts by its cause) each remote operation is tried once, so
+  the program ends quickly with that error."""
+  return attempts_once() if _storage_failure(error) else contextlib.nullcontext()
 
 
 def quietly(what: str, cleanup: Callable[[], None]) -> None:
@@ -174,7 +213,8 @@ def _silence_library_retries() -> None:
 
 def client_options() -> dict[str, dict[str, Any]]:
   """Per protocol, the fsspec options that give every request a deadline (gcsfs's
-  `requests_timeout`; s3fs's connect / read timeouts, botocore's retries left to us) and keep
+  `requests_timeout`; s3fs's connect / read timeouts, botocore's retries left to us: one
+  attempt per request, `_budgeted` retries) and keep
   no directory listings (`use_listings_cache`). fsspec keeps each listing for the life of the
   process by default and answers `exists` from it: a file another process had removed since
   (a crashed save's, removed by process 0 of the relaunched job) still existed for process 1,
@@ -182,7 +222,7 @@ def client_options() -> dict[str, dict[str, Any]]:
   timeout = request_timeout_s()
   return {"gcs": {"requests_timeout": timeout, "use_listings_cache": False},
           "s3": {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
-                                   "retries": {"max_attempts": 2, "mode": "standard"}},
+                                   "retries": {"max_attempts": 1, "mode": "standard"}},
                  "use_listings_cache": False}}
 
 
@@ -264,22 +304,53 @@ def _budget_client_requests() -> None:
   try:
     import s3fs  # pylint: disable=g-import-not-at-top
 
+    from botocore import handlers  # pylint: disable=g-import-not-at-top
+    from fsspec import asyn  # pylint: disable=g-import-not-at-top
+
     s3fs.S3FileSystem._call_s3 = _budgeted(  # pylint: disable=protected-access
         s3fs.S3FileSystem._call_s3, _s3_operation)  # pylint: disable=protected-access
+    # Its synchronous twin (what s3fs's files call to upload) was made from the original.
+    s3fs.S3FileSystem.call_s3 = asyn.sync_wrapper(
+        s3fs.S3FileSystem._call_s3)  # pylint: disable=protected-access
+    # botocore asks S3 to accept each upload's body first ("Expect: 100-continue"), and
+    # aiohttp waits for that answer with no deadline: an upload to a store that accepts
+    # connections and never answers waited for ever, whatever the read timeout (etils'
+    # write_text, Orbax's commit of a save). Bodies are sent at once instead; sessions made
+    # from here on lack the header.
+    handlers.BUILTIN_HANDLERS[:] = [h for h in handlers.BUILTIN_HANDLERS
+                                    if h[1] is not handlers.add_expect_header]
+    # s3fs also retries each call 5 times itself (a class attribute, no option), around the
+    # budgeted call above and around its reads: on a store that accepts connections and never
+    # answers, one operation tried once (a run's cleanup) took 5 x 2 x the request timeout,
+    # and a read 5 budgets. The budget is the only retrier.
+    s3fs.S3FileSystem.retries = 1
   except ImportError:
     pass
 
 
+def tensorstore_retries(budget_s: float, timeout_s: float) -> tuple[int, float]:
+  """(retries, first delay in seconds) of TensorStore's request retries, delays doubling: the
+  last retry starts within the budget even when every attempt runs to the request timeout
+  (a store that accepts connections and never answers), as `_budgeted`'s retries do.
+  TensorStore retries a fixed number of times and cannot see the clock, so the count is
+  chosen here: the delays alone (a store that refuses at once) fill what the attempts leave,
+  about half the budget. TensorStore adds up to 1 s of jitter to each delay (measured), taken
+  out of the delays here. Why: retries counted by their delays alone (1, 2, 4 ... s up to
+  the budget) spent 6 attempts x 10 s + 31 s of delays on a stalled store with a 30 s
+  budget: a save ended 92 s after the store stalled, past the budget + 60 s."""
+  retries = max(1, min(int(budget_s // (2 * (timeout_s + 1))), 8))
+  delays = max(budget_s - retries * (timeout_s + 1), 0.5 * retries)
+  return retries, delays / (2 ** retries - 1)
+
+
 def tensorstore_context(base: dict[str, Any]) -> dict[str, Any]:
   """`base` (a TensorStore context spec) with GCS and S3 request retries that end within the
-  retry budget (TensorStore's default, 32 retries up to 32 s apart, outlasts an outage by a
-  quarter of an hour), and AWS credentials from the environment when they are there."""
-  budget, delay, total, retries = retry_budget_s(), 1.0, 0.0, 0
-  while total < budget:
-    total += delay
-    delay = min(2 * delay, 32.0)
-    retries += 1
-  spec = {"max_retries": retries, "initial_delay": "1s", "max_delay": "32s"}
+  retry budget plus one request timeout (`tensorstore_retries`; TensorStore's default, 32
+  retries up to 32 s apart, outlasts an outage by a quarter of an hour), and AWS credentials
+  from the environment when they are there."""
+  retries, first = tensorstore_retries(retry_budget_s(), request_timeout_s())
+  spec = {"max_retries": retries, "initial_delay": f"{first:.3f}s",
+          "max_delay": f"{first * 2 ** (retries - 1):.3f}s"}
   context = {**base, "gcs_request_retries": dict(spec), "s3_request_retries": dict(spec)}
   if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
     # Credentials in the environment come first in AWS's chain anyway; naming them keeps
@@ -431,6 +502,37 @@ def _is_transient(error: BaseException) -> bool:
   return cause is not None and cause is not error and _is_transient(cause)
 
 
+def _credentials_problem(error: BaseException, operation: str) -> NoAccess | None:
+  """NoAccess naming `operation` when `error` is a client's "no credentials" (botocore's
+  NoCredentialsError and kin: a traceback of 70 lines from the depths of botocore) or a
+  store's refusal of the credentials it was given (S3's InvalidAccessKeyId, a GCS 401);
+  None for any other error."""
+  try:
+    from botocore import exceptions  # pylint: disable=g-import-not-at-top
+
+    missing = (exceptions.NoCredentialsError, exceptions.PartialCredentialsError,
+               exceptions.CredentialRetrievalError, exceptions.ProfileNotFound,
+               exceptions.TokenRetrievalError, exceptions.SSOError)
+  except ImportError:
+    missing = ()
+  for e in (error, error.__cause__):
+    if e is None:
+      continue
+    if missing and isinstance(e, missing):
+      return NoAccess(f"{operation} failed: no S3 credentials ({first_line(e)}): "
+                      f"{_S3_CREDENTIALS}")
+    response = getattr(e, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    if code in _S3_REFUSED_CODES:
+      return NoAccess(f"{operation} failed: the store refused the S3 credentials ({code}: "
+                      f"{first_line(e)}): {_S3_CREDENTIALS}")
+    if (getattr(e, "code", None) == 401 and type(e).__module__.startswith("gcsfs")
+        and "Invalid Credentials" not in str(e)):  # that one: an expired token, refreshed
+      return NoAccess(f"{operation} failed: the store refused the request's credentials "
+                      f"(HTTP 401: {first_line(e)}): {_GCS_CREDENTIALS}")
+  return None
+
+
 def _backoff(attempt: int) -> float:
   return min(_FIRST_BACKOFF_S * 2 ** attempt, _MAX_BACKOFF_S) * (1 + 0.25 * random.random())
 
@@ -454,6 +556,8 @@ def _budgeted(call: Callable[..., Awaitable[Any]], operation: Callable[..., str]
       try:
         return await call(*args, **kwargs)
       except Exception as e:  # pylint: disable=broad-except  # classified just below
+        if (refused := _credentials_problem(e, operation(*args, **kwargs))) is not None:
+          raise refused from e
         if not _is_transient(e):
           raise
         pause = _backoff(attempt)
