@@ -1,28 +1,43 @@
 """One live run per workdir: WORKDIR/lease.json names the launch that holds it (a token of its
-own, its host, pid and that process's start, the machine's boot and pid namespace, and a
-heartbeat), written by the job's first process when it starts, renewed while it runs and
-removed when it ends. A second launch on the same workdir refuses, naming the holder, instead
-of writing the same checkpoints and metric lines.
+own, its host, pid and that process's start, the machine's boot and pid namespace, a renewal
+count and, for people, the times it started and last renewed by its own clock), written by the
+job's first process when it starts, renewed while it runs and removed when it ends. A second
+launch on the same workdir refuses, naming the holder, instead of writing the same checkpoints
+and metric lines.
+
+No wall clock decides anything. A holder's clock may be off by any amount (hosts drift, a VM
+resumes with a stale clock, a container's clock is set wrong), so the times in the lease are
+never compared with the reader's, nor the store's modification times. What is trusted instead:
+- this machine's process table, for a holder of this machine: same host, boot and pid
+  namespace, its pid still running the process that started when the lease says;
+- the lease object itself, watched on the would-be taker's own monotonic clock: every renewal
+  changes it (its bytes, with the renewal count, and its GCS generation / S3 ETag), so a lease
+  that stays exactly as it was for the takeover age (`OLMO3_LEASE_TAKEOVER_S`, default 360 s)
+  belongs to a holder that stopped renewing (a live holder renews it every takeover age / 12);
+- the store's conditional writes (below), so that only one launch wins any change.
 
 When is a holder dead (its lease is taken over)?
-- its heartbeat is older than the takeover age (`OLMO3_LEASE_TAKEOVER_S`, default 360 s),
-  whatever its pid;
-- or it is provably a dead process of this machine: same host, boot and pid namespace, and its
-  pid no longer runs, runs another process (started at another time: a reused pid), or is this
-  launch's own pid (a restarted container's PID 1 finds its predecessor's lease).
-A holder this launch cannot check (another host, another container, a lease it cannot parse)
-is watched: if the lease changes (a live holder renews it every takeover age / 12), the launch
-is refused; if it stays as it is until it is older than the takeover age, it is taken over.
-So a restarted job waits at most the takeover age, and an empty or torn lease.json (a crash or
-a full disk while it was written) is judged by its modification time the same way.
+- at once when it is provably a dead process of this machine: its pid no longer runs, runs
+  another process (started at another time: a reused pid), or is this launch's own pid (a
+  restarted container's PID 1 finds its predecessor's lease);
+- otherwise (another host, another container, a lease it cannot parse) once the launch has
+  watched the lease unchanged for the takeover age; if it changes meanwhile (a live holder
+  renewed it, or another launch took it), the launch is refused. So a restarted job on another
+  machine or container waits the takeover age, however long ago its predecessor died.
+A live holder of this machine is refused at once, whatever its lease says; a live holder
+elsewhere is never taken over while it renews.
 
 Every change is conditional on what was read, so two launches never both win: local disks
 create by linking a complete file into place and replace by renaming the old one aside first;
 GCS and S3 check an ifGenerationMatch / If-None-Match / If-Match precondition on the server
-(olmo3.io.storage). The heartbeat retries failed renewals; one that cannot renew for half the
-takeover age, or that finds another launch's token in the lease, makes `lost()` say why, and
-the loop stops at its next step boundary (olmo3.train.loop): a run never trains on without
-its lease.
+(olmo3.io.storage). A write that landed but whose answer was lost (a timeout, a cut
+connection) is retried and then fails its own precondition: a launch that finds its own token
+in the lease knows the write was its own and carries on (only this launch writes its token).
+The heartbeat retries failed renewals; one that cannot renew for half the takeover age, or
+that finds another launch's token in the lease, makes `lost()` say why, and the loop stops at
+its next step boundary (olmo3.train.loop): a run never trains on without its lease. It saves
+that step only while the lease is still its own (`stop_without_lease`): a run whose lease
+another launch holds writes no checkpoint into that launch's run.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import contextlib
 import enum
 import itertools
 import json
+import math
 import os
 import socket
 import threading
@@ -50,6 +66,9 @@ from olmo3.run.record import Workdir
 TAKEOVER_ENV = "OLMO3_LEASE_TAKEOVER_S"
 DEFAULT_TAKEOVER_S = 360.0  # twice the storage retry budget: a renewal outlasts an outage
 _BEATS_PER_TAKEOVER = 12  # the heartbeat's period is the takeover age / 12 (30 s by default)
+# Seconds added to the wall-clock times this launch writes into its lease: a host whose clock
+# is off (tests set it to show that no decision reads those times).
+CLOCK_SHIFT_ENV = "OLMO3_LEASE_CLOCK_SHIFT_S"
 
 
 class LeaseHeld(RuntimeError):
@@ -57,17 +76,33 @@ class LeaseHeld(RuntimeError):
 
 
 class LeaseLost(RuntimeError):
-  """The run could not keep its workdir lease; the message says why."""
+  """The run could not keep its workdir lease; the message says why. `taken`: another launch
+  holds the workdir now, so nothing more of this run's belongs there."""
+
+  def __init__(self, message: str, taken: bool = False):
+    super().__init__(message)
+    self.taken = taken
 
 
 class _Verdict(enum.Enum):
   ALIVE = "alive"
   DEAD = "dead"
-  UNKNOWN = "unknown"  # watched until it changes (alive) or goes stale (dead)
+  UNKNOWN = "unknown"  # watched until it changes (alive) or stays as it is (dead)
 
 
 def takeover_s() -> float:
   return storage.seconds_setting(TAKEOVER_ENV, DEFAULT_TAKEOVER_S)
+
+
+def _clock_shift_s() -> float:
+  value = os.environ.get(CLOCK_SHIFT_ENV) or "0"
+  try:
+    shift = float(value)
+  except ValueError:
+    shift = math.nan
+  if not math.isfinite(shift):
+    raise storage.StorageError(f"{CLOCK_SHIFT_ENV}={value!r}: expected a number of seconds")
+  return shift
 
 
 def _read_first_line(path: str) -> str | None:
@@ -107,7 +142,6 @@ def _parse(data: bytes) -> dict | None:
   """A lease's holder, or None when the bytes are no lease (empty, torn, hand-edited)."""
   try:
     holder = json.loads(data)
-    float(holder["heartbeat"])
     int(holder["pid"])
   except (ValueError, TypeError, KeyError):
     return None
@@ -118,17 +152,24 @@ def _ago(seconds: float) -> str:
   return f"{max(0.0, seconds):.0f} s"
 
 
+def _who(holder: dict) -> str:
+  return f"pid {holder['pid']} on host {holder.get('host')}"
+
+
 class Lease:
   def __init__(self, workdir: str | os.PathLike, takeover: float | None = None):
     self.path = Workdir(os.fspath(workdir)).lease
     self.url = os.fspath(self.path)
     self.takeover_s = takeover_s() if takeover is None else takeover
     self.beat_s = self.takeover_s / _BEATS_PER_TAKEOVER
+    self._clock_shift = _clock_shift_s()
     pid = os.getpid()
     self.record = {"host": socket.gethostname(), "pid": pid, "token": uuid.uuid4().hex,
-                   "started": time.time(), "pid_start": _start_time(pid), **_machine()}
+                   "started": time.time() + self._clock_shift, "pid_start": _start_time(pid),
+                   **_machine()}
+    self._writes = itertools.count(1)  # the renewal count: every write's bytes differ
     self._version = ""  # the object's generation / ETag as this launch last wrote it
-    self._renewed = 0.0  # time.monotonic() of the last renewal that landed
+    self._renewed = 0.0  # time.monotonic() when the last write that landed was sent
     self._error: BaseException | None = None  # the last renewal's failure
     self._taken: str | None = None  # set when another launch's token is found in the lease
     self._stop = threading.Event()
@@ -137,61 +178,61 @@ class Lease:
   # --- taking it ---------------------------------------------------------------------------
 
   def acquire(self) -> None:
-    """Takes the lease or raises LeaseHeld; then keeps its heartbeat fresh until release().
-    May wait (at most the takeover age) for a holder it cannot check."""
-    watched: tuple[bytes, float] | None = None  # (the lease as first seen, watched until)
+    """Takes the lease or raises LeaseHeld; then keeps it renewed until release(). May wait
+    (the takeover age) for a holder it cannot check."""
+    # The lease as first seen (its bytes and version) and until when (monotonic) it is watched.
+    watched: tuple[tuple[bytes, str], float] | None = None
     for attempt in itertools.count():
       current = storage.read_versioned(self.url)
       if current is None:
+        sent = time.monotonic()
         try:
           self._version = storage.create_exclusive(self.url, self._encode())
           break
         except storage.PreconditionFailed:
-          if self._holds():  # our own create, retried after a transient error
+          if self._holds():  # our own create, its answer lost, retried
             break
           if attempt >= 2:
             raise LeaseHeld(self._race()) from None
           continue
       holder = _parse(current.data)
-      verdict, why, wait = self._judge(holder, current)
+      verdict, why = self._judge(holder)
       if verdict is _Verdict.ALIVE:
         raise LeaseHeld(self._held(holder))
       if verdict is _Verdict.UNKNOWN:
+        seen = (current.data, current.version)
         if watched is None:
-          watched = (current.data, time.monotonic() + wait)
+          watched = (seen, time.monotonic() + self.takeover_s)
           logging.warning("%s: %s, which this launch cannot check; waiting up to %s for it to "
-                          "renew (a live run: this launch stops) or go stale (taken over)",
-                          self.url, why, _ago(wait))
-        if current.data != watched[0]:
+                          "change (renewed: a live run holds it, this launch stops) or not "
+                          "(taken over)", self.url, why, _ago(self.takeover_s))
+        elif seen != watched[0]:
           raise LeaseHeld(self._held(holder) if holder else self._race())
         if time.monotonic() < watched[1]:
           time.sleep(max(0.1, min(self.beat_s / 2, 5.0)))
           continue
-        why = f"{why}, and it was not renewed for {_ago(wait)} more"
+        why = (f"{why}, and it did not change for the takeover age ({self.takeover_s:g} s, "
+               f"{TAKEOVER_ENV}) while this launch watched it")
       logging.warning("taking over the workdir lease %s: %s", self.url, why)
+      sent = time.monotonic()
       try:
         self._version = storage.replace_if(self.url, self._encode(), current)
         break
       except storage.PreconditionFailed:
-        raise LeaseHeld(self._race()) from None
-    self._renewed = time.monotonic()
+        if self._holds():  # our own takeover, its answer lost, retried
+          break
+        now = storage.read_versioned(self.url)
+        holder = _parse(now.data) if now is not None else None
+        raise LeaseHeld(self._held(holder) if holder else self._race()) from None
+    self._renewed = sent
     self._beat = threading.Thread(target=self._heartbeat, name="workdir-lease", daemon=True)
     self._beat.start()
 
-  def _judge(self, holder: dict | None, current: storage.Versioned
-             ) -> tuple[_Verdict, str, float]:
-    """(verdict, why in words, how long to watch an UNKNOWN one)."""
-    now = time.time()
+  def _judge(self, holder: dict | None) -> tuple[_Verdict, str]:
+    """(verdict, why in words). No clock is read: see the module's docstring."""
     if holder is None:
-      age = now - current.modified
-      why = f"it is not a readable lease (empty or torn) and was last modified {_ago(age)} ago"
-      return (_Verdict.DEAD, why, 0.0) if age >= self.takeover_s else (
-          _Verdict.UNKNOWN, why, min(self.takeover_s, self.takeover_s - age))
-    age = now - float(holder["heartbeat"])
-    who = f"pid {holder['pid']} on host {holder.get('host')}"
-    if age >= self.takeover_s:
-      return (_Verdict.DEAD, f"its holder ({who}) last renewed it {_ago(age)} ago (takeover "
-              f"age {self.takeover_s:g} s, {TAKEOVER_ENV})", 0.0)
+      return _Verdict.UNKNOWN, "it is not a readable lease (empty or torn)"
+    who = _who(holder)
     mine = self.record
     same_host = holder.get("host") == mine["host"]
     if same_host and all(holder.get(k) == mine[k] and mine[k] is not None
@@ -199,38 +240,37 @@ class Lease:
       pid = int(holder["pid"])
       started = _start_time(pid)
       if started is None:
-        return _Verdict.DEAD, f"its holder ({who}) no longer runs", 0.0
+        return _Verdict.DEAD, f"its holder ({who}) no longer runs"
       recorded = holder.get("pid_start")  # None: a lease that does not say
       if started and started != recorded and (recorded is not None or pid == mine["pid"]):
         # Another process has the pid now: a reused pid, or this very launch (a restarted
         # container's PID 1 finding its predecessor's lease).
         return (_Verdict.DEAD, f"pid {pid} is another process now than the one that held it "
-                "(a reused pid, or a restarted container's)", 0.0)
-      return _Verdict.ALIVE, "", 0.0
+                "(a reused pid, or a restarted container's)")
+      return _Verdict.ALIVE, ""
     if same_host and mine["boot_id"] is None and holder.get("boot_id") is None:
       with contextlib.suppress(PermissionError):  # no /proc (not Linux): no pid namespaces
         try:
           os.kill(int(holder["pid"]), 0)
         except ProcessLookupError:
-          return _Verdict.DEAD, f"its holder ({who}) no longer runs", 0.0
-    # Watched for at most the takeover age: a holder whose clock runs ahead looks fresh.
-    return (_Verdict.UNKNOWN, f"it is held by {who} (heartbeat {_ago(age)} ago)",
-            min(self.takeover_s, self.takeover_s - age))
+          return _Verdict.DEAD, f"its holder ({who}) no longer runs"
+    return _Verdict.UNKNOWN, f"it is held by {who}"
 
   def _held(self, holder: dict) -> str:
     started = holder.get("started")
-    since = f"running since {time.ctime(float(started))}; " if isinstance(
+    since = f"running since {time.ctime(float(started))} by its clock; " if isinstance(
         started, (int, float)) else ""
-    return (f"{self.path.parent} is in use by pid {holder['pid']} on host {holder.get('host')} "
-            f"({since}lease {self.url}). Wait for that run to end or stop it; a lease whose "
-            f"holder died is taken over automatically (at the latest when its heartbeat is "
-            f"{self.takeover_s:g} s old, {TAKEOVER_ENV}).")
+    return (f"{self.path.parent} is in use by {_who(holder)} ({since}lease {self.url}). Wait "
+            "for that run to end or stop it; a lease whose holder died is taken over "
+            "automatically (at once where this machine can tell its process ended, else once "
+            f"the lease has not changed for {self.takeover_s:g} s, {TAKEOVER_ENV}).")
 
   def _race(self) -> str:
     return f"{self.path.parent}: another launch took the lease {self.url} at the same moment"
 
   def _encode(self) -> bytes:
-    return json.dumps({**self.record, "heartbeat": time.time()}).encode()
+    return json.dumps({**self.record, "renewals": next(self._writes),
+                       "heartbeat": time.time() + self._clock_shift}).encode()
 
   def _holds(self) -> bool:
     current = storage.read_versioned(self.url)
@@ -250,6 +290,13 @@ class Lease:
         return
       except storage.PreconditionFailed:
         current = storage.read_versioned(self.url)
+      holder = _parse(current.data) if current is not None else None
+      if holder is not None and holder["token"] == self.record["token"]:
+        # Our own write: this renewal's, landed though its answer was lost and then retried
+        # against the version it replaced (or an earlier renewal's, lost the same way). No
+        # other launch writes this token, so nobody took the lease meanwhile.
+        self._version = current.version
+        return
     else:  # a local file is replaced in one rename: no moment without a lease
       current = storage.read_versioned(self.url)
       holder = _parse(current.data) if current is not None else None
@@ -257,15 +304,15 @@ class Lease:
         if not self._stop.is_set():
           storage.write_bytes_atomic(self.url, self._encode())
         return
-    holder = _parse(current.data) if current is not None else None
     self._taken = (f"the workdir lease {self.url} was taken over by " + (
-        f"pid {holder['pid']} on host {holder.get('host')}" if holder else
-        "another launch (it is gone or unreadable)") + f" while this run held it (after "
-        f"{_ago(time.monotonic() - self._renewed)} without a renewal)")
+        _who(holder) if holder else "another launch (it is gone or unreadable)") +
+        f" while this run held it (after {_ago(time.monotonic() - self._renewed)} without a "
+        "renewal)")
 
   def _heartbeat(self) -> None:
     pause = self.beat_s
     while not self._stop.wait(pause):
+      sent = time.monotonic()  # the write lands after this: a taker's watch starts later
       try:
         self._renew()
       except Exception as e:  # pylint: disable=broad-except  # retried; lost() says when to stop
@@ -274,7 +321,7 @@ class Lease:
         continue
       if self._taken is not None:
         return
-      self._renewed, self._error, pause = time.monotonic(), None, self.beat_s
+      self._renewed, self._error, pause = sent, None, self.beat_s
 
   def lost(self) -> str | None:
     """Why this run no longer holds its lease (None while it does): another launch took it
@@ -293,10 +340,32 @@ class Lease:
             f"at {self.takeover_s:g} s ({TAKEOVER_ENV}) another launch could take the workdir "
             "over, so this run stops")
 
+  def elsewhere(self) -> str | None:
+    """Who holds the lease now when this launch does not, in words (None: this launch, or it
+    cannot be read just now, the store down). Reads the lease unless a renewal found it
+    taken."""
+    if self._taken is not None:
+      return self._taken
+    try:
+      # One attempt: a store that is down would answer no better within the retry budget,
+      # and the save after this look has its own.
+      with storage.attempts_once():
+        current = storage.read_versioned(self.url)
+    except Exception:  # pylint: disable=broad-except  # cannot tell: the caller's save decides
+      return None
+    holder = _parse(current.data) if current is not None else None
+    if holder is not None and holder["token"] == self.record["token"]:
+      return None
+    return (f"{_who(holder)} holds the workdir lease {self.url} now" if holder else
+            f"the workdir lease {self.url} is no longer this run's (it is gone or unreadable)")
+
   def release(self) -> None:
     """Stops the heartbeat and removes the lease if it is still this launch's. Never raises
     (it runs on the way out, after whatever stopped the run): a lease it cannot remove is
-    taken over by the next launch once it is stale."""
+    taken over by the next launch once it has watched it unchanged for the takeover age."""
+    global _held  # pylint: disable=global-statement
+    if _held is self:
+      _held = None
     self._stop.set()
     if self._beat is None:
       return
@@ -309,13 +378,20 @@ class Lease:
         storage.remove(self.url)
     except Exception as e:  # pylint: disable=broad-except  # see the docstring
       logging.warning("could not release the workdir lease %s (%s: %s); the next launch takes "
-                      "it over once its heartbeat is %g s old", self.url, type(e).__name__,
+                      "it over once it has not changed for %g s", self.url, type(e).__name__,
                       storage.first_line(e), self.takeover_s)
+
+
+# The lease `hold` took for this process's job (held by process 0), which `stop_without_lease`
+# consults before it saves; cleared by its release().
+_held: Lease | None = None
 
 
 def hold(lease: Lease) -> None:
   """The job's first process takes the lease; every process learns whether it did, so a refused
   job stops on all of them (LeaseHeld)."""
+  global _held  # pylint: disable=global-statement
+  _held = lease
   error = None
   if jax.process_index() == 0:
     try:
@@ -331,9 +407,21 @@ def hold(lease: Lease) -> None:
 
 
 def stop_without_lease(reason: str | None, step: int, save: Callable[[], None]) -> NoReturn:
-  """The run lost its lease (on this process, for `reason`, or on another): saves `step` if the
-  storage allows and stops with LeaseLost saying why."""
+  """The run lost its lease (on this process, for `reason`, or on another) and stops with
+  LeaseLost saying why, having saved `step` if the storage allows and the lease is still this
+  run's. Once another launch holds it, the workdir is that launch's run: this one writes no
+  checkpoint into it. Every process of the job calls it at the same step (they agreed to stop
+  there), so process 0's verdict reaches them all."""
   why = reason or "another process of this job lost the workdir lease"
+  lease = _held if jax.process_index() == 0 else None
+  elsewhere = lease.elsewhere() if lease is not None else None
+  taken = elsewhere is not None
+  if jax.process_count() > 1:
+    taken = bool(multihost_utils.broadcast_one_to_all(np.int32(taken)))
+  if taken:
+    whose = ("" if elsewhere is None or elsewhere == reason else f" ({elsewhere})")
+    raise LeaseLost(f"{why}. Step {step} was not saved: another launch holds the workdir now"
+                    f"{whose}, and its run is not this one's to write", taken=True)
   try:
     save()
   except Exception as e:  # pylint: disable=broad-except  # the lease is the reason to stop
