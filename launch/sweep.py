@@ -22,7 +22,10 @@ after its N steps (heldout_ce: the mean CE over the sets). Writes OUT/results.cs
 (ranked: what fits, by median MFU, else median tokens/s, else memory; or by held-out CE) and
 OUT/results.png (the ranking metric, the repeats' range as error bars), rewritten after each
 variant, and prints "[k of N]" as variants finish. A misspelt override path stops the sweep
-before any variant runs.
+before any variant runs. Ctrl-C (SIGINT) or SIGTERM stops the sweep at once: the running
+workers are killed, the variants they had not finished are left out of the tables (so --resume
+runs them again), and the sweep exits 130 (SIGINT) or 143 (SIGTERM) naming the command that
+continues it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import dataclasses
 import json
 import io
 import os
+import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -192,20 +197,27 @@ def write_results(out: str, rows: list[dict[str, Any]], rank_by: str = "mfu") ->
   writer.writerows(rows)
   (directory / "results.csv").write_text(text.getvalue())
 
-  def rank(r):  # what fits first; then by (median) MFU, else tokens/s, else by memory
-    score = r.get("mfu") or r.get("tokens_per_s") or -(r.get("memory_gb") or 1e9)
-    return (not r.get("fits"), -score if score is not None else 0)
-
-  def rank_heldout(r):  # what fits first; then the lowest held-out CE (none: last)
-    ce = r.get("heldout_ce")
-    return (not r.get("fits"), ce is None, ce or 0.0)
-
-  ranked = sorted(rows, key=rank_heldout if rank_by == "heldout" else rank)
+  order = ranked(rows, rank_by)
   (directory / "results.md").write_text(
       "| rank | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1) + "\n"
       + "".join(f"| {i} | " + " | ".join(_fmt(r.get(k)) for k in keys) + " |\n"
-                for i, r in enumerate(ranked, 1)))
-  _chart(directory / "results.png", ranked, rank_by)
+                for i, r in enumerate(order, 1)))
+  _chart(directory / "results.png", order, rank_by)
+
+
+def ranked(rows: list[dict[str, Any]], rank_by: str = "mfu") -> list[dict[str, Any]]:
+  """The rows best first: what fits first; then by (median) MFU, else tokens/s, else memory
+  (smallest first); or, by held-out CE, the lowest first (none: last)."""
+
+  def rank(r):
+    score = r.get("mfu") or r.get("tokens_per_s") or -(r.get("memory_gb") or 1e9)
+    return (not r.get("fits"), -score if score is not None else 0)
+
+  def rank_heldout(r):
+    ce = r.get("heldout_ce")
+    return (not r.get("fits"), ce is None, ce or 0.0)
+
+  return sorted(rows, key=rank_heldout if rank_by == "heldout" else rank)
 
 
 def _read_rows(out: str) -> dict[str, dict[str, Any]]:
@@ -230,6 +242,11 @@ def _fmt(v) -> str:
   if isinstance(v, float):
     return f"{v:.4g}"
   return "" if v is None else str(v)
+
+
+def _readable(v) -> str:
+  """4 significant digits; thousands and more whole, with separators (tokens/s 12,346)."""
+  return f"{v:,.0f}" if isinstance(v, float) and abs(v) >= 1000 else _fmt(v)
 
 
 def _chart(path: epath.Path, rows: list[dict[str, Any]], rank_by: str) -> None:
@@ -272,11 +289,61 @@ def _flag_key(exp) -> tuple:
   return exp.xla_flags, exp.libtpu_flags, exp.env
 
 
-def _run_worker(sweep: Sweep, indices: list[int], on_result) -> None:
+class Stop:
+  """A sweep asked to stop (SIGINT, SIGTERM): `handle` (the parent's signal handler) kills the
+  running workers' process groups at once and no worker starts after it. Workers run in
+  sessions of their own, so a terminal's Ctrl-C reaches the parent alone: a worker that saw it
+  would stop its training early and report the cut-short variant as a result."""
+
+  def __init__(self):
+    self.signal: int | None = None
+    self._lock = threading.RLock()  # a second signal may come while the first is handled
+    self._running: set[subprocess.Popen] = set()
+
+  def handle(self, signum: int, frame=None) -> None:
+    del frame
+    with self._lock:
+      self.signal = self.signal or signum
+      running = list(self._running)
+    for proc in running:
+      _kill_group(proc)
+
+  def start(self, cmd: list[str], **kwargs) -> subprocess.Popen | None:
+    """`cmd` as a worker in a session (process group) of its own; None once stopping."""
+    with self._lock:
+      if self.signal is not None:
+        return None
+      proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+      self._running.add(proc)
+      return proc
+
+  def finished(self, proc: subprocess.Popen) -> None:
+    with self._lock:
+      self._running.discard(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+  """The worker and whatever it started (its session's process group), without waiting."""
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):  # already gone (and perhaps reaped)
+    pass
+
+
+class Interrupted(Exception):
+  """The sweep stopped on a signal; `unfinished` names the variants it recorded nothing for."""
+
+  def __init__(self, signum: int, unfinished: list[str]):
+    super().__init__(signum, unfinished)
+    self.signum, self.unfinished = signum, unfinished
+
+
+def _run_worker(sweep: Sweep, indices: list[int], on_result, stop: Stop) -> None:
   """Runs variants `indices` (one flag set) in a fresh process: flags only take effect before
   JAX starts. Results stream back one JSON line per variant; `on_result(index, result)` gets
   each. If the process dies (a compiler abort, out of host memory), the variants it did not
-  finish are rerun one process each, so a crash costs the variant that caused it alone."""
+  finish are rerun one process each, so a crash costs the variant that caused it alone; if the
+  sweep was stopped (`stop`), they are left unrecorded."""
   with tempfile.TemporaryDirectory() as scratch:
     results = os.path.join(scratch, "results.jsonl")
     mode = (["--compile_only", sweep.compile_only] if sweep.compile_only
@@ -285,32 +352,40 @@ def _run_worker(sweep: Sweep, indices: list[int], on_result) -> None:
            "--sweep", sweep.sweep, *(f"--fdl_set={s}" for s in sweep.fdl_set), *mode,
            "--rank_by", sweep.rank_by,
            "--out", scratch, "--_worker", ",".join(map(str, indices)), "--_results", results]
+    # The worker's temporary files (its variants' scratch workdirs) go under `scratch`, which
+    # this process removes even when the worker was killed before it could.
+    env = dict(os.environ, TMPDIR=scratch)
     with open(os.path.join(scratch, "log"), "w+") as log:
-      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+      proc = stop.start(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+      if proc is None:
+        return
       seen = 0
-      while True:
-        finished = proc.poll() is not None
-        lines = []
-        if os.path.exists(results):
-          with open(results) as f:
-            lines = f.read().splitlines()
-        for line in lines[seen:]:
-          row = json.loads(line)
-          on_result(row["index"], row["result"])
-        seen = len(lines)
-        if finished:
-          break
-        time.sleep(0.5)
+      try:
+        while True:
+          finished = proc.poll() is not None
+          lines = []
+          if os.path.exists(results):
+            with open(results) as f:
+              lines = f.read().split("\n")[:-1]  # whole lines: the last may be half written
+          for line in lines[seen:]:
+            row = json.loads(line)
+            on_result(row["index"], row["result"])
+          seen = len(lines)
+          if finished:
+            break
+          time.sleep(0.5)
+      finally:
+        stop.finished(proc)
       log.seek(0)
       tail = [line for line in log.read().strip().splitlines() if line.strip()]
     missing = indices[seen:]
-  if not missing:
+  if not missing or stop.signal is not None:
     return
   if sweep.jobs == 1:
     print("\n".join(tail[-20:]), flush=True)
   if len(missing) > 1:
     for index in missing:
-      _run_worker(sweep, [index], on_result)
+      _run_worker(sweep, [index], on_result, stop)
     return
   on_result(missing[0], {"fits": False, "error": f"variant process exited {proc.returncode}: "
                                                  f"{(tail or ['no output'])[-1][:200]}"})
@@ -341,8 +416,11 @@ def _worker(sweep: Sweep, indices: list[int], results: str) -> None:
       f.write(json.dumps({"index": index, "result": result}) + "\n")
 
 
-def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) -> list[dict]:
-  """Runs the sweep's variants (or the one named `variant`) and writes the tables."""
+def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False,
+              stop: Stop | None = None) -> list[dict]:
+  """Runs the sweep's variants (or the one named `variant`) and writes the tables. Raises
+  Interrupted when `stop` was signalled (what finished before is in the tables)."""
+  stop = stop or Stop()
   if sweep.rank_by == "heldout" and not sweep.steps:
     raise refs.ConfigRefError("--rank_by=heldout needs --steps: held-out loss is measured "
                                  "after training")
@@ -384,14 +462,39 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False) ->
     with lock:
       done[names[index]] = row
       finished = sum(name in done for name in names.values())
-      print(f"[{finished} of {total}] {names[index]}: {result}", flush=True)
+      print(f"[{finished} of {total}] {names[index]}: {describe(result)}", flush=True)
       write_results(sweep.out, list(done.values()), sweep.rank_by)
 
   with concurrent.futures.ThreadPoolExecutor(sweep.jobs) as pool:
-    list(pool.map(lambda unit: _run_worker(sweep, unit, on_result), units))
+    list(pool.map(lambda unit: _run_worker(sweep, unit, on_result, stop), units))
   rows = list(done.values())
+  if stop.signal is not None:
+    raise Interrupted(stop.signal, [name for name in names.values() if name not in done])
   write_results(sweep.out, rows, sweep.rank_by)
   return rows
+
+
+def describe(result: dict[str, Any]) -> str:
+  """A variant's result for people: whether it fits, then each number rounded (`_readable`; a
+  timed median with its repeats' range beside it), the error last."""
+  spread = {k for k in result if k.endswith(("_min", "_max"))}
+  parts = ["fits" if result.get("fits") else "does NOT fit"]
+  for key, value in result.items():
+    if key in ("fits", "error") or key in spread or value is None:
+      continue
+    text = f"{key} {_readable(value)}"
+    if f"{key}_min" in result and f"{key}_max" in result:
+      text += f" ({_readable(result[f'{key}_min'])}-{_readable(result[f'{key}_max'])})"
+    parts.append(text)
+  if result.get("error"):
+    parts.append(f"error: {result['error']}")
+  return ", ".join(parts)
+
+
+def ranking(rows: list[dict[str, Any]], rank_by: str) -> list[str]:
+  """The ranked variants, one line each (the table results.md holds, for the terminal)."""
+  return [f"{i:>3}. {r['variant']}: {describe({k: v for k, v in r.items() if k != 'variant'})}"
+          for i, r in enumerate(ranked(rows, rank_by), 1)]
 
 
 def main(argv: list[str]) -> None:
@@ -401,13 +504,26 @@ def main(argv: list[str]) -> None:
   refs.make_cwd_importable()
   sweep = Sweep(CONFIG.value, SWEEP.value, tuple(SETS.value), COMPILE_ONLY.value, STEPS.value,
                 OUT.value, JOBS.value, RANK_BY.value, REPEATS.value)
-  try:
-    if _WORKER.value is not None:
+  if _WORKER.value is not None:
+    try:
       _worker(sweep, [int(i) for i in _WORKER.value.split(",")], _RESULTS.value)
-      return
-    rows = run_sweep(sweep, VARIANT.value, RESUME.value)
+    except refs.ConfigRefError as e:
+      refs.usage_error(str(e), "launch/sweep.py")
+    return
+  stop = Stop()
+  for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, stop.handle)
+  try:
+    rows = run_sweep(sweep, VARIANT.value, RESUME.value, stop)
   except refs.ConfigRefError as e:
     refs.usage_error(str(e), "launch/sweep.py")
+  except Interrupted as e:
+    command = ["python", *sys.argv] + ([] if RESUME.value else ["--resume"])
+    print(f"interrupted ({signal.Signals(e.signum).name}): {len(e.unfinished)} variant"
+          f"{'s' * (len(e.unfinished) != 1)} not finished, nothing recorded for them; "
+          f"continue with: {shlex.join(command)}", flush=True)
+    sys.exit(128 + e.signum)
+  print("\n".join(ranking(rows, sweep.rank_by)))
   print(f"wrote {sweep.out}/results.csv, results.md, results.png ({len(rows)} variants)")
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -130,6 +131,59 @@ def test_a_token_file_shorter_than_its_manifest_says_is_refused(tmp_path, tokeni
     (out / "manifest.json").write_text(broken)
     with pytest.raises(DataError, match=r"manifest\.json is not a readable manifest"):
       prepare.Manifest.load(out)
+
+
+# Entries that read as plain paths until percent-decoded, once or twice: an HTTP client
+# normalises the first (aiohttp's yarl requests `mine/%2e%2e/secret.npy` as `/secret.npy`).
+ESCAPES = ["%2e%2e/secret.npy", ".%2E/secret.npy", "train/%2e%2e/%2e%2e/secret.npy",
+           "%2e%2e%2fsecret.npy", "%2e%2e%5csecret.npy", "train%5c..%5c..%5csecret.npy",
+           "%252e%252e/secret.npy", "train/%2e/part-00000.npy", "train%2f%2fpart-00000.npy",
+           "%2fsecret.npy"]
+
+
+@pytest.mark.slow(seconds=4)
+def test_percent_encoded_manifest_entries_cannot_leave_a_served_directory(tmp_path):
+  """A prepared directory served over HTTP (olmo3.data.serve's RangeServer) whose manifest
+  names a file outside it in percent-encoded spellings: each is refused, naming the manifest
+  and the entry, before any file is read, and the launcher says so in one line. The served
+  secret has the training file's size, so nothing but the check stands in the way."""
+  import shutil
+
+  from olmo3.data.serve import RangeServer
+
+  served = tmp_path / "served"
+  shutil.copytree(embedded.corpus_dir(), served / "mine", ignore=shutil.ignore_patterns(".lock"))
+  shutil.copy(served / "mine" / "train" / "part-00000.npy", served / "secret.npy")
+  manifest = json.loads((served / "mine" / "manifest.json").read_text())
+  assert manifest["splits"]["train"]["files"] == ["train/part-00000.npy"]
+
+  def listing(entry):
+    manifest["splits"]["train"]["files"] = [entry]
+    (served / "mine" / "manifest.json").write_text(json.dumps(manifest))
+
+  with RangeServer(os.fspath(served)) as server:
+    url = f"{server.url}/mine"
+    for entry in ESCAPES:
+      listing(entry)
+      with pytest.raises(DataError) as refused:
+        prepare.Manifest.load(url)
+      assert str(refused.value).startswith(
+          f"{url}/manifest.json: file {entry!r} of split 'train' is not a plain path inside its "
+          "directory"), (entry, str(refused.value))
+    listing(ESCAPES[0])
+    done = forked.completed("main", ["--fdl_config=experiments.olmo3_tiny:stage1",
+                                     f"--fdl_set=data.mix='{url}'", *TINY_FAST,
+                                     f"--workdir={tmp_path / 'run'}"],
+                            {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {url}/manifest.json: file '%2e%2e/secret.npy' of split 'train' is not a plain "
+        "path inside its directory (no absolute path, URL, '.' or '..', plain or "
+        "percent-encoded); the manifest was not written by olmo3.data.prepare or was edited")
+    assert server.get_requests("secret.npy") == 0  # never read
+    listing("train/part-00000.npy")  # the manifest as prepared still loads
+    assert prepare.Manifest.load(url).files(url, "train") == [f"{url}/train/part-00000.npy"]
+  assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow(seconds=2)
@@ -298,6 +352,24 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
   assert info and set(info) <= ours, sorted(set(info) - ours)
   for noise in ("orbax", "checkpoint_manager", "xla_bridge", "libtpu", "TPU", "PyTorch version"):
     assert noise not in log, noise
+  # The summary's next stage anneals on the same data, from this run, in a workdir of its own
+  # (the default stage-2 workdir may hold the embedded corpus's run): run as printed, the
+  # launcher takes it.
+  (following,) = [line.split("next stage", 1)[1].strip() for line in done.stdout.splitlines()
+                  if line.startswith("  next stage ")]
+  assert following == (
+      "python launch/main.py --fdl_config=experiments.olmo3_tiny:stage2 "
+      f"\"--fdl_set=checkpoint.init_from='{run}'\" \"--fdl_set=data.mix='{mine}'\" "
+      f"--workdir={run}.stage2"), following
+  python, script, *argv = shlex.split(following)
+  assert (python, script) == ("python", "launch/main.py")
+  stage2 = forked.completed("main", [*argv, "--dry_run"], env, timeout=300)
+  assert stage2.returncode == 0, stage2.stderr[-3000:]
+  assert f"data.mix: str | None = '{mine}'" in stage2.stdout
+  for line in (f"training data       {mine}: train split, 1 files",
+               f"start               initialised from {run}/checkpoints/2 "):
+    assert line in stage2.stdout, stage2.stdout[-3000:]
+  assert not os.path.exists(f"{run}.stage2")  # free, and a dry run writes nothing
   done = forked.completed("olmo3.eval", ["--workdir", str(run), "--tasks"], env, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   report = json.loads((run / "eval_report.json").read_text())["steps"]["2"]

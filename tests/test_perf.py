@@ -2,8 +2,10 @@ import collections
 import csv
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -313,6 +315,85 @@ def test_each_sweep_variant_gets_its_own_flag_set(tmp_path):
   assert rows["xla_flags=on"]["fits"] == "False"
   assert rows["xla_flags=on"]["error"].startswith("variant process exited ")
   assert set(rows) == {"xla_flags=off", "xla_flags=on"}
+
+
+def _children(pid: int) -> list[int]:
+  """The live processes whose parent is `pid` (zombies are gone: their exit was seen)."""
+  out = []
+  for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      with open(f"/proc/{entry}/stat") as f:
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so after the last ')'
+        state, ppid = f.read().rpartition(")")[2].split()[:2]
+    except (FileNotFoundError, ProcessLookupError):  # ended meanwhile
+      continue
+    if int(ppid) == pid and state != "Z":
+      out.append(int(entry))
+  return out
+
+
+def _alive(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.slow(seconds=25)
+def test_a_signalled_sweep_stops_its_worker_records_nothing_and_resume_reruns_it(tmp_path):
+  """SIGINT (Ctrl-C) or SIGTERM to a sweep while its variant runs: the worker is gone at once,
+  the variant has no verdict in the tables, the sweep says how to continue and exits 130 / 143,
+  and --resume runs the variant. Its result line is rounded for people, not a raw dict."""
+  (tmp_path / "one_sweep.py").write_text("def sweep():\n  return [{'model.remat': 'full'}]\n")
+  out = tmp_path / "out"
+  args = [sys.executable, "launch/sweep.py", "--fdl_config=experiments.olmo3_tiny:stage1",
+          "--sweep=one_sweep:sweep", "--fdl_set=data.global_batch_size=8", "--compile_only=local",
+          "--out", str(out)]
+  env = dict(COMPILING_ENV, PYTHONPATH=str(tmp_path))
+
+  def interrupted(sig, *extra):
+    sweep = subprocess.Popen([*args, *extra], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    workers = []
+    try:
+      deadline = time.time() + 120
+      while not (workers := _children(sweep.pid)):  # the variant's worker has started
+        assert sweep.poll() is None and time.time() < deadline, sweep.communicate()
+        time.sleep(0.05)
+      time.sleep(0.5)  # well inside the variant: its compile alone takes seconds
+      sweep.send_signal(sig)
+      stdout, stderr = sweep.communicate(timeout=30)
+    finally:
+      for pid in [sweep.pid] * (sweep.poll() is None) + list(filter(_alive, workers)):
+        os.kill(pid, signal.SIGKILL)  # what the sweep failed to stop (each started here)
+    assert not any(map(_alive, workers)), "the worker outlived the sweep"
+    rows = []
+    if (out / "results.csv").exists():
+      with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [], rows  # no verdict for the variant cut short
+    return sweep.returncode, stdout.strip().splitlines()[-1], stderr
+
+  rc, last, err = interrupted(signal.SIGINT)
+  assert rc == 130, err[-3000:]
+  assert last.startswith("interrupted (SIGINT): 1 variant not finished, nothing recorded for "
+                         "them; continue with: python "), last
+  assert last.endswith(f"--out {out} --resume"), last
+  rc, last, err = interrupted(signal.SIGTERM, "--resume")
+  assert rc == 143 and last.startswith("interrupted (SIGTERM): 1 variant "), err[-3000:]
+  assert last.endswith(f"--out {out} --resume") and "--resume --resume" not in last, last
+  done = subprocess.run([*args, "--resume"], capture_output=True, text=True, cwd=ROOT, env=env,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  with open(out / "results.csv") as f:
+    (row,) = list(csv.DictReader(f))
+  assert row["variant"] == "model.remat=full" and row["fits"] == "True"
+  (line,) = [l for l in done.stdout.splitlines() if l.startswith("[1 of 1] ")]
+  assert line.startswith("[1 of 1] model.remat=full: fits, memory_gb ") and "{" not in line
+  digits = [n.replace(".", "").lstrip("0") for n in re.findall(r"\d+\.\d+", line)]
+  assert digits and max(map(len, digits)) <= 4, line  # 4 significant digits, not float64's 17
+  assert "  1. model.remat=full: fits, " in done.stdout  # the ranking, as results.md has it
 
 
 @pytest.mark.slow(seconds=15)

@@ -2,9 +2,16 @@
 
 import dataclasses
 import json
+import os
+import shutil
+
+import pytest
 
 from olmo3.config import Experiment
 from olmo3.train.summary import RunSummary
+from tests import forked
+from tests import test_reliability as reliability
+from tests.test_reliability import straight  # noqa: F401  (the trained run, shared)
 
 
 def _workdir(tmp_path, rows, launches=2, committed=(4, 8)):
@@ -56,3 +63,34 @@ def test_a_run_without_evaluations_says_the_alarm_was_off(tmp_path):
   assert "  held-out CE     none: the run evaluated no held-out set" in lines
   assert "  alarm           off: without held-out evaluations it cannot fire" in lines
   assert "  checkpoint      none committed" in lines
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_complete_run_with_garbled_metrics_lines_still_prints_its_summary(
+    straight, tmp_path_factory, tmp_path):
+  """A finished run (the reliability tests' shared 9-step run) whose metrics.jsonl holds lines
+  that are no metric rows (a torn write, bytes that are no UTF-8): launching it again and its
+  --dry_run print the summary from the other rows, each bad line named by file and line in a
+  warning, and the file is left as it was (the readers change nothing)."""
+  shared = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    shared = shared.parent  # where the `straight` fixture trained its run
+  workdir = tmp_path / "run"
+  shutil.copytree(shared / "straight", workdir, ignore=shutil.ignore_patterns("lease.json"))
+  metrics = workdir / "metrics.jsonl"
+  lines = metrics.read_bytes().splitlines(keepends=True)
+  lines[2] = lines[2][:len(lines[2]) // 2] + b"\n"  # a torn write in the middle
+  lines.insert(5, b"\xff\xfe not a row\n")
+  metrics.write_bytes(b"".join(lines))
+  before = metrics.read_bytes()
+  args = [*reliability.TINY, "--fdl_set=train.steps=9", f"--workdir={workdir}",
+          "--fdl_set=checkpoint.every=100"]
+  for extra in ([], ["--dry_run"]):
+    done = forked.completed("main", [*args, *extra], reliability._env(1))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"run complete: {workdir} (1 launch)" in done.stdout
+    assert "  train loss      " in done.stdout and "(step 9)" in done.stdout
+    for number, why in ((3, "not JSON"), (6, "not JSON")):
+      assert f"{metrics}:{number}: {why} (" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+  assert metrics.read_bytes() == before

@@ -45,6 +45,7 @@ import os
 import shutil
 import sys
 import tempfile
+import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -53,8 +54,9 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from olmo3 import platforms
+from olmo3.data import hub
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
-from olmo3.io import storage
+from olmo3.io import errors, storage
 
 SPLITS = ("train", "heldout")
 DEFAULT_HELDOUT_FRACTION = 0.01  # of the documents, held out unless --heldout_fraction 0
@@ -147,11 +149,10 @@ def heldout_cut(texts: Iterable[str], fraction: float, min_documents: int) -> in
 def load_tokenizer(name: str) -> Tokenizer:
   if os.path.exists(name):
     return Tokenizer.from_file(name)
-  try:
-    return Tokenizer.from_pretrained(name)
-  except Exception as e:  # the hub may be out of reach: say which tokenizer
-    raise DataError(f"--tokenizer {name!r}: not a tokenizer.json file and not loadable from the "
-                    f"Hugging Face hub ({e})") from None
+  try:  # a hub name: fetched once, or one line within seconds (hub.py: not from_pretrained)
+    return Tokenizer.from_file(hub.tokenizer_json(name))
+  except DataError as e:
+    raise DataError(f"--tokenizer {name!r}: {e}") from None
 
 
 def eos_id(tokenizer: Tokenizer, eos: str | None) -> int:
@@ -226,6 +227,23 @@ class _SplitWriter:
     self.pending, self.pending_tokens = [], 0
 
 
+def _decodings(entry: str) -> list[str]:
+  """`entry`, then it percent-decoded, again, ... until decoding changes nothing."""
+  out = [entry]
+  while (decoded := urllib.parse.unquote(out[-1])) != out[-1]:
+    out.append(decoded)
+  return out
+
+
+def _plain_path(entry: str) -> bool:
+  """A relative path of named parts: no absolute path, drive, URL, '.', '..' or empty part
+  (a doubled slash), backslashes taken as slashes (as Windows and browsers' URL parsers
+  read them)."""
+  parts = entry.replace("\\", "/").split("/")
+  return not (entry.startswith(("/", "\\")) or "://" in entry or ":" in parts[0]
+              or any(p in ("", ".", "..") for p in parts))
+
+
 @dataclasses.dataclass(frozen=True)
 class Manifest:
   """DIR/manifest.json: per split the token files (relative to DIR), each file's token count
@@ -259,7 +277,9 @@ class Manifest:
     """Every listed file lies inside `directory`: a relative path without '..' (or a URL, or a
     drive) that no symbolic link leads out of. A manifest is data someone else may have
     written: one naming ../x or /etc/passwd would have a run train on (and an error quote)
-    whatever file that is."""
+    whatever file that is. The rule holds for each spelling an entry has once percent-escapes
+    are decoded, as often as they decode: an HTTP client decodes and normalises the URL it
+    requests (aiohttp's yarl turns `d/%2e%2e/x` into `/x`), and a server may decode again."""
     root = os.fspath(directory)
     local = not storage.is_url(root)
     real_root = os.path.realpath(root) if local else None
@@ -269,12 +289,11 @@ class Manifest:
         raise DataError(f"{path}: split {split!r} has no list of files; prepare the data again "
                         "(python -m olmo3.data.prepare)")
       for entry in entries:
-        parts = entry.replace("\\", "/").split("/") if isinstance(entry, str) else []
-        if (not parts or entry.startswith(("/", "\\")) or "://" in entry or ":" in parts[0]
-            or any(p in ("", ".", "..") for p in parts)):
+        if not isinstance(entry, str) or not all(map(_plain_path, _decodings(entry))):
           raise DataError(f"{path}: file {entry!r} of split {split!r} is not a plain path "
-                          "inside its directory (no absolute path, URL, '.' or '..'); the "
-                          "manifest was not written by olmo3.data.prepare or was edited")
+                          "inside its directory (no absolute path, URL, '.' or '..', plain or "
+                          "percent-encoded); the manifest was not written by "
+                          "olmo3.data.prepare or was edited")
         if local:
           real = os.path.realpath(os.path.join(root, entry))
           if os.path.commonpath([real, real_root]) != real_root:
@@ -418,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     manifest = prepare(args.input, args.tokenizer, args.out, args.heldout_fraction,
                        args.workers, args.eos, heldout_min_documents=args.heldout_min_documents)
   except (DataError, OSError) as e:  # OSError: the output's store (olmo3.io.storage)
+    if errors.traceback_wanted():  # OLMO3_TRACEBACK=1
+      raise
     print(f"error: {storage.first_line(e)}", file=sys.stderr)
     return 2
   for split, info in manifest.splits.items():
@@ -429,4 +450,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  # Whatever else it raises from the stores ends as one line too, and the process ends even
+  # if a client's thread does not (errors.reported).
+  sys.exit(errors.reported(main, lambda: (DataError, OSError))())

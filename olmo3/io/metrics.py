@@ -158,8 +158,8 @@ class JsonlWriter(MetricWriter):
 SET_ASIDE = ".set-aside"  # metrics.jsonl.set-aside: the lines a resume could not read as rows
 
 
-def _row_step(line: str) -> tuple[int | None, str]:
-  """(the step of a metrics.jsonl line, '') or (None, why it is no metric row)."""
+def _parse_row(line: str) -> tuple[dict[str, Any] | None, str]:
+  """(the metric row of a metrics.jsonl line, '') or (None, why it is no metric row)."""
   try:
     row = json.loads(line)
   except ValueError as e:
@@ -167,7 +167,13 @@ def _row_step(line: str) -> tuple[int | None, str]:
   step = row.get("step") if isinstance(row, dict) else None
   if type(step) is not int:  # pylint: disable=unidiomatic-typecheck  # bool is no step
     return None, f"no integer 'step' (step={step!r})"
-  return step, ""
+  return row, ""
+
+
+def _row_step(line: str) -> tuple[int | None, str]:
+  """(the step of a metrics.jsonl line, '') or (None, why it is no metric row)."""
+  row, why = _parse_row(line)
+  return (None, why) if row is None else (row["step"], "")
 
 
 def _drop_after(path: str | os.PathLike, step: int, name: str) -> None:
@@ -258,8 +264,27 @@ class MirroredWriter(MetricWriter):
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, float]]:
-  """The rows of a metrics.jsonl (a local path or a URL)."""
-  return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+  """The rows of a metrics.jsonl (a local path or a URL). Lines that are no metric row (see
+  JsonlWriter: a resume sets them aside) are skipped, each logged by file and line: a reader
+  (a finished run's summary, its --dry_run) changes nothing, and never stops on one."""
+  rows, skipped = [], 0
+  # Undecodable bytes: that line is no metric row, the others still are.
+  text = storage.read_bytes(path).decode(errors="surrogateescape")
+  for number, line in enumerate(text.split("\n"), start=1):  # numbered as _drop_after does
+    if not line.strip():
+      continue
+    row, why = _parse_row(line)
+    if row is not None:
+      rows.append(row)
+      continue
+    skipped += 1
+    if skipped <= 5:
+      logging.warning("%s:%d: %s; skipped (a resume of the run sets such lines aside in %s%s)",
+                      os.fspath(path), number, why, os.fspath(path), SET_ASIDE)
+  if skipped > 5:
+    logging.warning("%s: %d more lines that are no metric rows skipped", os.fspath(path),
+                    skipped - 5)
+  return rows
 
 
 # --- Weights & Biases (the `wandb` extra) --------------------------------------------------------
