@@ -2,8 +2,11 @@
 serves its token files, so that a cluster without a bucket (or a test) reads prepared
 directories, mix files and token files from this machine with `http://HOST:PORT/...`:
 
-  python -m olmo3.data.serve data --port 8000   # data/mine/manifest.json is .../mine/manifest.json
-  python launch/main.py ... --fdl_set=data.mix='"http://HOST:8000/mine"'
+  python -m olmo3.data.serve data --port 8000 --host 0.0.0.0   # every interface
+  python launch/main.py ... --fdl_set=data.mix='"http://HOST:8000/mine"'   # data/mine
+
+It binds 127.0.0.1 (this machine only) unless `--host` says otherwise, and prints the URLs to
+use: for an address of every interface (0.0.0.0, ::), this machine's name as others reach it.
 
 GET with `Range: bytes=a-b` (206; every read of a remote file is one, olmo3.io.storage), HEAD
 with the size, keep-alive, many requests at once. Only regular files inside DIR are served (no
@@ -29,6 +32,7 @@ import http.server
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import threading
@@ -131,6 +135,7 @@ class RangeServer:
 
     class Server(http.server.ThreadingHTTPServer):
       request_queue_size = 1024  # the default listen backlog (5) stalls concurrent clients 1 s
+      address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
       daemon_threads = True
 
       def handle_error(self, request, client_address):  # a client that hung up: not news
@@ -144,7 +149,9 @@ class RangeServer:
     """The server's URL as other machines name it (this host's name when bound to all
     interfaces)."""
     host, port = self._server.server_address[:2]
-    return f"http://{socket.getfqdn() if host in ('0.0.0.0', '::') else host}:{port}"
+    if host in ("0.0.0.0", "::"):
+      host = public_name()
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
   def _fails(self) -> bool:
     """Whether this request is one of the `error_rate` answered 500."""
@@ -169,6 +176,22 @@ class RangeServer:
     self._thread.join()
 
 
+def public_name() -> str:
+  """This machine's name as other machines reach it: its host name, or, where that is only a
+  loopback name, the address of the interface that routes outwards. Why not socket.getfqdn():
+  where the host name resolves to 127.0.0.1 (many containers and VMs) it says "localhost",
+  which on every other machine means that machine."""
+  for name in (socket.gethostname(), socket.getfqdn()):
+    if name and not name.startswith("localhost") and not name.startswith("127."):
+      return name
+  try:  # the source address of a route outwards; a UDP "connection" sends nothing
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+      s.connect(("10.255.255.255", 1))
+      return s.getsockname()[0]
+  except OSError:
+    return socket.gethostname()
+
+
 def announcement(directory: str, url: str) -> list[str]:
   """What the command prints once serving: where, and the mix setting of each prepared
   directory directly inside `directory`."""
@@ -185,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("directory", metavar="DIR", help="the directory whose files are served")
   parser.add_argument("--port", type=int, default=8000, help="0: any free port")
-  parser.add_argument("--host", default="0.0.0.0",
-                      help="the address to bind (default: every interface; 127.0.0.1: this "
-                      "machine only)")
+  parser.add_argument("--host", default="127.0.0.1",
+                      help="the address to bind (default: this machine only; 0.0.0.0: every "
+                      "interface, for the machines of a cluster)")
   args = parser.parse_args(argv)
   directory = args.directory
   if not os.path.isdir(directory):
@@ -204,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
   except OSError as e:  # the port is taken, the address not this machine's
     print(f"error: cannot serve on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
     return 2
+  # Ctrl-C must land in this thread: the kernel hands a process's signal to any thread that
+  # does not block it, and one taken by the serving thread left this one waiting for good
+  # (one stop in three hung). The server's threads inherit the mask they start with.
+  blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
   with server:
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # the serving thread has started
     try:
       print("\n".join(announcement(directory, server.url)), flush=True)
       threading.Event().wait()

@@ -1,0 +1,73 @@
+"""python -m olmo3.data.serve as a user starts it: the address it binds and the URLs it prints
+agree (this machine only by default; `--host 0.0.0.0` prints a name other machines can use)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from olmo3.data import serve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _serving(directory, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+  """The server started, and what it printed before serving (its announcement)."""
+  proc = subprocess.Popen([sys.executable, "-m", "olmo3.data.serve", str(directory), "--port",
+                           "0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=ROOT)
+  lines = [proc.stdout.readline().rstrip("\n")]
+  lines.append(proc.stdout.readline().rstrip("\n"))  # the prepared directory's line
+  return proc, lines
+
+
+def _stop(proc: subprocess.Popen) -> None:
+  proc.send_signal(signal.SIGINT)  # Ctrl-C, the documented way to stop it
+  assert proc.wait(timeout=30) == 0, proc.stderr.read()[-2000:]
+
+
+def _reaches(host: str, port: int) -> bool:
+  try:
+    socket.create_connection((host, port), timeout=5).close()
+    return True
+  except OSError:
+    return False
+
+
+@pytest.mark.slow(seconds=4)
+def test_serve_binds_this_machine_by_default_and_prints_the_address_it_binds(tmp_path):
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "manifest.json").write_text("{}")
+  proc, lines = _serving(tmp_path)
+  try:
+    url = lines[0].split(" at ", 1)[1].split(" ", 1)[0]
+    parsed = urllib.parse.urlsplit(url)
+    assert parsed.hostname == "127.0.0.1", lines  # before: every interface, "localhost" printed
+    assert lines[1] == f"  prepared directory mine: --fdl_set=data.mix='\"{url}/mine\"'"
+    with urllib.request.urlopen(f"{url}/mine/manifest.json", timeout=10) as reply:
+      assert reply.read() == b"{}"  # the printed URL serves
+    # Another loopback address is another interface: not served (it was, bound to 0.0.0.0).
+    assert not _reaches("127.0.0.2", parsed.port)
+  finally:
+    _stop(proc)
+  # --host 0.0.0.0: every interface, and the URL names this machine as others reach it.
+  proc, lines = _serving(tmp_path, "--host", "0.0.0.0")
+  try:
+    parsed = urllib.parse.urlsplit(lines[0].split(" at ", 1)[1].split(" ", 1)[0])
+    assert parsed.hostname == serve.public_name(), lines
+    assert parsed.hostname != "localhost" and not parsed.hostname.startswith("127."), lines
+    assert _reaches("127.0.0.2", parsed.port)
+  finally:
+    _stop(proc)
+
+
+def test_this_machine_s_public_name_is_never_a_loopback_name():
+  name = serve.public_name()
+  assert name and name != "localhost" and not name.startswith("127."), name
