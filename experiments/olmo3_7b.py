@@ -1,4 +1,5 @@
-"""OLMo 3 7B, as AI2 trained it: stage 1 pretraining and stage 2 midtraining anneal.
+"""OLMo 3 7B, as AI2 trained it: stage 1 pretraining, stage 2 midtraining anneal and stage 3
+long-context extension.
 
 Numbers from AI2's OLMo 3 release and OLMo-core's OLMo 3 7B scripts
 (src/scripts/official/OLMo3/OLMo-3-1025-7B-*.py); docs/recipe.md lists each with its source.
@@ -7,11 +8,13 @@ Numbers from AI2's OLMo 3 release and OLMo-core's OLMo 3 7B scripts
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --workdir=gs://bucket/olmo3-7b-s1
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage2 \\
       --fdl_set=checkpoint.init_from='"gs://bucket/olmo3-7b-s1"'
+  python launch/main.py --fdl_config=experiments.olmo3_7b:stage3 \\
+      --fdl_set=checkpoint.init_from='"gs://bucket/olmo3-7b-s2"'
   python launch/main.py --fdl_config=experiments.olmo3_7b:stage1 --fiddler=single_cosine
 
 Data: `data.root` must point at AI2's preprocessed token files (the mix lists paths relative
-to it; the mix lists ship with `ai2-olmo-core`): AI2's public host, as OLMo-core reads it by
-default (`--fdl_set=data.root='"http://olmo-data.org"'`), or a copy in a bucket or on disk.
+to it; olmo3 ships AI2's mix lists, olmo3/data/mixes.py): AI2's public host, as OLMo-core reads
+it by default (`--fdl_set=data.root='"http://olmo-data.org"'`), or a copy in a bucket or on disk.
 """
 
 from __future__ import annotations
@@ -20,14 +23,18 @@ import fiddle as fdl
 
 from experiments.common import as_config
 from olmo3.config import (AttentionKernel, CheckpointConfig, DataConfig, DType, EvalConfig,
-                          Experiment, MeshConfig, OptimizerConfig, Remat, Schedule, TrainConfig,
-                          olmo3_7b)
+                          Experiment, LongDocuments, MeshConfig, OptimizerConfig, Packing, Remat,
+                          RopePositions, ScaledLayers, Schedule, TrainConfig, Yarn, olmo3_7b)
 from olmo3.xla_flags import FLAG_SETS
 from olmo3.remat import Mode, Name
 from olmo3.run.record import workdir_of
 
 STAGE1_STEPS = 1_413_814  # one epoch of the Dolma 3 mix at 512 x 8192 tokens (≈ 5.93T tokens)
 STAGE2_STEPS = 47_684  # ceil(100e9 / (256 x 8192)): the midtraining script's 100B-token duration
+# ceil(50e9 / (64 x 65,536)): stage 3's 50B tokens (AI2's README; the checkpoint list's last
+# stage-3 step is 11921). The official long-context script's max_duration (5e12 tokens) and
+# hard_stop (597,046 steps) are the pretraining script's, copied (docs/recipe.md#stage-3).
+STAGE3_STEPS = 11_921
 # AI2's stage 1 ran as two scripts (OLMo-3-1025-7B-pretrain-1.py, -2.py), each with its own
 # schedule. Part 1: CosWithWarmup(warmup 2000) over max_duration = 5e12 tokens, so its cosine aims
 # at ceil(5e12 / 4,194,304) = 1,192,093 steps. Part 2 loaded part 1's step-596,047 checkpoint and
@@ -119,6 +126,40 @@ def stage2() -> fdl.Config[Experiment]:
   cfg.train.steps = STAGE2_STEPS
   cfg.train.stop_at_epoch = None  # the midtraining script stops at its 100B tokens only
   cfg.checkpoint.init_from = workdir_of(stage1)  # runs/olmo3_7b.stage1
+  return cfg
+
+
+def stage3() -> fdl.Config[Experiment]:
+  """Stage 3 long-context extension to 65,536 tokens (OLMo-3-1025-7B-long-context.py, run with
+  ai2-olmo-core 2.4.0): stage 2 with YaRN RoPE scaling (factor 8, beta_fast 32, beta_slow 1,
+  original context 8192) on the full-attention layers only, the longmino mix
+  (OLMo-longmino-mix-0625, 998 files) packed into 65,536-token instances (best-fit decreasing
+  over groups of 8 files shuffled with seed 123, long documents truncated, attention within
+  each document, RoPE positions 0..65,535 across the instance as OLMo-core 2.4.0 ran it), 64
+  instances per step (4,194,304 tokens), data seed 34521, peak LR 2.0712352850360292e-4 after
+  200 warmup steps, linear to 0 over STAGE3_STEPS (50B tokens), initialised from stage 2's
+  final checkpoint: parameters and AdamW moments, step and schedule reset
+  (load_trainer_state=False, load_optim_state=True). AI2's script evaluates nothing in the
+  loop; this keeps the held-out perplexity sets (64 documents a batch, their CE also per band
+  of 8192 positions), so the extension is watched. Context parallelism over 8 devices is how AI2 fit a 65,536-token sequence."""
+  cfg = stage2()
+  cfg.model.rope_scaling = fdl.Config(Yarn, factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                                      original_context=8192, layers=ScaledLayers.FULL_ATTENTION)
+  cfg.model.rope_positions = RopePositions.INSTANCE
+  cfg.model.max_seq_len = 65_536
+  cfg.data.mix = "OLMo-longmino-mix-0625"
+  cfg.data.seq_len = 65_536
+  cfg.data.max_target_seq_len = None  # packed instances are shuffled one by one
+  cfg.data.packing = fdl.Config(Packing, source_group_size=8, source_permutation_seed=123,
+                                long_documents=LongDocuments.TRUNCATE)
+  cfg.data.seed = 34521
+  cfg.data.global_batch_size = 64
+  cfg.optimizer.warmup_steps = 200
+  cfg.optimizer.decay_steps = STAGE3_STEPS
+  cfg.train.steps = STAGE3_STEPS
+  cfg.eval.batch_size = 64
+  cfg.eval.position_band = 8192  # held-out CE per 8192 positions: within and beyond stage 2's
+  cfg.checkpoint.init_from = workdir_of(stage2)  # runs/olmo3_7b.stage2
   return cfg
 
 

@@ -38,6 +38,7 @@ SIZE_FIELDS = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_head
                "mlp_hidden", "sliding_window", "max_seq_len", "eos_token_id", "pad_token_id")
 BATCH_DIVISOR = 32  # 512 -> 16 instances per step in stage 1, 256 -> 8 in stage 2
 SEQ_LEN = 256  # the window (128) is half of it, as the 7B's 4096 of 8192
+BASE_SEQ_LEN = 8192  # the 7B's stage 1-2 sequence, which SEQ_LEN stands for
 LR_SCALE = 10.0  # a 2.9M-parameter model takes a 10x larger learning rate
 WARMUP_STEPS = 10  # for stages that warm up (the 7B's 2000 would be most of the run)
 # OLMo's reading-comprehension suite, zero-shot (short contexts for a 256-token model).
@@ -64,7 +65,7 @@ def cpu(cfg: fdl.Config[Experiment]) -> fdl.Config[Experiment]:
   return cfg
 
 
-def laptop_stage(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str | None = None,
+def laptop_stage(cfg: fdl.Config[Experiment], steps: int, init_from: str | None = None,
                  eval_every: int = 25) -> fdl.Config[Experiment]:
   """Fiddler: a 7B stage at laptop size (`laptop_size`), `steps` long, on the embedded corpus,
   evaluating the training data's held-out split (the embedded corpus's, or that of a prepared
@@ -73,8 +74,8 @@ def laptop_stage(cfg: fdl.Config[Experiment], steps: int, workdir_of_stage1: str
   cadence are sized for the CPU (evaluation under 20% of the run's wall time), not part of the
   recipe."""
   laptop_size(cfg, steps)
-  if workdir_of_stage1 is not None:
-    cfg.checkpoint.init_from = workdir_of_stage1
+  if init_from is not None:
+    cfg.checkpoint.init_from = init_from
   # The training data's own held-out split and tokenizer (olmo3.data.sources.resolve): the
   # embedded corpus's, or those of the directory --fdl_set=data.mix='"DIR"' names.
   cfg.eval.heldout, cfg.eval.tokenizer = None, None
@@ -92,11 +93,19 @@ def laptop_size(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Expe
   --fiddler='experiments.olmo3_tiny:laptop_size' --fdl_set=eval.tokenizer='"embedded"'
   --fdl_set=eval.heldout_root='"DIR"' --fdl_set=eval.task_limit=4."""
   tiny = olmo3_tiny()
+  # Stage 3's context is 8x stages 1-2's (65,536 of 8192): the tiny one keeps the ratio.
+  longer = cfg.data.seq_len // BASE_SEQ_LEN
   for field in SIZE_FIELDS:
     setattr(cfg.model, field, getattr(tiny, field))
+  cfg.model.max_seq_len = tiny.max_seq_len * longer
+  if cfg.model.rope_scaling is not None:  # YaRN extends the tiny stages' own context
+    cfg.model.rope_scaling.original_context = tiny.max_seq_len
+  if cfg.eval.position_band is not None:  # the bands stand for the same stretch of context
+    cfg.eval.position_band = cfg.eval.position_band * SEQ_LEN // BASE_SEQ_LEN
   cfg.data.mix, cfg.data.root = "embedded", ""
-  cfg.data.seq_len = SEQ_LEN
-  cfg.data.max_target_seq_len = SEQ_LEN  # the 7B's target is its sequence length (see above)
+  cfg.data.seq_len = SEQ_LEN * longer
+  if cfg.data.max_target_seq_len is not None:  # the 7B's target is its sequence (see above)
+    cfg.data.max_target_seq_len = SEQ_LEN * longer
   cfg.data.global_batch_size //= BATCH_DIVISOR
   # Schedule lengths keep their proportion to the stage; the learning rate scales with size.
   ratio = steps / cfg.train.steps
@@ -126,8 +135,23 @@ def stage2() -> fdl.Config[Experiment]:
   """Stage 2: 8 x 256 tokens per step, 40 steps, LR 2.07e-3 linear to 0, initialised from
   stage 1's final checkpoint (parameters and moments). Evaluates at its end only: its 40 short
   steps take less time than an evaluation's fixed part (the programs' compiles)."""
-  return laptop_stage(olmo3_7b.stage2(), steps=40, workdir_of_stage1=workdir_of(stage1),
+  return laptop_stage(olmo3_7b.stage2(), steps=40, init_from=workdir_of(stage1),
                       eval_every=40)
+
+
+def stage3() -> fdl.Config[Experiment]:
+  """Stage 3: the long-context extension at 8x the tiny context (2048 tokens, YaRN over the
+  tiny stages' 256), the embedded corpus's documents packed into instances with attention
+  kept within each, 2 x 2048 tokens per step, 40 steps, LR 2.07e-3 after 10 warmup steps,
+  linear to 0, initialised from the tiny stage 2's final checkpoint (parameters and moments).
+  Evaluates at its end, on held-out documents of 1024 tokens or more, per band of 256
+  positions (`python -m olmo3.eval --workdir runs/olmo3_tiny.stage2 --like
+  runs/olmo3_tiny.stage3` scores stage 2's model the same way)."""
+  cfg = laptop_stage(olmo3_7b.stage3(), steps=40, init_from=workdir_of(stage2), eval_every=40)
+  # Held-out documents of 4x the tiny context or more (20 of the corpus's 35), scored to 2048
+  # tokens: CE per band of 256 positions shows the loss beyond the context stage 2 trained at.
+  cfg.eval.min_document_tokens = 4 * SEQ_LEN
+  return cfg
 
 
 def memorize() -> fdl.Config[Experiment]:

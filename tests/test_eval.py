@@ -170,3 +170,69 @@ def test_alarm_watches_each_source_against_its_held_out_counterpart():
   # Its own held-out set falls too: learning, not memorisation.
   warnings, flags = run((4.0, 3.8, 3.6))
   assert warnings == [None, None, None] and flags == [0, 0, 0]
+
+
+@pytest.mark.seconds(5)
+def test_heldout_loss_per_position_band_of_long_documents(tmp_path, tokenizer):
+  """eval.min_document_tokens keeps the long documents (the first max_documents of them);
+  eval.position_band adds each band's CE: the token mean of -log p over the predicted tokens at
+  positions [a, b) of their document, which together make up the set's CE."""
+  import dataclasses
+
+  rng = np.random.default_rng(1)
+  docs = [rng.integers(2, MICRO.vocab_size, n) for n in (10, 63, 100, 3, 40, 70)]
+  stream = np.concatenate([np.append(d, MICRO.eos_token_id) for d in docs])
+  evaluator, params = _evaluator(tmp_path, tokenizer, heldout_tokens=stream, tasks=())
+  exp = evaluator.exp
+  exp = dataclasses.replace(exp, eval=dataclasses.replace(
+      exp.eval, min_document_tokens=40, max_documents=3, position_band=16))
+  banded = Evaluator(exp, evaluator.model)
+  got = banded.heldout_metrics(params)["docs"]
+  kept = [np.append(d, MICRO.eos_token_id)[:64] for d in docs if len(d) + 1 >= 40][:3]
+  assert len(kept) == 3 and len(banded.heldout["docs"]) == 3  # 63, 100, 40 tokens (+ EOS)
+  model = model_lib.from_params(MICRO, random_params(MICRO, seed=5))
+  padded = np.stack([np.pad(r, (0, 64 - len(r))) for r in kept])  # causal: padding is after
+  logp_all = _log_softmax64(model(jnp.asarray(padded)))
+  sums, counts = np.zeros(4), np.zeros(4)
+  for doc, logp in zip(kept, logp_all):
+    for i, t in enumerate(doc[1:]):  # the token at position i + 1
+      sums[(i + 1) // 16] -= logp[i, t]
+      counts[(i + 1) // 16] += 1
+  assert got["ce_loss"] == pytest.approx(sums.sum() / counts.sum(), rel=1e-5)
+  for b in range(4):
+    assert got[f"ce_loss_pos{16 * b}_{16 * (b + 1)}"] == pytest.approx(sums[b] / counts[b],
+                                                                         rel=1e-5), b
+  with pytest.raises(tokens_lib.DataError, match="of 1000 tokens or more"):
+    Evaluator(dataclasses.replace(exp, eval=dataclasses.replace(
+        exp.eval, min_document_tokens=1000)), evaluator.model)
+
+
+@pytest.mark.seconds(8)
+def test_an_evaluation_compiled_ahead_compiles_nothing(tmp_path, tokenizer):
+  """`compile_ahead` on the parameters' shapes (what the training loop runs in a thread during
+  its startup) compiles each program at each shape an evaluation runs (held-out documents and
+  both task kinds), so the evaluation itself lowers and compiles nothing."""
+  from jax._src import dispatch, monitoring
+
+  rng = np.random.default_rng(1)
+  docs = [rng.integers(2, MICRO.vocab_size, n) for n in (10, 64, 100, 3, 40)]
+  stream = np.concatenate([np.append(d, MICRO.eos_token_id) for d in docs])
+  evaluator, params = _evaluator(tmp_path, tokenizer, heldout_tokens=stream)
+  lowered = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+      lowered.append(event)
+
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    evaluator.compile_ahead(evaluator.model.param_target)
+    ahead = len(lowered)
+    metrics = evaluator.evaluate(params)
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  kinds = {fn for fn, _ in evaluator.shapes()}
+  assert len(kinds) == 2 and ahead == len(evaluator.shapes())
+  assert len(lowered) == ahead, "the evaluation lowered programs compile_ahead had not"
+  assert "eval/docs/ce_loss" in metrics

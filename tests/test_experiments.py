@@ -15,9 +15,11 @@ SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
     "optimizer.stitch_first_steps", "optimizer.stitch_resumed_at", "optimizer.stitch_at",
     "optimizer.stitch_second_steps",
     "train.steps", "train.log_every",
-    "train.eval_every", "checkpoint.every", "eval.batch_size"}
+    "train.eval_every", "checkpoint.every", "eval.batch_size",
+    "model.rope_scaling.original_context",  # stage 3: YaRN extends the tiny context
+    "eval.position_band"}
 DATA = {"data.mix", "data.root", "checkpoint.init_from", "eval.heldout", "eval.tokenizer",
-        "eval.max_documents", "eval.tasks", "eval.task_limit"}
+        "eval.max_documents", "eval.tasks", "eval.task_limit", "eval.min_document_tokens"}
 MACHINE = {"model.attention", "model.compute_dtype", "model.remat", "model.remat_custom",
            "xla_flags", "libtpu_flags", "env", "data.num_workers"}
 
@@ -26,7 +28,7 @@ def _field(path: str) -> str:
   return path.split("[")[0]
 
 
-@pytest.mark.parametrize("stage", ["stage1", "stage2"])
+@pytest.mark.parametrize("stage", ["stage1", "stage2", "stage3"])
 def test_tiny_differs_from_the_7b_only_in_size_data_and_machine(stage):
   changes = diffs.diff(getattr(olmo3_7b, stage)(), getattr(olmo3_tiny, stage)())
   changed = {_field(c.path) for c in changes}
@@ -114,3 +116,20 @@ def test_head_shape_sweeps_change_the_heads_alone(module, shapes):
     seen.add((model.n_heads, model.head_dim))
     names.add(refs.variant_name(overrides))
   assert seen == shapes and len(names) == len(module.head_shape_sweep())
+
+
+def test_the_tiny_stage3_is_the_7bs_long_context_shrunk():
+  """8x the tiny context, as 65,536 is 8x 8192; YaRN's factor and layers, the packing and the
+  start are the 7B's."""
+  big, tiny = fdl.build(olmo3_7b.stage3()), fdl.build(olmo3_tiny.stage3())
+  assert big.data.seq_len == 8 * 8192 and tiny.data.seq_len == 8 * olmo3_tiny.SEQ_LEN
+  assert tiny.model.max_seq_len == tiny.data.seq_len
+  assert tiny.model.rope_scaling == big.model.rope_scaling.replace(
+      original_context=config.olmo3_tiny().max_seq_len)
+  assert tiny.data.packing == big.data.packing == config.Packing()
+  assert (big.eval.position_band, tiny.eval.position_band) == (8192, olmo3_tiny.SEQ_LEN)
+  assert (big.optimizer.warmup_steps, big.optimizer.decay_steps, big.train.steps) == (
+      200, 11_921, 11_921)
+  assert big.checkpoint.init_from == "runs/olmo3_7b.stage2"
+  assert tiny.checkpoint.init_from == "runs/olmo3_tiny.stage2"
+  assert tiny.checkpoint.init_mode == big.checkpoint.init_mode == config.InitMode.NEW_STAGE

@@ -52,6 +52,23 @@ def test_7b_stage2_dry_run():
           "{'data': 1, 'fsdp': 1, 'sequence': 1, 'tensor': 1} on 1 cpu devices") in out
 
 
+@pytest.mark.slow(seconds=4)
+def test_7b_stage3_dry_run_shows_yarn_packing_and_its_start():
+  out = _main("--fdl_config=experiments.olmo3_7b:stage3", "--dry_run").stdout
+  assert "tokens per step     64 x 65536 = 4,194,304" in out
+  assert "steps               11,921 (schedule over 11,921)" in out
+  assert "peak LR             0.00020712352850360292 (linear, warmup 200)" in out
+  assert ("RoPE                YaRN x8 over 8,192 tokens (beta_fast 32, beta_slow 1, attention "
+          "factor 1.207944) on 8 of 32 layers (full_attention: 3, 7, 11, 15, 19, 23, 27, 31); "
+          "the others plain, theta 500000") in out
+  assert ("packing             documents packed into 65,536-token instances (best-fit "
+          "decreasing in groups of 8 files, shuffled with seed 123; long documents: truncate); "
+          "attention within each document, RoPE positions per instance") in out
+  assert "data.mix: str | None = 'OLMo-longmino-mix-0625'" in out
+  assert ("start               from runs/olmo3_7b.stage2 (checkpoint.init_mode=new_stage) "
+          "unless runs/olmo3_7b.stage3 holds a checkpoint of its own") in out
+
+
 @pytest.mark.slow(seconds=6)
 def test_7b_stage1_dry_run_dotted_form_and_overrides():
   out = _main("--fdl_config=experiments.olmo3_7b.stage1", "--dry_run").stdout
@@ -260,8 +277,8 @@ def _losses(workdir):
           if "loss" in r}
 
 
-@pytest.mark.slow(seconds=50)
-def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
+@pytest.mark.slow(seconds=65)
+def test_tiny_stages_1_2_3_end_to_end(tmp_path):
   s1, s2 = tmp_path / "s1", tmp_path / "s2"
   done = _main("--fdl_config=experiments.olmo3_tiny:stage1", f"--workdir={s1}", *TINY_FAST,
                "--fdl_set=train.steps=12", "--fdl_set=train.eval_every=4",
@@ -313,6 +330,18 @@ def test_tiny_stage1_then_stage2_end_to_end(tmp_path):
   changes = {c.path for c in diffs.diff(config_files.from_workdir(str(s1)),
                                            config_files.from_workdir(str(s2)))}
   assert {"data.seed", "checkpoint.init_from", "optimizer.schedule"} <= changes
+  # Stage 3 extends stage 2's context (here 4x, to 1024 tokens): packed documents, YaRN, and
+  # the summary's held-out CE per band of the original context's 256 positions.
+  s3 = tmp_path / "s3"
+  done = _main("--fdl_config=experiments.olmo3_tiny:stage3", f"--workdir={s3}",
+               f"--fdl_set=checkpoint.init_from='{s2}'", "--fdl_set=data.seq_len=1024",
+               "--fdl_set=model.max_seq_len=1024", "--fdl_set=train.steps=2",
+               "--fdl_set=eval.tasks=()", "--fdl_set=eval.max_documents=4")
+  bands = [line for line in done.stdout.splitlines() if line.startswith("  by position")]
+  assert len(bands) == 1 and re.fullmatch(
+      r"  by position     embedded: 0-256 [\d.]+, 256-512 [\d.]+, 512-768 [\d.]+, "
+      r"768-1024 [\d.]+", bands[0]), done.stdout
+  assert "packed" in done.stderr and "initialised from" in done.stderr, done.stderr[-3000:]
   # (Standalone evaluation of a checkpoint equals the in-loop numbers:
   # tests/test_reliability.py::test_two_processes_train_save_and_resume_on_another_mesh.)
 

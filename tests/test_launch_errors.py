@@ -84,7 +84,7 @@ def _cases(tmp) -> list[dict]:
            argv=["--fdl_config=experiments.olmo3_tiny:stagee1"],
            expect=config_error("error: --fdl_config='experiments.olmo3_tiny:stagee1': "
                                "experiments.olmo3_tiny has no experiment 'stagee1'; did you "
-                               "mean 'stage1'? experiments: memorize, stage1, stage2")),
+                               "mean 'stage1'? experiments: memorize, stage1, stage2, stage3")),
       dict(name="misspelt module", program="main",
            argv=["--fdl_config=experiments.olmo3_tin:stage1"],
            expect=config_error("error: --fdl_config='experiments.olmo3_tin:stage1': no module "

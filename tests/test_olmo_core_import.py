@@ -236,3 +236,22 @@ def test_official_names_resolve_without_a_network():
   base = "https://olmo-checkpoints.org/ai2-llm/Olmo-3-1025-7B/stage2/step10000"
   assert found == olmo_core_checkpoints.OlmoCoreCheckpoint(
       base, f"{base}/model_and_optim", f"{base}/train/rank0.pt")
+
+
+def test_ai2s_stage3_checkpoints_import_as_the_long_context_model():
+  """Without --model, AI2's stage-3 checkpoints (by name or URL) are read as the model stage 3
+  trains: the 7B with YaRN, as experiments.olmo3_7b:stage3 builds it; others as the 7B."""
+  import fiddle as fdl
+
+  from experiments import olmo3_7b
+  from olmo3.config import PRESETS
+  from olmo3.convert.__main__ import default_preset
+  from olmo3.io import olmo_core_checkpoints
+
+  stage3 = olmo_core_checkpoints.official()["olmo3-7b/stage3/step11921"]
+  assert default_preset(stage3.name) == default_preset(stage3.url) == "olmo3_7b_long_context"
+  assert default_preset("olmo3-7b/stage2/step47684") == "olmo3_7b"
+  trained = fdl.build(olmo3_7b.stage3()).model
+  machine = ("compute_dtype", "attention", "remat", "remat_custom")  # not the checkpoint's
+  assert (PRESETS["olmo3_7b_long_context"]().replace(**{f: getattr(trained, f) for f in machine})
+          == trained)

@@ -99,8 +99,8 @@ def _rope_interleaved(x_BTNK, cos_TK, sin_TK):
   return out.reshape(x.shape).astype(x_BTNK.dtype)
 
 
-def _norm_before_sublayer(self, x, rope, window):
-  h = x + self.self_attn(self.post_attention_layernorm(x), rope, window)
+def _norm_before_sublayer(self, x, rope, window, segments=None):
+  h = x + self.self_attn(self.post_attention_layernorm(x), rope, window, segments)
   return h + self.mlp(self.post_feedforward_layernorm(h))
 
 
@@ -114,3 +114,47 @@ def test_parity_catches_bugs(tmp_path, monkeypatch, target, attr, bug):
   report = _check(tmp_path, MICRO)
   assert report.max_kl > 1e-3, report.format()
   assert report.top1_agreement < 1.0, report.format()
+
+
+# Stage 3's shape shrunk: YaRN over an original context of 64 tokens, run at 4x that.
+YARN = MICRO.replace(d_model=128, n_heads=4, n_kv_heads=2, n_layers=8, sliding_window=24,
+                     max_seq_len=256, rope_scaling=config.Yarn(factor=8.0, original_context=64))
+
+
+@pytest.mark.seconds(5)
+def test_yarn_export_round_trips_and_says_what_transformers_5_3_runs(tmp_path, capsys):
+  """An export of a YaRN model reads back as the same model (full-attention layers scaled);
+  transformers 5.3 runs it with YaRN on every layer, which is ours with ScaledLayers.ALL to
+  float32 rounding and another model than the one trained: the measured gap is the warning's."""
+  write_random_hf_dir(tmp_path / "hf", YARN, seed=4)
+  imported, params, _ = hf.read_hf_dir(tmp_path / "hf")
+  assert imported.rope_scaling == YARN.rope_scaling
+  assert hf.hf_runs_differently(YARN) is not None
+  every_layer = YARN.replace(rope_scaling=YARN.rope_scaling.replace(
+      layers=config.ScaledLayers.ALL))
+  assert hf.hf_runs_differently(every_layer) is None
+  tokens = parity.random_tokens(YARN, 1, 4 * YARN.rope_scaling.original_context)
+  ref_logits, _ = parity.reference_forward(tmp_path / "hf", tokens)
+  as_hf_runs = parity.compare_logits(ref_logits, parity.our_forward(every_layer, params,
+                                                                    tokens)[0])
+  as_trained = parity.compare_logits(ref_logits, parity.our_forward(YARN, params, tokens)[0])
+  print(f"transformers 5.3 vs YaRN on full-attention layers only: max KL "
+        f"{as_trained['max_kl']:.3e}, top-1 {as_trained['top1_agreement']:.4f}")
+  assert as_hf_runs["max_kl"] <= 1e-6 and as_hf_runs["top1_agreement"] == 1.0, as_hf_runs
+  assert as_trained["max_kl"] > 1e-3
+
+
+def test_a_flat_yarn_config_is_read_as_olmo_3_was_trained():
+  """AI2's released config (transformers' flat layout, one yarn entry) is YaRN on the
+  full-attention layers, as OLMo-core trained it; per-type entries say which layers."""
+  flat = hf.model_config_to_hf(YARN)
+  yarn_entry = flat["rope_parameters"]["full_attention"]
+  flat["rope_parameters"] = yarn_entry
+  assert hf.model_config_from_hf(flat).rope_scaling == YARN.rope_scaling
+  both = hf.model_config_to_hf(YARN)
+  both["rope_parameters"]["sliding_attention"] = dict(yarn_entry)
+  assert hf.model_config_from_hf(both).rope_scaling.layers == config.ScaledLayers.ALL
+  odd = hf.model_config_to_hf(YARN)
+  odd["rope_parameters"]["full_attention"]["rope_type"] = "longrope"
+  with pytest.raises(hf.ConversionError, match="longrope"):
+    hf.model_config_from_hf(odd)

@@ -1,6 +1,7 @@
 """Parity with AI2's own training code (ai2-olmo-core's OLMo 3 transformer), a second reference
 independent of the Hugging Face port: the model must agree with what actually trained OLMo 3."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -121,3 +122,36 @@ def test_yarn_on_every_layer_matches_olmo_core_with_every_layer_scaled():
   metrics = parity.compare_logits(_olmo_core_logits(cfg, params, tokens),
                                   parity.our_forward(cfg, params, tokens)[0])
   assert metrics["max_kl"] <= 1e-6 and metrics["top1_agreement"] == 1.0, metrics
+
+
+@pytest.mark.parametrize("positions", list(config.RopePositions))
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "yarn"])
+def test_rope_positions_of_packed_documents_are_olmo_cores(positions, scaled):
+  """Each token's rotation in a packed row, against OLMo-core's RotaryEmbedding: without
+  document lengths (2.4.0, which never passes them to RoPE: AI2's stage 3) for
+  `RopePositions.INSTANCE`, with `cu_doc_lens` (3.0.0's intra-document RoPE) for `DOCUMENT`.
+  Rotations are absolute, so the other choice is far off (the mutation this test catches),
+  though attention scores, which depend on position differences, hardly move."""
+  from olmo_core.nn.rope import RotaryEmbedding, YaRNRoPEScalingConfig
+
+  from olmo3 import model as model_lib
+
+  cfg = YARN.replace(rope_positions=positions)
+  yarn = cfg.rope_scaling if scaled else None
+  lengths = [70, 130, 56]  # documents of a 256-token row (the last runs to the end)
+  segments = np.repeat(np.arange(1, len(lengths) + 1), lengths)[None].astype(np.int32)
+  ropes = model_lib.layer_ropes(cfg, segments.shape[1], jnp.asarray(segments))
+  x = np.random.default_rng(0).standard_normal((1, segments.shape[1], 2, cfg.head_dim))
+  ours = np.asarray(model_lib.apply_rope(jnp.asarray(x, jnp.float32), *ropes[scaled]))
+  reference = RotaryEmbedding(head_size=cfg.head_dim, theta=int(cfg.rope_theta),
+                              scaling=None if yarn is None else YaRNRoPEScalingConfig(
+                                  factor=yarn.factor, beta_fast=yarn.beta_fast,
+                                  beta_slow=yarn.beta_slow, old_context_len=yarn.original_context))
+  q = torch.from_numpy(x).float()
+  cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+  per_document, _ = reference(q, q, head_first=False, cu_doc_lens=cu)
+  per_instance, _ = reference(q, q, head_first=False)
+  right, wrong = ((per_document, per_instance) if positions == config.RopePositions.DOCUMENT
+                  else (per_instance, per_document))
+  np.testing.assert_allclose(ours, right.numpy(), atol=2e-5)
+  assert np.abs(ours - wrong.numpy()).max() > 0.5

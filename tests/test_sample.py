@@ -32,14 +32,20 @@ MICRO = config.olmo3_micro()
 PROMPT = "some words 7 and more 21, some words 12 and more 36"
 
 
-def test_cached_decode_logits_equal_the_full_forward():
+# Stage 3's YaRN (original context 16, so positions up to 40 reach 2.5x it) on the global
+# layers: the decode must give each layer its own RoPE tables.
+YARN = MICRO.replace(rope_scaling=config.Yarn(factor=4.0, original_context=16))
+
+
+@pytest.mark.parametrize("cfg", [MICRO, YARN], ids=["plain", "yarn"])
+def test_cached_decode_logits_equal_the_full_forward(cfg):
   """The prompt's logits from one prefill, then each later position's from a one-token step
   over the cache, equal the full forward's at every position (past two windows)."""
-  model = model_lib.from_params(MICRO, random_params(MICRO, seed=1))
-  tokens_BT = np.random.default_rng(1).integers(0, MICRO.vocab_size, (2, 40), np.int32)
+  model = model_lib.from_params(cfg, random_params(MICRO, seed=1))
+  tokens_BT = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 40), np.int32)
   full_BTV = np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens_BT))
   extend = nnx.jit(decode.extend, donate_argnums=1)
-  cache = decode.KVCache.empty(MICRO, 2, 40)
+  cache = decode.KVCache.empty(cfg, 2, 40)
   prompt = 7
   logits, cache = extend(model, cache, tokens_BT[:, :prompt], jnp.int32(0))
   pieces = [np.asarray(logits)]

@@ -64,11 +64,19 @@ def import_olmo_core(args: argparse.Namespace) -> int:
     raise checkpoint.CheckpointError(f"{args.out} already exists; refusing to overwrite")
   from olmo3.convert import olmo_core_import  # pylint: disable=import-outside-toplevel
 
-  cfg = PRESETS[args.model]()
+  preset = args.model or default_preset(args.src)
+  cfg = PRESETS[preset]()
   meta = olmo_core_import.import_checkpoint(args.src, args.out, cfg, staging=args.staging)
-  print(f"imported {meta['source']} ({args.model}: {cfg.param_count:,} parameters; "
+  print(f"imported {meta['source']} ({preset}: {cfg.param_count:,} parameters; "
         f"{olmo_core_import.describe(meta)}) -> {args.out}")
   return 0
+
+
+def default_preset(src: str) -> str:
+  """The model an OLMo-core checkpoint holds when --model does not say: AI2's stage-3
+  checkpoints hold the long-context model (YaRN), every other one OLMo 3 7B as stages 1-2."""
+  # AI2's names and URLs alike: olmo3-7b/stage3/step11921, .../Olmo-3-1025-7B/stage3/step1000
+  return "olmo3_7b_long_context" if "/stage3/" in f"/{src.rstrip('/')}/" else "olmo3_7b"
 
 
 def run_tokenizer(step_dir: epath.Path) -> str | None:
@@ -93,6 +101,9 @@ def export_hf(args: argparse.Namespace) -> int:
   hf.write_hf_dir(args.out, cfg, params, dtype=dtype,
                   extra_files=hf.tokenizer_files(tokenizer, cfg) if local else None)
   print(f"exported {ckpt} -> {args.out} ({dtype}, vocabulary cut to {cfg.vocab_size})")
+  differently = hf.hf_runs_differently(cfg)
+  if differently:
+    print(f"warning: {differently}", file=sys.stderr)
   if local:
     print(f"tokenizer: {tokenizer} (tokenizer.json, tokenizer_config.json)")
   elif tokenizer is not None:  # a hub name: AutoTokenizer loads it from there
@@ -105,7 +116,7 @@ def check_parity(args: argparse.Namespace) -> int:
   ref_cfg = hf.read_hf_config(args.hf_dir)
   shape_fields = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads",
                   "n_kv_heads", "mlp_hidden", "sliding_window", "global_every", "rope_theta",
-                  "norm_eps")
+                  "rope_scaling", "norm_eps")
   diff = [f for f in shape_fields if getattr(cfg, f) != getattr(ref_cfg, f)]
   if diff:
     print("checkpoint and HF config differ in " + ", ".join(
@@ -137,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--src", help="a step directory (local, gs://, s3://, https://) or a name "
                                "--list shows")
   p.add_argument("--out")
-  p.add_argument("--model", default="olmo3_7b", choices=sorted(PRESETS),
-                 help="the model config the checkpoint holds (a preset of olmo3.config)")
+  p.add_argument("--model", choices=sorted(PRESETS),
+                 help="the model config the checkpoint holds (a preset of olmo3.config; "
+                      "default: olmo3_7b_long_context for AI2's stage-3 checkpoints, else "
+                      "olmo3_7b)")
   p.add_argument("--staging", help="where the float32 arrays are staged before they are "
                                    "written (default: beside a local --out, else the temporary "
                                    "directory); about 3x the model's float32 size")

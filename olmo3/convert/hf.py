@@ -21,7 +21,7 @@ from etils import epath
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from olmo3.config import ConfigError, ModelConfig
+from olmo3.config import ConfigError, ModelConfig, ScaledLayers, Yarn
 
 Params = dict[str, Any]  # nested dict of arrays, as nnx.State.to_pure_dict() gives
 
@@ -52,27 +52,53 @@ class ConversionError(ValueError):
 # --- config.json -------------------------------------------------------------------------------
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-  """The single default-RoPE theta of every layer type, or a ConversionError."""
+_YARN_KEYS = {"factor": "factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow",
+              "original_max_position_embeddings": "original_context"}
+
+
+def _rope(hf: dict[str, Any], where: str) -> tuple[float, Yarn | None]:
+  """RoPE theta (one for every layer type) and the YaRN scaling, if any, or a ConversionError.
+
+  transformers 5.0-5.3 read one flat `rope_parameters` dict for every layer; later 5.x one per
+  layer type. Per-type entries say which layers YaRN scales; a flat-only yarn config (AI2's
+  released OLMo 3 7B, and transformers 4.x's `rope_scaling`) is taken as OLMo 3 was trained:
+  YaRN on the full-attention layers only (docs/architecture.md#yarn)."""
   params = hf.get("rope_parameters")
   if params is None:  # transformers 4.x layout
-    if hf.get("rope_scaling"):
-      raise ConversionError(f"{where}: rope_scaling={hf['rope_scaling']!r} is not supported "
-                            "(stages 1-2 use plain RoPE)")
-    return float(hf.get("rope_theta", 500_000.0))
-  # transformers 5.0-5.3 read one flat dict; later 5.x one dict per layer type. Either or both.
+    params = {"rope_theta": hf.get("rope_theta", 500_000.0), **(hf.get("rope_scaling") or {})}
   per_type = {k: v for k, v in params.items() if isinstance(v, dict)}
-  if "rope_theta" in params or "rope_type" in params:
-    per_type["all"] = {k: v for k, v in params.items() if not isinstance(v, dict)}
-  thetas = set()
+  flat = {k: v for k, v in params.items() if not isinstance(v, dict)}
+  if flat and (per_type.keys() != {"full_attention", "sliding_attention"}):
+    per_type = {"all": flat, **per_type}
+  thetas, yarns, scaled = set(), set(), set()
   for layer_type, p in per_type.items():
-    if p.get("rope_type", "default") != "default":
-      raise ConversionError(f"{where}: rope_parameters[{layer_type!r}] has rope_type "
-                            f"{p['rope_type']!r}; only 'default' RoPE is supported (stages 1-2)")
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind not in ("default", "yarn"):
+      raise ConversionError(f"{where}: rope_parameters[{layer_type!r}] has rope_type {kind!r}; "
+                            "only 'default' and 'yarn' RoPE are supported")
     thetas.add(float(p.get("rope_theta", hf.get("rope_theta", 500_000.0))))
+    if kind == "yarn":
+      missing = [k for k in ("factor", "original_max_position_embeddings") if k not in p]
+      if missing:
+        raise ConversionError(f"{where}: rope_parameters[{layer_type!r}] (yarn) lacks {missing}")
+      yarns.add(tuple(float(p.get(k, default)) for k, default in (
+          ("factor", 0), ("beta_fast", 32), ("beta_slow", 1),
+          ("original_max_position_embeddings", 0))))
+      scaled.add(layer_type)
   if len(thetas) != 1:
     raise ConversionError(f"{where}: RoPE theta differs between layer types ({sorted(thetas)})")
-  return thetas.pop()
+  if len(yarns) > 1:
+    raise ConversionError(f"{where}: YaRN parameters differ between layer types")
+  if not yarns:
+    return thetas.pop(), None
+  factor, beta_fast, beta_slow, original = yarns.pop()
+  layers = ScaledLayers.ALL if "sliding_attention" in scaled else ScaledLayers.FULL_ATTENTION
+  try:
+    yarn = Yarn(factor=factor, beta_fast=beta_fast, beta_slow=beta_slow,
+                original_context=int(original), layers=layers)
+  except ConfigError as e:
+    raise ConversionError(f"{where}: {e}") from None
+  return thetas.pop(), yarn
 
 
 def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
@@ -101,6 +127,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
   global_every = is_global.index(True) + 1 if True in is_global else n_layers
   eos = hf.get("eos_token_id")
   vocab = hf["vocab_size"]
+  theta, yarn = _rope(hf, where)
   try:
     cfg = ModelConfig(
         vocab_size=vocab, padded_vocab_size=-(-vocab // 128) * 128, d_model=d,
@@ -108,7 +135,7 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
         n_kv_heads=hf.get("num_key_value_heads") or heads,
         mlp_hidden=hf["intermediate_size"],
         sliding_window=hf.get("sliding_window") or hf.get("max_position_embeddings", 8192),
-        global_every=global_every, rope_theta=_rope_theta(hf, where),
+        global_every=global_every, rope_theta=theta, rope_scaling=yarn,
         norm_eps=hf.get("rms_norm_eps", 1e-6), init_std=hf.get("initializer_range", 0.02),
         max_seq_len=hf.get("max_position_embeddings", 8192),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
@@ -131,8 +158,18 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, An
   fails without the flat keys, later 5.x would give the sliding layers theta 10,000 without
   the nested ones. So 5.0-5.3 warn "Unrecognized keys in `rope_parameters`" naming the two
   layer types, and load the right theta; its `ignore_keys_at_rope_validation` cannot come from
-  a config.json (a JSON list, where 5.3 subtracts a set)."""
-  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  a config.json (a JSON list, where 5.3 subtracts a set).
+
+  YaRN (stage 3) is written per layer type as trained (the full-attention layers' entry
+  scaled, the sliding layers' plain unless `ScaledLayers.ALL`), and flat as yarn: 5.0-5.3 then
+  scale every layer, which is not the trained model (`hf_runs_differently` says so)."""
+  plain = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  yarn = cfg.rope_scaling
+  scaled = plain if yarn is None else {
+      "rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": yarn.factor,
+      "original_max_position_embeddings": yarn.original_context, "beta_fast": yarn.beta_fast,
+      "beta_slow": yarn.beta_slow, "attention_factor": yarn.attention_factor}
+  sliding = scaled if yarn is not None and yarn.layers == ScaledLayers.ALL else plain
   return {
       "architectures": ["Olmo3ForCausalLM"],
       "model_type": "olmo3",
@@ -150,7 +187,8 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, An
       "attention_dropout": 0.0,
       "sliding_window": cfg.sliding_window,
       "layer_types": ["full_attention" if g else "sliding_attention" for g in cfg.layer_is_global],
-      "rope_parameters": {**rope, "full_attention": dict(rope), "sliding_attention": dict(rope)},
+      "rope_parameters": {**scaled, "full_attention": dict(scaled),
+                          "sliding_attention": dict(sliding)},
       "tie_word_embeddings": False,
       "pad_token_id": cfg.pad_token_id,
       "eos_token_id": cfg.eos_token_id,
@@ -158,6 +196,18 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, An
       "use_cache": True,
       "dtype": dtype,
   }
+
+
+def hf_runs_differently(cfg: ModelConfig) -> str | None:
+  """Why transformers 5.0-5.3 would run an export of `cfg` otherwise than it was trained, or
+  None: their Olmo3 builds one rotary embedding from the flat `rope_parameters` for every
+  layer, so YaRN meant for the full-attention layers scales the sliding layers too."""
+  if cfg.rope_scaling is None or cfg.rope_scaling.layers == ScaledLayers.ALL:
+    return None
+  return ("transformers 5.0-5.3 apply YaRN to every layer (their Olmo3 has one rotary "
+          "embedding), but this model was trained with YaRN on its full-attention layers only: "
+          "logits differ from training's (docs/architecture.md#yarn); transformers versions "
+          "that read rope_parameters per layer type run it as trained")
 
 
 # --- tensors -----------------------------------------------------------------------------------

@@ -34,12 +34,13 @@ def transformer_config(cfg: ModelConfig):
   from olmo_core.nn.transformer import TransformerConfig
 
   big = TransformerConfig.olmo3_7B(vocab_size=100_352)
-  attn = big.block.sequence_mixer
+  field = attention_field(big.block)
+  attn = getattr(big.block, field)
   pattern = [cfg.sliding_window] * (cfg.global_every - 1) + [-1]
   window = dataclasses.replace(attn.sliding_window, pattern=pattern)
   attn = dataclasses.replace(attn, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                              sliding_window=window, backend=AttentionBackendName.torch)
-  block = dataclasses.replace(big.block, sequence_mixer=attn, feed_forward=dataclasses.replace(
+  block = dataclasses.replace(big.block, **{field: attn}, feed_forward=dataclasses.replace(
       big.block.feed_forward, hidden_size=cfg.mlp_hidden))
   sized = dataclasses.replace(big, d_model=cfg.d_model, n_layers=cfg.n_layers,
                               vocab_size=cfg.padded_vocab_size, block=block)
@@ -50,6 +51,13 @@ def transformer_config(cfg: ModelConfig):
       YaRNRoPEScalingConfig(factor=yarn.factor, beta_fast=yarn.beta_fast,
                             beta_slow=yarn.beta_slow, old_context_len=yarn.original_context),
       full_attn_layers_only=yarn.layers == ScaledLayers.FULL_ATTENTION)
+
+
+def attention_field(block: Any) -> str:
+  """The attention config's field in OLMo-core's block config: `sequence_mixer` in 3.0.0 (its
+  `attention` is a deprecated init-only alias), `attention` in 2.4.0, the version AI2 ran stage
+  3 with (benchmarks/stage3_parity_olmo_core.py runs under both)."""
+  return "sequence_mixer" if hasattr(block, "sequence_mixer") else "attention"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,10 @@ class HeldoutDocs:
   """Held-out documents, read as padded rows of any batch shape (`rows`)."""
 
   def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int, eos_id: int, pad_id: int,
-               max_documents: int | None = None, vocab_size: int | None = None):
+               max_documents: int | None = None, vocab_size: int | None = None,
+               min_tokens: int | None = None):
+    """The documents of `paths` (each ending at `eos_id`), those of at least `min_tokens`
+    tokens when given, the first `max_documents` of them."""
     self.seq_len, self.pad_id = seq_len, pad_id
     self._tokens = []
     self._docs: list[tuple[int, int, int]] = []  # (file, start, end)
@@ -35,11 +38,14 @@ class HeldoutDocs:
       starts = np.concatenate([[0], ends[:-1]])
       self._docs.extend((f, int(s), int(e)) for s, e in zip(starts, ends))
       self._tokens.append(tokens)
+    if min_tokens is not None:
+      self._docs = [d for d in self._docs if d[2] - d[1] >= min_tokens]
     if max_documents is not None:
       self._docs = self._docs[:max_documents]
     if not self._docs:
       raise DataError(f"held-out files {list(map(os.fspath, paths))} hold no EOS-terminated "
-                      "document")
+                      "document" + (f" of {min_tokens} tokens or more (eval.min_document_tokens)"
+                                    if min_tokens is not None else ""))
 
   def __len__(self) -> int:
     return len(self._docs)

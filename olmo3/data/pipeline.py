@@ -34,11 +34,13 @@ import numpy as np
 from olmo3.config import DataConfig, RepetitionFilter
 from olmo3.data import filters, grain_compat, sources
 from olmo3.data.order import GlobalOrder
+from olmo3.data.packing import PackedInstances
 from olmo3.data.tokens import DataError, TokenFiles
 from olmo3.loss import IGNORE
 
 
-STEP_KEYS = ("input_ids", "labels", "filtered", "source")  # what the train step consumes
+# What the train step consumes; "segments" (a document id per token) only of packed instances.
+STEP_KEYS = ("input_ids", "labels", "filtered", "source", "segments")
 
 
 def labels_for(tokens_RT: np.ndarray) -> np.ndarray:
@@ -90,12 +92,18 @@ class HostRows:
 class ReadStep(grain.transforms.Map):
   """Global step -> this process's rows of that step's batch."""
 
-  def __init__(self, source: TokenFiles, order: GlobalOrder, rows: np.ndarray,
+  def __init__(self, source: TokenFiles | PackedInstances, order: GlobalOrder, rows: np.ndarray,
                repetition: RepetitionFilter | None):
     self.source, self.order, self.rows, self.repetition = source, order, rows, repetition
 
   def map(self, step: int) -> dict[str, np.ndarray]:
     instance = self.order.batch(int(step))[self.rows].astype(np.int64)
+    if isinstance(self.source, PackedInstances):
+      packed = self.source.read(instance)  # one batch of reads (concurrent when remote)
+      return {"step": np.int64(step), "input_ids": packed.tokens,
+              "labels": packed.labels(IGNORE), "filtered": np.zeros(len(instance), bool),
+              "source": self.source.source_of(instance), "segments": packed.segment_ids,
+              "instance": instance}
     tokens = self.source.read(instance)  # one batch of reads (concurrent when remote)
     labels = labels_for(tokens)
     filtered = np.zeros(len(tokens), bool)
@@ -125,7 +133,8 @@ class Loader:
   """Steps [start_step, start_step + num_steps) of the global sequence."""
 
   def __init__(self, cfg: DataConfig, sharding: jax.sharding.NamedSharding, *, start_step: int,
-               num_steps: int, vocab_size: int | None = None, source: TokenFiles | None = None,
+               num_steps: int, vocab_size: int | None = None,
+               source: TokenFiles | PackedInstances | None = None,
                microbatches: int = 1):
     # The one check of the training batch's split (over devices, and into the train step's
     # microbatches: TrainConfig.microbatches).
@@ -152,7 +161,7 @@ class Loader:
   def __iter__(self) -> Iterator[dict[str, jax.Array]]:
     """Each step's global batch, as the train step consumes it (STEP_KEYS)."""
     for batch in self.dataset:
-      yield self.host_rows.to_global({k: batch[k] for k in STEP_KEYS})
+      yield self.host_rows.to_global({k: batch[k] for k in STEP_KEYS if k in batch})
 
 
 class DevicePrefetch:

@@ -6,8 +6,9 @@ A mix is one of: a directory written by `python -m olmo3.data.prepare` (its trai
 held-out set, its heldout split; `DIR/train` and `DIR/heldout` name a split explicitly), the
 built-in corpus (`embedded`, `embedded-heldout`: such a directory, prepared here on first use,
 so nothing below this module needs to know it exists), a mix file (`label,path` lines), or the
-name of a mix shipped by ai2-olmo-core. Directories and mix files are local, gs://, s3:// or
-http(s):// alike (olmo3.io.storage; over HTTP the server must answer Range requests).
+name of one of AI2's mixes (`olmo3.data.mixes`: those olmo3 ships, then ai2-olmo-core's where it
+is installed). Directories and mix files are local, gs://, s3:// or http(s):// alike
+(olmo3.io.storage; over HTTP the server must answer Range requests).
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.resources
 import os
 from typing import NamedTuple
 
 from olmo3.io import storage
-from olmo3.config import DataConfig, Experiment
-from olmo3.data import embedded, prepare
+from olmo3.config import DataConfig, Experiment, ModelConfig
+from olmo3.data import embedded, mixes, packing, prepare
 from olmo3.data.tokens import UNLABELLED, DataError, TokenFiles
 
 EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout"}  # the built-in corpus's splits
@@ -107,15 +107,12 @@ def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, fiel
   if not storage.exists(mix):
     if storage.is_url(mix):
       raise DataError(f"{field}={mix!r}: no such mix file or prepared directory")
-    try:
-      packaged = importlib.resources.files("olmo_core").joinpath(f"data/mixes/{mix}.txt")
-    except ModuleNotFoundError:
-      packaged = None
-    if packaged is None or not packaged.is_file():
-      raise DataError(f"{field}={mix!r}: no such mix file or prepared directory, and no mix of "
-                      "that name in ai2-olmo-core (pip install ai2-olmo-core to use AI2's named "
-                      "mixes)")
-    mix_path = os.fspath(packaged)
+    packaged = mixes.find(mix)  # a user's file of that name came first
+    if packaged is None:
+      raise DataError(f"{field}={mix!r}: no such mix file or prepared directory, and no named "
+                      f"mix of that name (olmo3 ships {', '.join(mixes.shipped())}; "
+                      "python -m olmo3.data.mixes --list)")
+    mix_path = packaged
   try:
     text = storage.read_bytes(mix_path).decode("utf-8")
   except UnicodeDecodeError:
@@ -150,15 +147,29 @@ def training_files(cfg: DataConfig) -> list[MixFile]:
 
 def token_files(cfg: DataConfig, vocab_size: int | None,
                 size_cache: storage.SizeCache | None = None,
-                files: list[MixFile] | None = None) -> TokenFiles:
-  """The training token files (`files`, as `training_files` lists them: listed here when not
-  given), checked at startup. Remote files' sizes go through `size_cache` (a run keeps one in
-  its workdir)."""
+                files: list[MixFile] | None = None,
+                model: ModelConfig | None = None) -> TokenFiles | packing.PackedInstances:
+  """The training instances over the token files (`files`, as `training_files` lists them:
+  listed here when not given), checked at startup: cut from the files, or, with `cfg.packing`,
+  their documents packed (the `model`'s EOS ends a document, its pad token fills a bin; the
+  index is built once per set of files and settings and kept in the cache). Remote files'
+  sizes go through `size_cache` (a run keeps one in its workdir)."""
   files = training_files(cfg) if files is None else files
   labels = [f.label for f in files] if cfg.mix else None
-  return TokenFiles([f.path for f in files], cfg.seq_len, vocab_size,
-                    validate_tokens=cfg.validate_tokens, labels=labels, size_cache=size_cache,
-                    chunk=cfg.chunk_instances)
+  if cfg.packing is None:
+    return TokenFiles([f.path for f in files], cfg.seq_len, vocab_size,
+                      validate_tokens=cfg.validate_tokens, labels=labels, size_cache=size_cache,
+                      chunk=cfg.chunk_instances)
+  if model is None or model.eos_token_id is None or model.pad_token_id is None:
+    raise DataError("DataConfig.packing needs the model's eos_token_id (documents end there) "
+                    "and pad_token_id (bins are filled with it)")
+  index = packing.cached_index(
+      [f.path for f in files], embedded.cache_root() / "packing", seq_len=cfg.seq_len,
+      eos_token_id=model.eos_token_id, source_group_size=cfg.packing.source_group_size,
+      source_permutation_seed=cfg.packing.source_permutation_seed,
+      long_doc_strategy=cfg.packing.long_documents.value, size_cache=size_cache)
+  return packing.PackedInstances(index, pad_token_id=model.pad_token_id, vocab_size=vocab_size,
+                                 labels=labels)
 
 
 def tokenizer_file(name: str) -> str:
@@ -168,19 +179,36 @@ def tokenizer_file(name: str) -> str:
   if name == "embedded":
     return os.fspath(embedded.corpus_dir() / prepare.TOKENIZER_FILE)
   if storage.is_url(name):  # tokenizers opens local files only: a copy in the cache
-    local = (embedded.cache_root() / "tokenizers" / hashlib.sha256(name.encode()).hexdigest()[:16]
-             / os.path.basename(name))
-    if not local.exists():
-      if not storage.exists(name):
-        raise DataError(f"tokenizer file {name} does not exist")
-      storage.write_bytes_atomic(local, storage.read_bytes(name))
-    return os.fspath(local)
+    return _remote_copy(name)
   return name
 
 
 @functools.lru_cache(maxsize=16)
+def _remote_copy(url: str) -> str:
+  """A local copy of a remote tokenizer file, read once per process: the copy a directory
+  re-prepared in its place (another tokenizer at the same URL) left in the cache is replaced,
+  not compared or decoded with."""
+  local = (embedded.cache_root() / "tokenizers" / hashlib.sha256(url.encode()).hexdigest()[:16]
+           / os.path.basename(url))
+  if not storage.exists(url):
+    raise DataError(f"tokenizer file {url} does not exist")
+  content = storage.read_bytes(url)
+  if not local.exists() or local.read_bytes() != content:
+    storage.write_bytes_atomic(local, content)
+  return os.fspath(local)
+
+
 def _file_digest(path: str) -> str:
-  # The canonical serialisation, so a pretty-printed copy of the same tokenizer matches.
+  """The identity of a tokenizer file: the hash of its canonical serialisation (vocabulary,
+  merges, normalizer, pre-tokenizer, special tokens...), so a pretty-printed copy of the same
+  tokenizer matches and one that differs in any entry does not, whatever its size and ids."""
+  stat = os.stat(path)
+  return _digest(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(path: str, mtime_ns: int, size: int) -> str:  # keyed by the file's state
+  del mtime_ns, size
   return hashlib.sha256(prepare.load_tokenizer(path).to_str().encode()).hexdigest()
 
 
@@ -193,6 +221,31 @@ def _same_tokenizer(a: str, b: str) -> bool:
   a, b = tokenizer_file(a), tokenizer_file(b)
   local = [os.path.isfile(n) for n in (a, b)]
   return all(local) and _file_digest(a) == _file_digest(b)
+
+
+def check_init_tokenizer(exp: Experiment, theirs: str | None, source: str) -> None:
+  """A resolved experiment that starts from `source` (checkpoint.init_from), whose run
+  trained with the tokenizer `theirs` (its recorded eval.tokenizer, the data's where it was a
+  prepared directory): DataError, one line naming both, when this run's data is a prepared
+  directory tokenized with another tokenizer. The checkpoint's embeddings and head learned
+  what its tokenizer's ids mean; the same ids from another vocabulary, even one of the same
+  size and special ids, would train on as if they meant that. Where either side cannot be
+  compared without a download (a hub name: see `_same_tokenizer`), nothing is refused."""
+  ours = exp.eval.tokenizer
+  train = prepared(exp.data.mix) if exp.data.mix else None
+  if train is None or theirs is None or ours != train.tokenizer:
+    return  # no data tokenizer on record here, or the task tokenizer set apart from the data
+  try:
+    files = [tokenizer_file(n) for n in (ours, theirs)]
+  except DataError:  # that run's tokenizer file is gone: nothing to compare with
+    return
+  if not all(os.path.isfile(f) for f in files) or _same_tokenizer(ours, theirs):
+    return
+  raise DataError(f"DataConfig.mix={exp.data.mix!r} is tokenized with {ours}, but "
+                  f"CheckpointConfig.init_from={source!r} was trained with another tokenizer "
+                  f"({theirs}): its embeddings would read these ids as other tokens; prepare "
+                  "the data with that run's tokenizer (python -m olmo3.data.prepare "
+                  f"--tokenizer {tokenizer_file(theirs)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,8 +307,8 @@ def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved
   _check_root(exp, [train] * bool(data.mix) + splits * follows)
   training = (_listed(data.mix, train, data.root, data.tokenizer_id, "DataConfig.mix")
               if data.mix else training_files(data))
-  opened = (token_files(data, model.vocab_size, sizes, files=training) if sizes is not None
-            else None)
+  opened = (token_files(data, model.vocab_size, sizes, files=training, model=model)
+            if sizes is not None else None)
   tokenizer = ev.tokenizer
   if tokenizer is None and train is not None:
     tokenizer = train.tokenizer

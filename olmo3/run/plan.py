@@ -74,7 +74,11 @@ def data_identity(cfg: DataConfig, source: TokenFiles) -> dict[str, Any]:
       "global_batch_size": cfg.global_batch_size, "seed": cfg.seed,
       "max_instances": cfg.max_instances,
       "repetition_filter": (dataclasses.asdict(cfg.repetition_filter)
-                            if cfg.repetition_filter else None)}))
+                            if cfg.repetition_filter else None),
+      # Packed instances: how, and what came out (the packing's tie order depends on the
+      # machine's numpy: a resume on a machine that packed otherwise would train other rows).
+      "packing": dataclasses.asdict(cfg.packing) if cfg.packing else None,
+      "packed_index": source.index.digest if cfg.packing else None}))
 
 
 def stage_end(exp: Experiment, steps_per_epoch: int) -> int:
@@ -140,6 +144,17 @@ def decide_start(workdir: Workdir, init_from: str | None, end: int) -> Resume:
   return Resume(Start.FRESH)
 
 
+def _trained_tokenizer(step_dir: str) -> str | None:
+  """The tokenizer the run that wrote checkpoint `step_dir` (WORKDIR/checkpoints/STEP) trained
+  with: its experiment file's eval.tokenizer; None where no launcher record says."""
+  checkpoints, step = storage.split(storage.normalized(step_dir))
+  try:
+    path = record.experiment_file(storage.split(checkpoints)[0], int(step))
+    return json.loads(path.read_text())["eval"]["tokenizer"]
+  except (record.RecordError, OSError, ValueError, KeyError, TypeError):
+    return None
+
+
 def stage_change(workdir: Workdir, resume: Resume, end: int) -> str | None:
   """What a resumed run says when its stage now ends elsewhere than its last launch's did
   (history.jsonl): "extending the run from 100 to 120 steps" when that launch had finished."""
@@ -193,7 +208,7 @@ class RunPlan:
     cache = cache or storage.SizeCache(where.file_sizes,
                                        accept_changes=exp.data.allow_changed_data)
     train_files = resolved.train_files or sources.token_files(
-        exp.data, exp.model.vocab_size, cache, files=list(resolved.train))
+        exp.data, exp.model.vocab_size, cache, files=list(resolved.train), model=exp.model)
     evaluates = bool(exp.train.eval_every)
     sets = sources.by_set([f for _, files in resolved.heldout for f in files])
     heldout = tuple(HeldoutSet(n, p, tuple(token_counts(p, "held-out token file", cache)))
@@ -208,6 +223,9 @@ class RunPlan:
     why = ("TrainConfig.eval_every=0: the run never evaluates" if not evaluates
            else None if heldout else resolved.no_heldout or "no held-out set resolved")
     resume = decide_start(where, exp.checkpoint.init_from, end)
+    if resume.start is Start.INIT_FROM and resume.olmo_core is None:
+      sources.check_init_tokenizer(exp, _trained_tokenizer(resume.init_from),
+                                   exp.checkpoint.init_from)
     return cls(exp, where, name, train_files, heldout, data_identity(exp.data, train_files),
                per_epoch, end, resume, cache,
                why and f"no held-out evaluation: {why}, so the generalization-gap alarm cannot "

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from olmo3.config import ModelConfig
-from olmo3.model import Attention, Transformer, check_token_ids, masked_attention, rope_tables
+from olmo3.model import Attention, Transformer, check_token_ids, layer_ropes, masked_attention
 
 
 @jax.tree_util.register_dataclass
@@ -66,9 +66,10 @@ def extend(model: Transformer, cache: KVCache, tokens_BT: jax.Array, start: jax.
   positions written. start + T must not exceed the cache's length."""
   cfg = model.cfg
   t, s = tokens_BT.shape[1], cache.k_LBSGK.shape[2]
-  cos_SK, sin_SK = rope_tables(s, cfg.head_dim, cfg.rope_theta)
-  rope = (jax.lax.dynamic_slice_in_dim(cos_SK, start, t),
-          jax.lax.dynamic_slice_in_dim(sin_SK, start, t))
+  # These positions' RoPE tables, plain and (with YaRN) scaled; each layer takes its own.
+  ropes = {scaled: tuple(jax.lax.dynamic_slice_in_dim(table_SK, start, t) for table_SK in tables)
+           for scaled, tables in layer_ropes(cfg, s).items()}
+  scaled_L = jnp.array([cfg.layer_rope_scaled(i) for i in range(cfg.n_layers)])
   query_T1 = (start + jnp.arange(t))[:, None]
   key_1S = jnp.arange(s)[None, :]
   # model.attention_mask's rule at absolute positions: a sliding layer's query sees the
@@ -77,8 +78,10 @@ def extend(model: Transformer, cache: KVCache, tokens_BT: jax.Array, start: jax.
   graphdef, stacked = nnx.split(model.layers)
 
   def layer(x_BTD, per_layer):
-    params, k_BSGK, v_BSGK, window = per_layer
+    params, k_BSGK, v_BSGK, window, scaled = per_layer
     block = nnx.merge(graphdef, params)
+    rope = tuple(jnp.where(scaled, a, b) for a, b in zip(ropes.get(True, ropes[False]),
+                                                         ropes[False]))
     mask_TS = (key_1S <= query_T1) & (key_1S > query_T1 - window)
     attn_BTD, k_BSGK, v_BSGK = _attention(block.self_attn, x_BTD, rope, k_BSGK, v_BSGK, start,
                                           mask_TS)
@@ -87,7 +90,7 @@ def extend(model: Transformer, cache: KVCache, tokens_BT: jax.Array, start: jax.
 
   x_BTD = model.embed_tokens(tokens_BT)
   x_BTD, (k_LBSGK, v_LBSGK) = jax.lax.scan(
-      layer, x_BTD, (stacked, cache.k_LBSGK, cache.v_LBSGK, windows_L))
+      layer, x_BTD, (stacked, cache.k_LBSGK, cache.v_LBSGK, windows_L, scaled_L))
   return model.lm_head(model.norm(x_BTD)), KVCache(k_LBSGK, v_LBSGK)
 
 

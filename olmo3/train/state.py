@@ -43,7 +43,7 @@ from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
 
 # Data fields whose change changes the instance sequence (the files are compared one by one).
 _DATA_FIELDS = ("seq_len", "max_target_seq_len", "global_batch_size", "seed", "max_instances",
-                "repetition_filter")
+                "repetition_filter", "packing", "packed_index")
 
 
 class TrainState(NamedTuple):
@@ -131,6 +131,8 @@ def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
   """What differs between a checkpoint's data identity and the current one, in words."""
   # Checkpoints from before data.max_target_seq_len shuffled single instances.
   saved = {"max_target_seq_len": saved["seq_len"], **saved}
+  # Checkpoints from before packed instances: none were packed.
+  saved = {"packing": None, "packed_index": None, **saved}
   changes = [f"data.{f} was {saved[f]!r}, now {now[f]!r}" for f in _DATA_FIELDS
              if saved[f] != now[f]]
   then, current = dict(map(tuple, saved["files"])), dict(map(tuple, now["files"]))

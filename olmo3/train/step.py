@@ -124,8 +124,9 @@ def abstract_inputs(exp: Experiment, model: ShardedModel, layout: StateLayout
                     ) -> tuple[TrainState, dict[str, jax.ShapeDtypeStruct]]:
   """The train step's inputs as sharded ShapeDtypeStructs (ahead-of-time compilation)."""
   shape = (exp.data.global_batch_size, exp.data.seq_len)
+  by_token = ("input_ids", "labels") + (("segments",) if exp.data.packing else ())
   batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=model.batch_sharding)
-           for k in ("input_ids", "labels")}
+           for k in by_token}
   rows = batch_only(model.batch_sharding)
   batch["filtered"] = jax.ShapeDtypeStruct(shape[:1], jnp.bool_, sharding=rows)
   batch["source"] = jax.ShapeDtypeStruct(shape[:1], jnp.int32, sharding=rows)

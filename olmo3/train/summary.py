@@ -29,6 +29,8 @@ class RunSummary:
   launches: int
   train_loss: tuple[int, float] | None  # (step, loss) of the last row with a loss
   heldout: tuple[int, dict[str, float]] | None  # (step, {set: CE}) of the last evaluation
+  # {set: {band: CE}} of that evaluation, per band of positions (eval.position_band)
+  bands: dict[str, dict[str, float]]
   tasks: tuple[int, dict[str, tuple[str, float]]] | None  # (step, {task: (metric, value)})
   evaluations: int  # held-out evaluations the alarm watched
   alarm_fired: int | None  # the first step it fired at
@@ -57,6 +59,7 @@ class RunSummary:
         heldout=(evals[-1]["step"], {k[5:-8]: v for k, v in evals[-1].items()
                                      if k.startswith("eval/") and k.endswith("/ce_loss")}
                  ) if evals else None,
+        bands=_bands(evals[-1]) if evals else {},
         tasks=(scored[-1]["step"], _headlines(scored[-1])) if scored else None,
         evaluations=sum(ALARM in r for r in rows), alarm_fired=fired[0] if fired else None,
         tokens=step * exp.tokens_per_step, step_seconds=step_seconds,
@@ -76,6 +79,9 @@ class RunSummary:
       step, sets = self.heldout
       shown = ", ".join(f"{name} {ce:.4f}" for name, ce in sorted(sets.items()))
       out.append(f"  held-out CE     {shown} (step {step})")
+      for name, bands in sorted(self.bands.items()):
+        out.append(f"  by position     {name}: " + ", ".join(
+            f"{band} {ce:.4f}" for band, ce in bands.items()))
     else:
       out.append("  held-out CE     none: the run evaluated no held-out set")
     if self.tasks:
@@ -125,3 +131,16 @@ def _headlines(row: dict[str, float]) -> dict[str, tuple[str, float]]:
     if name is not None:
       out[task] = (name, values[name])
   return out
+
+
+def _bands(row: dict) -> dict[str, dict[str, float]]:
+  """{set: {"a-b": CE}} of an evaluation row's per-position-band CE (eval/<set>/ce_loss_posA_B),
+  in position order."""
+  out: dict[str, dict[str, float]] = {}
+  for key, value in row.items():
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "eval" and parts[2].startswith("ce_loss_pos"):
+      start, end = parts[2][len("ce_loss_pos"):].split("_")
+      out.setdefault(parts[1], {})[(int(start), int(end))] = value
+  return {name: {f"{a}-{b}": ce for (a, b), ce in sorted(bands.items())}
+          for name, bands in out.items()}
