@@ -71,10 +71,10 @@ COMPILE_ONLY = flags.DEFINE_string(
 FORCE = flags.DEFINE_bool("force_workdir", False,
                           "use a workdir that holds a run of a different config")
 CACHE = flags.DEFINE_string(
-    "compilation_cache", os.environ.get("JAX_COMPILATION_CACHE_DIR",
-                                        os.path.join("~", ".cache", "olmo3", "jax")),
+    "compilation_cache", None,
     "persistent XLA compilation cache (a restarted or resumed run skips recompiling; a shared "
-    "path such as gs://... serves every host); '' turns it off")
+    "path such as gs://... serves every host); '' turns it off. Default: "
+    "$JAX_COMPILATION_CACHE_DIR, else $OLMO3_CACHE/jax (~/.cache/olmo3/jax)")
 # A process of a multi-process job that dies (SIGKILL, OOM, a lost host) stops sending
 # heartbeats: this long after its last one, every other process stops too (non-zero) instead of
 # waiting in a collective for a peer that is gone (a dead coordinator, process 0, stops them at
@@ -91,8 +91,9 @@ def start_jax() -> None:
   from olmo3 import compilation_cache
   from olmo3.io import storage
 
-  if CACHE.value:
-    compilation_cache.enable(CACHE.value)
+  cache = compilation_cache.directory(CACHE.value)
+  if cache:
+    compilation_cache.enable(cache)
   env = os.environ
   heartbeat = max(1, round(storage.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
   if "JAX_COORDINATOR_ADDRESS" in env:
@@ -131,6 +132,27 @@ def _exit_now(code: int) -> None:
   os._exit(code)  # pylint: disable=protected-access  # the exit that skips JAX's handler
 
 
+def long_context_lines(exp) -> list[str]:
+  """What a dry run says of RoPE scaling and packed documents (stage 3), when the run has them."""
+  m, packing = exp.model, exp.data.packing
+  lines = []
+  if m.rope_scaling is not None:
+    y = m.rope_scaling
+    scaled = [i for i in range(m.n_layers) if m.layer_rope_scaled(i)]
+    lines.append(f"RoPE                YaRN x{y.factor:g} over {y.original_context:,} tokens "
+                 f"(beta_fast {y.beta_fast:g}, beta_slow {y.beta_slow:g}, attention factor "
+                 f"{y.attention_factor:.6f}) on {len(scaled)} of {m.n_layers} layers "
+                 f"({y.layers.value}: {', '.join(map(str, scaled))}); the others plain, theta "
+                 f"{m.rope_theta:g}")
+  if packing is not None:
+    lines.append(f"packing             documents packed into {exp.data.seq_len:,}-token "
+                 f"instances (best-fit decreasing in groups of {packing.source_group_size} "
+                 f"files, shuffled with seed {packing.source_permutation_seed}; long documents: "
+                 f"{packing.long_documents.value}); attention within each document, RoPE "
+                 f"positions per {m.rope_positions.value}")
+  return lines
+
+
 def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
   print(printing.as_str_flattened(cfg))
   m, d, o = exp.model, exp.data, exp.optimizer
@@ -144,6 +166,8 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
           if o.schedule is Schedule.STITCHED_COSINE else f"schedule over {o.decay_steps:,}")
   print(f"steps               {exp.train.steps:,} ({over})")
   print(f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})")
+  for line in long_context_lines(exp):
+    print(line)
   from olmo3.io.checkpoint import CheckpointError
   from olmo3.data import sources
   from olmo3.data.tokens import DataError
@@ -161,6 +185,10 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
       print("\n".join(plan.describe()))
   except (DataError, CheckpointError) as e:  # e.g. AI2's data on a laptop
     print(f"plan                unknown here: {e}")
+    if exp.checkpoint.init_from:  # where the stage starts, as far as the config says
+      print(f"start               from {exp.checkpoint.init_from} "
+            f"(checkpoint.init_mode={exp.checkpoint.init_mode.value}) unless {workdir} holds "
+            "a checkpoint of its own")
   described = plan is not None
   ev = exp.eval if resolved is None else resolved.exp.eval
   cadence = (f"every {exp.train.eval_every:,} steps" if exp.train.eval_every
@@ -183,6 +211,10 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
     print(f"-> {dict(mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices")
   except ValueError as e:
     print(f"-> does not fit the {jax.device_count()} local devices ({e})")
+  from olmo3 import compilation_cache
+
+  cache = compilation_cache.directory(CACHE.value)
+  print(f"compilation cache   {os.path.expanduser(cache) if cache else 'off'}")
   if plan is not None and plan.resume.start is Start.COMPLETE:
     print()
     print("\n".join(closing_summary(plan)))
@@ -366,19 +398,56 @@ def closing_summary(plan, launch_seconds: float | None = None) -> list[str]:
   commands = []
   following = next_stage(FLAGS.value)
   if following is not None:
-    command = f"python launch/main.py --fdl_config={following}"
-    init_from = refs.load(following).checkpoint.init_from
-    if init_from is None or storage_key(init_from) != storage_key(workdir):
-      assignment = f"--fdl_set=checkpoint.init_from={workdir!r}"
-      plain = re.fullmatch(r"[\w./:@,+-]*", workdir)  # nothing the shell reads in "..."
-      command += " " + (f'"{assignment}"' if plain else shlex.quote(assignment))
-    commands.append(("next stage", command))
+    commands.append(("next stage", next_stage_command(plan, following)))
   commands += [("evaluate", f"python -m olmo3.eval --workdir {quoted}"),
-               ("sample", f"python -m olmo3.sample --workdir {quoted} --prompt 'Once upon'"),
+               ("sample", f"python -m olmo3.sample --workdir {quoted} --prompt "
+                          f"{shlex.quote(sample_prompt(plan.exp))}"),
                ("export to HF", f"python -m olmo3.convert export-hf --ckpt {quoted} --out "
                                 f"{shlex.quote(workdir.rstrip('/') + '-hf')}")]
   return RunSummary.read(workdir, plan.exp).lines(launch_seconds=launch_seconds,
                                                   next_commands=tuple(commands))
+
+
+def sample_prompt(exp) -> str:
+  """A prompt the summary's sample command suggests, in the kind of text the run trained on:
+  the built-in corpus is Python's standard library (a prose opening only loops there)."""
+  from olmo3.data import sources
+
+  return "def main(" if exp.data.mix in sources.EMBEDDED else "The"
+
+
+def next_stage_command(plan, following: str) -> str:
+  """The command that trains `following` from this run: initialised from this run's workdir
+  (unless that stage's default already is it), on this run's data where the run was given other
+  data than its experiment's (a user's own corpus: the next stage's default is the embedded
+  corpus or AI2's), and, unless this run is its experiment's default (default workdir and
+  data), in a workdir of its own beside this run's: the next stage's default workdir may hold
+  another run, and a launch there would be refused."""
+  workdir = plan.workdir.root
+  command = [f"python launch/main.py --fdl_config={following}"]
+  init_from = refs.load(following).checkpoint.init_from
+  if init_from is None or storage_key(init_from) != storage_key(workdir):
+    command.append(_assignment("checkpoint.init_from", workdir))
+  data = fdl.build(refs.resolve(FLAGS.value, [], FIDDLERS.value)).data
+  given = [f for f in ("paths", "mix", "root", "tokenizer_id")
+           if getattr(plan.exp.data, f) != getattr(data, f)]
+  command += [_assignment(f"data.{f}", getattr(plan.exp.data, f)) for f in given]
+  if given or storage_key(workdir) != storage_key(refs.default_workdir(FLAGS.value)):
+    # runs/mine -> runs/mine.stage2; runs/x.stage1 -> runs/x.stage2
+    function, following_function = refs.split_ref(FLAGS.value)[1], refs.split_ref(following)[1]
+    base = workdir.rstrip("/")
+    mine = (base[:-len(function)] + following_function if base.endswith(f".{function}")
+            else f"{base}.{following_function}")
+    command.append(f"--workdir={shlex.quote(mine)}")
+  return " ".join(command)
+
+
+def _assignment(path: str, value) -> str:
+  """--fdl_set=path=value for a shell: in double quotes where the value holds nothing the
+  shell reads there, so the Python literal's quotes reach the launcher."""
+  assignment = f"--fdl_set={path}={value!r}"
+  plain = re.fullmatch(r"[\w./:@,+'-]*", repr(value))
+  return f'"{assignment}"' if plain else shlex.quote(assignment)
 
 
 def next_stage(ref: str) -> str | None:

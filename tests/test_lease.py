@@ -25,6 +25,7 @@ from olmo3.io import storage
 from olmo3.train import lease as lease_lib
 from olmo3.train.lease import Lease, LeaseHeld, LeaseLost
 from tests import forked, storage_servers
+from tests.background import Background
 from tests.test_reliability import MAIN, ROOT, TINY, _env, _losses
 
 TAKEOVER = 2.4  # seconds: the lease heartbeats every 0.2 s
@@ -179,47 +180,8 @@ def _launch(workdir, steps, env=(), timeout=300):
                           dict(_env(1), **dict(env)), timeout=timeout)
 
 
-class _Background:
-  """The launcher in the background, its log lines collected as they come."""
-
-  def __init__(self, args, env):
-    self.proc = subprocess.Popen([sys.executable, MAIN, *TINY, *args], cwd=ROOT,
-                                 env=dict(env, PYTHONFAULTHANDLER="1"),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    self.lines: list[str] = []
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
-
-  def _read(self):
-    for line in self.proc.stderr:
-      self.lines.append(line.rstrip("\n"))
-
-  def log(self, last=60) -> str:
-    return "\n".join(self.lines[-last:])
-
-  def until(self, done, seconds=240):
-    """Waits for done() while the launch runs."""
-    deadline = time.time() + seconds
-    while not done():
-      assert self.proc.poll() is None, f"the launch ended ({self.proc.returncode}):\n{self.log()}"
-      assert time.time() < deadline, f"still waiting after {seconds} s:\n{self.log()}"
-      time.sleep(0.05)
-
-  def finish(self, seconds=120) -> int:
-    try:
-      code = self.proc.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-      self.proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
-      self.proc.wait(timeout=30)
-      self._reader.join(timeout=10)
-      raise AssertionError(f"still running after {seconds} s:\n{self.log(150)}") from None
-    self._reader.join(timeout=10)
-    return code
-
-  def kill(self):
-    if self.proc.poll() is None:
-      self.proc.kill()
-      self.proc.wait()
+def _background(args, env) -> Background:
+  return Background(MAIN, [*TINY, *args], env, ROOT)
 
 
 @pytest.mark.slow(seconds=30)
@@ -254,7 +216,7 @@ def test_a_live_run_whose_clock_lags_is_refused_and_one_whose_lease_was_taken_sa
   Then another launch takes the lease (written as a taker would): the run stops at its next
   step in one line and saves nothing into the workdir it no longer holds."""
   workdir = tmp_path / "run"
-  run = _Background(["--fdl_set=train.steps=100000", f"--workdir={workdir}"],
+  run = _background(["--fdl_set=train.steps=100000", f"--workdir={workdir}"],
                     dict(_env(1), **{lease_lib.TAKEOVER_ENV: "6",
                                      lease_lib.CLOCK_SHIFT_ENV: str(-DAY)}))
   try:
@@ -409,7 +371,7 @@ def test_a_renewal_whose_answer_was_lost_is_the_runs_own_and_the_run_trains_on(s
     stack.callback(proxy.close)
     # Renewals every 1.25 s, each request's deadline 2 s; the run gives up on a lease it
     # cannot renew for 7.5 s, well after the lost renewal's retry.
-    run = _Background(["--fdl_set=train.steps=100000", f"--workdir={store}://lease/run"],
+    run = _background(["--fdl_set=train.steps=100000", f"--workdir={store}://lease/run"],
                       dict(_env(1), **env, **{storage.TIMEOUT_ENV: "2",
                                               lease_lib.TAKEOVER_ENV: "15"}))
     stack.callback(run.kill)

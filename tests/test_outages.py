@@ -11,10 +11,6 @@ read from its log."""
 import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 
@@ -23,6 +19,7 @@ import pytest
 from olmo3.io import storage
 from olmo3.train import lease as lease_lib
 from tests import storage_servers
+from tests.background import Background
 from tests.test_reliability import MAIN, ROOT, TINY, _env, straight  # noqa: F401
 
 BUDGET_S = 8  # OLMO3_STORAGE_RETRY_S in these runs
@@ -58,43 +55,8 @@ class _S3Server:
   close = stop
 
 
-class _Launch:
-  """The launcher in the background, its log lines collected as they come."""
-
-  def __init__(self, args, env):
-    # faulthandler: a launch that outlives its test is stopped with SIGABRT, which prints
-    # every thread's stack into the log the test reports.
-    env = dict(env, PYTHONFAULTHANDLER="1")
-    self.proc = subprocess.Popen([sys.executable, MAIN, *TINY, *args], cwd=ROOT, env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    self.lines: list[str] = []
-    self._reader = threading.Thread(target=self._read, daemon=True)
-    self._reader.start()
-
-  def _read(self):
-    for line in self.proc.stderr:
-      self.lines.append(line.rstrip("\n"))
-
-  def wait_for(self, text, seconds=300):
-    deadline = time.time() + seconds
-    while not any(text in line for line in self.lines):
-      assert self.proc.poll() is None and time.time() < deadline, "\n".join(self.lines[-40:])
-      time.sleep(0.05)
-
-  def finish(self, seconds):
-    try:
-      code = self.proc.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-      self.proc.send_signal(signal.SIGABRT)
-      try:
-        self.proc.wait(timeout=10)
-      except subprocess.TimeoutExpired:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-      self._reader.join(timeout=10)
-      raise AssertionError(f"still running after {seconds} s:\n" + "\n".join(self.lines[-150:]))
-    self._reader.join(timeout=10)
-    return code, "\n".join(self.lines)
+def _launch(args, env) -> Background:
+  return Background(MAIN, [*TINY, *args], env, ROOT)
 
 
 @pytest.mark.parametrize("store", ["gs", "s3"])
@@ -109,14 +71,15 @@ def test_a_store_down_past_the_budget_ends_the_run_in_one_line(store, tmp_path):
     # run's log says nothing about them.
     missing = {"AWS_CONFIG_FILE": os.fspath(tmp_path / "no" / "config"),
                "AWS_SHARED_CREDENTIALS_FILE": os.fspath(tmp_path / "no" / "credentials")}
-    run = _Launch(["--fdl_set=train.steps=100000", f"--workdir={workdir}"],
+    run = _launch(["--fdl_set=train.steps=100000", f"--workdir={workdir}"],
                   dict(_env(1), **{**server.env, **LIMITS, **(missing if store == "s3" else {})}))
     run.wait_for("saving the checkpoint of step 6")
   finally:
     server.stop()
   down = time.monotonic()
   try:
-    code, log = run.finish(BUDGET_S + 60 + 30)
+    code = run.finish(BUDGET_S + 60 + 30)
+    log = run.log(10**6)
   finally:
     server.close()
   took = time.monotonic() - down
@@ -136,12 +99,13 @@ def test_a_store_back_within_the_budget_loses_nothing(tmp_path, straight):
     stack.callback(server.close)
     server.make_bucket("olmo3-blip")
     env = dict(_env(1), **server.env, **dict(LIMITS, **{storage.RETRY_ENV: "60"}))
-    run = _Launch(["--fdl_set=train.steps=9", "--workdir=gs://olmo3-blip/run"], env)
+    run = _launch(["--fdl_set=train.steps=9", "--workdir=gs://olmo3-blip/run"], env)
     run.wait_for("saving the checkpoint of step 3")
     server.stop()
     time.sleep(4)  # the run goes on meanwhile, into its next save
     server.start()
-    code, log = run.finish(300)
+    code = run.finish(300)
+    log = run.log(10**6)
     assert code == 0, log[-3000:]
     rows = [json.loads(line) for line in
             server.read("olmo3-blip", "run/metrics.jsonl").decode().splitlines()]
@@ -169,13 +133,14 @@ def test_a_store_that_stalls_during_a_save_ends_the_run_in_one_line(store, tmp_p
   server.start()
   try:
     server.make_bucket("olmo3-stall")
-    run = _Launch(["--fdl_set=train.steps=100000", f"--workdir={store}://olmo3-stall/run"],
+    run = _launch(["--fdl_set=train.steps=100000", f"--workdir={store}://olmo3-stall/run"],
                   dict(_env(1), **server.env, **STALL_LIMITS))
     run.wait_for("saving the checkpoint of step 6")
     time.sleep(0.05)  # into the save
     server.stall()
     stalled = time.monotonic()
-    code, log = run.finish(STALL_BUDGET_S + 60 + 30)
+    code = run.finish(STALL_BUDGET_S + 60 + 30)
+    log = run.log(10**6)
   finally:
     server.close()
   took = time.monotonic() - stalled

@@ -32,6 +32,17 @@ from olmo3.data.heldout import HeldoutDocs
 from olmo3.eval import tasks as tasks_lib
 from olmo3.sharded_model import ShardedModel
 
+# Warnings already given by this process: a program that builds several evaluators (`python -m
+# olmo3.eval --all_steps` over checkpoints of several config revisions) says a thing once.
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+  if message not in _WARNED:
+    _WARNED.add(message)
+    logging.warning("%s", message)
+
+
 class Stopped(Exception):
   """An evaluation given `stop` was asked to stop before it finished: nothing is scored."""
 
@@ -62,6 +73,22 @@ def scoring_functions(model: ShardedModel) -> tuple[Callable, Callable]:
           jax.jit(choice_logprobs, out_shardings=model.replicated))
 
 
+def token_logprob_function(model: ShardedModel) -> Callable:
+  """(params, batch) -> each label's log-probability [B, T] (0 where masked), jitted: held-out
+  documents scored per position band (eval.position_band) in place of `row_logprob`."""
+
+  def token_logprob(params, batch):
+    return -model.token_losses(params, batch["input_ids"], batch["labels"]).nll_BT
+
+  return jax.jit(token_logprob, out_shardings=model.replicated)
+
+
+def band_name(start: int, end: int) -> str:
+  """The metric suffix of a position band: ce_loss_pos<start>_<end> (predicted tokens at
+  positions start..end-1 of their document)."""
+  return f"ce_loss_pos{start}_{end}"
+
+
 class Evaluator:
   def __init__(self, exp: Experiment, model: ShardedModel,
                heldout: Mapping[str, Sequence[str]] | None = None):
@@ -74,9 +101,10 @@ class Evaluator:
     self._row_logprob, self._choice_logprobs = scoring_functions(model)
     if heldout is None:
       heldout = sources.heldout_sets(exp)
+    self._token_logprob = token_logprob_function(model) if cfg.position_band else None
     self.heldout = {name: HeldoutDocs(paths, exp.data.seq_len, exp.model.eos_token_id,
                                       exp.model.pad_token_id, cfg.max_documents,
-                                      exp.model.vocab_size)
+                                      exp.model.vocab_size, cfg.min_document_tokens)
                     for name, paths in heldout.items()}
     self.tasks = self._load_tasks()
     self.buckets = tasks_lib.bucket_lengths(exp.data.seq_len, exp.model.attention)
@@ -93,8 +121,48 @@ class Evaluator:
                                   model.eos_token_id, model.pad_token_id, self.exp.data.seq_len,
                                   cfg.task_limit)
     except tasks_lib.TasksUnavailable as e:
-      logging.warning("downstream tasks skipped (held-out loss still runs): %s", e)
+      _warn_once(f"downstream tasks skipped (held-out loss still runs): {e}")
       return []
+
+  def shapes(self) -> list[tuple[Callable, dict[str, np.ndarray]]]:
+    """Each program an evaluation runs, with a host batch of the shape it runs it at (zeros:
+    the shapes are what matter), one per distinct (program, shape): the batches `evaluate`
+    builds, planned as it plans them."""
+    size, cap = self.exp.eval.batch_size, self.exp.train.eval_batches
+    heldout = self._row_logprob if self._token_logprob is None else self._token_logprob
+    programs = (heldout, self._row_logprob, self._choice_logprobs)
+    shapes = set()  # (program's index, length, choices)
+    for docs in self.heldout.values():
+      for _, length in tasks_lib.plan(docs.lengths[:None if cap is None else cap * size],
+                                      self.buckets, size):
+        shapes.add((programs.index(heldout), length, 0))
+    requests = [r for task in self.tasks for r in task.requests]
+    for fast in (False, True):
+      kind = [r for r in requests if (r.choices is not None) == fast]
+      k = max((len(r.choices) for r in kind), default=0) if fast else 0
+      for _, length in tasks_lib.plan([len(r.query) for r in kind], self.buckets, size):
+        shapes.add((2 if fast else programs.index(self._row_logprob), length, k))
+    out = []
+    for program, length, k in sorted(shapes):
+      batch = {"input_ids": np.zeros((size, length), np.int32)}
+      if program == 2:
+        batch["position"] = np.zeros(size, np.int32)
+        batch["choices"] = np.zeros((size, k), np.int32)
+      else:
+        batch["labels"] = np.zeros((size, length), np.int32)
+      out.append((programs[program], batch))
+    return out
+
+  def compile_ahead(self, params: Any, stop: Callable[[], bool] | None = None) -> None:
+    """Compiles every program an evaluation of parameters shaped and sharded as `params`
+    (arrays or jax.ShapeDtypeStruct) runs, each at each of its shapes, so that evaluating
+    runs them without compiling (a training loop calls this in a thread while a single-threaded
+    phase of its startup leaves a core idle). `stop()` is asked before each compile."""
+    with self.model.context():
+      for fn, batch in self.shapes():
+        if stop is not None and stop():
+          return
+        fn.lower(params, self._put(batch)).compile()
 
   def _put(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     rows = pipeline.HostRows.of(self.model.batch_sharding, *batch["input_ids"].shape)
@@ -103,8 +171,9 @@ class Evaluator:
   def heldout_metrics(self, params: Any, stop: Callable[[], bool] | None = None
                       ) -> dict[str, dict[str, float]]:
     """{set: {ce_loss, ppl, tokens}}: token-mean cross-entropy and perplexity over each set
-    (or its first train.eval_batches x eval.batch_size documents). Raises Stopped when
-    `stop()` says so before a batch."""
+    (or its first train.eval_batches x eval.batch_size documents); with eval.position_band,
+    also the CE of each band of positions (`band_name`). Raises Stopped when `stop()` says so
+    before a batch."""
     with self.model.context():
       return {name: self._heldout(params, docs, stop) for name, docs in self.heldout.items()}
 
@@ -113,15 +182,20 @@ class Evaluator:
     size, cap = self.exp.eval.batch_size, self.exp.train.eval_batches
     # eval_batches caps the documents (the first cap x batch_size), which are then bucketed.
     lengths = docs.lengths[:None if cap is None else cap * size]
-    pending, count = [], 0
+    pending, count, masks = [], 0, []
+    score = self._row_logprob if self._token_logprob is None else self._token_logprob
     for indices, length in tasks_lib.plan(lengths, self.buckets, size):
       _asked(stop)
       batch = docs.rows(indices, length, size)
       count += int((batch["labels"] >= 0).sum())
-      pending.append(self._row_logprob(params, self._put(batch)))
-    # Row sums added up on the host in float64, whatever the number of batches.
+      masks.append(batch["labels"] >= 0)
+      pending.append(score(params, self._put(batch)))
+    # Sums added up on the host in float64, whatever the number of batches.
     ce = -sum(np.asarray(p, np.float64).sum() for p in pending) / max(count, 1)
-    return {"ce_loss": ce, "ppl": math.exp(min(ce, 700.0)), "tokens": float(count)}
+    out = {"ce_loss": ce, "ppl": math.exp(min(ce, 700.0)), "tokens": float(count)}
+    if self._token_logprob is not None:
+      out.update(_banded(pending, masks, self.exp.eval.position_band, self.exp.data.seq_len))
+    return out
 
   def task_metrics(self, params: Any, stop: Callable[[], bool] | None = None
                    ) -> dict[str, dict]:
@@ -155,6 +229,20 @@ class Evaluator:
     if jax.process_count() > 1:
       _check_same_on_every_process(out)
     return out
+
+
+def _banded(logprobs: list[jax.Array], masks: list[np.ndarray], band: int, seq_len: int
+            ) -> dict[str, float]:
+  """The CE of each band of `band` positions of the predicted token (the label at column t is
+  the token at position t + 1), for the bands up to seq_len that hold any token."""
+  bands = -(-seq_len // band)
+  sums, counts = np.zeros(bands), np.zeros(bands)
+  for logprob, mask in zip(logprobs, masks):
+    which = np.minimum((np.arange(mask.shape[1]) + 1) // band, bands - 1)
+    np.add.at(sums, which, -np.asarray(logprob, np.float64).sum(axis=0))
+    np.add.at(counts, which, mask.sum(axis=0))
+  return {band_name(b * band, min((b + 1) * band, seq_len)): sums[b] / counts[b]
+          for b in range(bands) if counts[b]}
 
 
 def _check_same_on_every_process(metrics: dict[str, float]) -> None:

