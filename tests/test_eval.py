@@ -236,3 +236,35 @@ def test_an_evaluation_compiled_ahead_compiles_nothing(tmp_path, tokenizer):
   assert len(kinds) == 2 and ahead == len(evaluator.shapes())
   assert len(lowered) == ahead, "the evaluation lowered programs compile_ahead had not"
   assert "eval/docs/ce_loss" in metrics
+
+
+@pytest.mark.seconds(5)
+def test_compiled_ahead_with_position_bands_too(tmp_path, tokenizer):
+  """With eval.position_band the held-out documents run their own program: compiled ahead as
+  well."""
+  import dataclasses
+
+  from jax._src import dispatch, monitoring
+
+  rng = np.random.default_rng(2)
+  stream = np.concatenate([np.append(rng.integers(2, MICRO.vocab_size, n), MICRO.eos_token_id)
+                           for n in (10, 64, 100)])
+  evaluator, params = _evaluator(tmp_path, tokenizer, heldout_tokens=stream, tasks=TASKS[:1])
+  exp = dataclasses.replace(evaluator.exp, eval=dataclasses.replace(evaluator.exp.eval,
+                                                                    position_band=16))
+  evaluator = Evaluator(exp, evaluator.model)
+  lowered = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
+      lowered.append(event)
+
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    evaluator.compile_ahead(evaluator.model.param_target)
+    ahead = len(lowered)
+    evaluator.evaluate(params)
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  assert ahead == len(evaluator.shapes()) == 2 and len(lowered) == ahead
