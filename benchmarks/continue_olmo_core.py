@@ -1,6 +1,7 @@
 """Continuing AI2's own run: an OLMo-core checkpoint, continued by OLMo-core and by olmo3.
 
   python benchmarks/continue_olmo_core.py [--steps 10] [--continue_steps 20] [--spike_at 15]
+  python benchmarks/continue_olmo_core.py --stage3 [--steps 10] [--continue_steps 20]
 
 OLMo-core's own Trainer with its TransformerTrainModule (SkipStepAdamW with AI2's groups, which
 leave the input embedding undecayed; CosWithWarmup; z-loss 1e-5; clipping at 1.0), its data
@@ -22,6 +23,18 @@ its loop steps them; both sides in float32 on the CPU. The continue mode's first
 epochs (13 steps each), so the position includes an epoch. Each continuation's token files hold
 one odd batch (a single token repeated) at its --spike_at-th step, which trips SkipStepAdamW's
 rule: its window (16 values here) starts empty on loading, on both sides.
+
+--stage3 instead continues a stage-2-shaped checkpoint into stage 3 (AI2's long-context
+extension, shrunk): OLMo-core's Trainer trains --steps steps of stage 2's recipe and saves; both
+sides start stage 3 from it with its weights and optimizer state, not its trainer state
+(`load_trainer_state=False, load_optim_state=True`; olmo3: init_mode=new_stage from the
+OLMo-core checkpoint itself): YaRN over stage 2's 64-token context on the full-attention
+layers, documents packed into 256-token instances by OLMo-core's NumpyPackedFSLDataset (ours by
+olmo3.data.packing), attention within each document (OLMo-core's flash_2 backend through
+tests/flash_attn_standin, as benchmarks/stage3_parity_olmo_core.py runs it), RoPE positions as
+the installed OLMo-core's, 2 micro-batches, LinearWithWarmup(warmup=5, alpha_f=0) over
+--continue_steps steps. No odd batch there: the skip window (which starts empty) never acts, and
+the skip decisions compared are all "no".
 
 Prints per-step CE loss, gradient norm, LR, skip decision and instances from both, then one JSON
 object: per mode max |CE loss diff| (and of CE + z-loss), max relative grad-norm diff, max |LR
@@ -89,9 +102,14 @@ def write_tokens(directory: str, stage: Stage, spike_step: int | None, vocab: in
 
 
 def olmo_core_trainer(model_cfg, paths: list[str], stage: Stage, work: str, *, max_steps: int,
-                      scheduler, lr: float, save_every: int | None = None, **trainer: Any):
+                      scheduler, lr: float, save_every: int | None = None,
+                      seq_len: int = SEQ_LEN, dataset_config: Any = None, model: Any = None,
+                      microbatches: int = 1, **trainer: Any):
   """OLMo-core's Trainer as AI2's scripts build one, shrunk, and the callback recording its
-  steps; it saves every `save_every` steps (None: never)."""
+  steps; it saves every `save_every` steps (None: never). `dataset_config` replaces the token
+  files' NumpyFSLDatasetConfig (stage 3: the packed dataset, which is packed here, in this
+  process, by the method its prepare() would run in a process pool), `model` the model built
+  from `model_cfg`."""
   import torch
   from olmo_core.data import (NumpyDataLoaderConfig, NumpyDatasetDType, NumpyFSLDatasetConfig,
                               TokenizerConfig)
@@ -122,20 +140,23 @@ def olmo_core_trainer(model_cfg, paths: list[str], stage: Stage, work: str, *, m
   tokenizer = TokenizerConfig(vocab_size=model_cfg.vocab_size,
                               eos_token_id=model_cfg.eos_token_id,
                               pad_token_id=model_cfg.pad_token_id)
-  dataset = NumpyFSLDatasetConfig(paths=paths, sequence_length=SEQ_LEN, tokenizer=tokenizer,
-                                  dtype=NumpyDatasetDType.uint32, work_dir=work).build()
-  loader = NumpyDataLoaderConfig(global_batch_size=stage.batch * SEQ_LEN, seed=stage.seed,
+  dataset = (dataset_config or NumpyFSLDatasetConfig(
+      paths=paths, sequence_length=seq_len, tokenizer=tokenizer,
+      dtype=NumpyDatasetDType.uint32, work_dir=work)).build()
+  for group in getattr(dataset, "_source_path_groups", ()):
+    dataset._pack_documents_from_source_into_instances(*group)
+  loader = NumpyDataLoaderConfig(global_batch_size=stage.batch * seq_len, seed=stage.seed,
                                  num_workers=0, work_dir=work).build(dataset)
   torch.manual_seed(0)
   module = TransformerTrainModuleConfig(
-      rank_microbatch_size=stage.batch * SEQ_LEN, max_sequence_length=SEQ_LEN,
+      rank_microbatch_size=stage.batch * seq_len // microbatches, max_sequence_length=seq_len,
       optim=SkipStepAdamWConfig(
           lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, rolling_interval_length=WINDOW,
           sigma_factor=6,
           group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
                                               opts=dict(weight_decay=0.0))]),
       scheduler=scheduler, z_loss_multiplier=1e-5, max_grad_norm=1.0,
-  ).build(olmo_core.transformer_config(model_cfg).build(init_device="cpu"))
+  ).build(model or olmo_core.transformer_config(model_cfg).build(init_device="cpu"))
   record = Record()
   # A disabled checkpointer saves nothing; the trainer still loads (no_checkpoints would not).
   checkpointer = CheckpointerCallback(save_interval=save_every or 1, ephemeral_save_interval=None,
@@ -179,23 +200,27 @@ def olmo_core_side(model_cfg, stage1_paths: list[str], stage2_paths: list[str], 
 
 
 def olmo3_experiment(model_cfg, paths: list[str], stage: Stage, *, init_from: str, mode: str,
-                     steps: int, schedule: str, lr: float, decay_steps: int):
+                     steps: int, schedule: str, lr: float, decay_steps: int,
+                     seq_len: int = SEQ_LEN, warmup: int | None = None, packing: Any = None,
+                     microbatches: int = 1):
   from olmo3.config import (CheckpointConfig, DataConfig, Experiment, InitMode,
                             OptimizerConfig, Schedule, TrainConfig)
 
   cosine = Schedule(schedule) is Schedule.COSINE
   optimizer = OptimizerConfig(
       peak_lr=lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, no_decay=("embed_tokens",),
-      clip_grad_norm=1.0, schedule=Schedule(schedule), warmup_steps=4 if cosine else 0,
+      clip_grad_norm=1.0, schedule=Schedule(schedule),
+      warmup_steps=(4 if cosine else 0) if warmup is None else warmup,
       final_lr=lr * 0.1 if cosine else 0.0, decay_steps=decay_steps, skip_spikes=True,
       spike_sigma=6.0, spike_window=WINDOW, spike_min_history=WINDOW // 2)
   return Experiment(
-      model=model_cfg.replace(max_seq_len=SEQ_LEN),
+      model=model_cfg.replace(max_seq_len=seq_len),
       # OLMo-core's side builds its dataset without max_target_sequence_length: instances
       # shuffled one by one, as max_target_seq_len=None gives.
-      data=DataConfig(paths=tuple(paths), seq_len=SEQ_LEN, global_batch_size=stage.batch,
-                      seed=stage.seed, max_target_seq_len=None),
-      optimizer=optimizer, train=TrainConfig(steps=steps, z_loss_weight=1e-5, eval_every=0),
+      data=DataConfig(paths=tuple(paths), seq_len=seq_len, global_batch_size=stage.batch,
+                      seed=stage.seed, max_target_seq_len=None, packing=packing),
+      optimizer=optimizer, train=TrainConfig(steps=steps, z_loss_weight=1e-5, eval_every=0,
+                                             microbatches=microbatches),
       checkpoint=CheckpointConfig(init_from=init_from, init_mode=InitMode(mode),
                                   async_save=False))
 
@@ -224,13 +249,109 @@ def olmo3_run(exp, workdir: str) -> list[dict]:
                              source=plan.train_files)
     step_fn = jit_train_step(exp, model, layout, len(plan.train_files.source_names))
     for host in loader.host_batches():
-      batch = loader.host_rows.to_global({k: host[k] for k in pipeline.STEP_KEYS})
+      batch = loader.host_rows.to_global({k: host[k] for k in pipeline.STEP_KEYS if k in host})
       state, metrics = step_fn(state, batch)
       m = jax.device_get(metrics)
       rows.append({"instances": host["instance"].tolist(), "ce_loss": float(m["ce_loss"]),
                    "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                    "lr": float(m["lr"]), "skipped": bool(m["skipped"])})
   return rows
+
+
+# --- stage 3 ------------------------------------------------------------------------------
+
+# Stage 3 (--stage3), AI2's long-context extension shrunk: documents packed into instances 4x
+# stage 2's length, YaRN over stage 2's context on the full-attention layers, 2 micro-batches,
+# stage 2's peak LR after a warmup (AI2's 200 of 11,921 steps, shrunk), linear to 0.
+STAGE3 = Stage((), seed=34521, batch=4)  # its files: stage3_parity_olmo_core's documents
+STAGE3_SEQ_LEN, STAGE3_WARMUP, STAGE3_MICROBATCHES = 4 * SEQ_LEN, 5, 2
+
+
+def _stage3_parity():
+  """benchmarks/stage3_parity_olmo_core.py: its documents, OLMo-core's packed dataset settings,
+  the flash-attn stand-in and OLMo-core's model with the flash_2 backend."""
+  import importlib.util
+
+  name = "stage3_parity_olmo_core"
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+  return sys.modules[name]
+
+
+def stage3_model(model_cfg):
+  """Stage 2's model with YaRN over stage 2's context, RoPE positions as the installed
+  OLMo-core's (2.4.0: across the instance; 3.0.0: per document)."""
+  from olmo3 import config
+
+  s3 = _stage3_parity()
+  return model_cfg.replace(
+      max_seq_len=STAGE3_SEQ_LEN,
+      rope_positions=s3.olmo_core_rope_positions(s3.olmo_core_version()),
+      rope_scaling=config.Yarn(factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                               original_context=SEQ_LEN))
+
+
+def stage3(model_cfg, stage2_paths: list[str], root: str, steps: int,
+           continue_steps: int) -> tuple[list[dict], list[dict]]:
+  """(ours, OLMo-core's) rows of stage 3 started from a stage-2-shaped OLMo-core checkpoint:
+  OLMo-core's Trainer trains --steps steps of stage 2's recipe (LinearWithWarmup(warmup=0,
+  alpha_f=0) over them: the stage ends at LR 0, as AI2's did) and saves; from there both sides
+  start stage 3 with its weights and optimizer state, not its trainer state
+  (load_trainer_state=False, load_optim_state=True; olmo3: init_mode=new_stage from the
+  OLMo-core checkpoint itself), OLMo-core's on its packed dataset with its flash_2 backend's
+  intra-document attention (the stand-in), ours on our packed loader."""
+  import pathlib
+
+  from olmo_core.data import TokenizerConfig
+  from olmo_core.data.numpy_dataset import NumpyPackedFSLDatasetConfig
+  from olmo_core.optim import LinearWithWarmup
+  from olmo_core.train.common import LoadStrategy
+
+  from olmo3.config import Packing
+  from olmo3.convert import olmo_core
+
+  s3 = _stage3_parity()
+  first, _ = olmo_core_trainer(
+      model_cfg, stage2_paths, STAGE2, os.path.join(root, "oc-stage2"), max_steps=steps,
+      scheduler=LinearWithWarmup(warmup=0, alpha_f=0.0), lr=STAGE2_LR, save_every=steps)
+  first.fit()
+  saved = os.path.join(first.save_folder, f"step{steps}")
+  corpus = s3.write_corpus(
+      pathlib.Path(root) / "stage3",
+      int(1.5 * continue_steps * STAGE3.batch * STAGE3_SEQ_LEN), STAGE3_SEQ_LEN,
+      model_cfg.vocab_size)
+  yarn = stage3_model(model_cfg)
+  work = os.path.join(root, "oc-stage3")
+  packed = NumpyPackedFSLDatasetConfig(
+      paths=corpus, tokenizer=TokenizerConfig(vocab_size=yarn.vocab_size,
+                                              eos_token_id=yarn.eos_token_id,
+                                              pad_token_id=yarn.pad_token_id),
+      dtype="uint32", sequence_length=STAGE3_SEQ_LEN, generate_doc_lengths=True,
+      source_group_size=s3.GROUP_SIZE, source_permutation_seed=s3.PERMUTATION_SEED,
+      work_dir=work)
+  schedule = LinearWithWarmup(warmup=STAGE3_WARMUP, alpha_f=0.0)
+  with s3.flash_attn_standin():
+    model = s3._build_with_flash_attention(
+        s3._blocks(olmo_core.transformer_config(yarn), s3._flash_attention))
+    trainer, record = olmo_core_trainer(
+        yarn, corpus, STAGE3, work, max_steps=continue_steps, scheduler=schedule, lr=STAGE2_LR,
+        seq_len=STAGE3_SEQ_LEN, dataset_config=packed, model=model,
+        microbatches=STAGE3_MICROBATCHES, load_path=saved, load_strategy=LoadStrategy.always,
+        load_trainer_state=False, load_optim_state=True)
+    trainer.fit()
+  theirs = [record.rows[s] for s in sorted(record.rows)]
+  ours = olmo3_run(olmo3_experiment(
+      yarn, corpus, STAGE3, init_from=saved, mode="new_stage", steps=continue_steps,
+      schedule="linear", lr=STAGE2_LR, decay_steps=continue_steps, seq_len=STAGE3_SEQ_LEN,
+      warmup=STAGE3_WARMUP,
+      packing=Packing(source_group_size=s3.GROUP_SIZE,
+                      source_permutation_seed=s3.PERMUTATION_SEED),
+      microbatches=STAGE3_MICROBATCHES), os.path.join(root, "olmo3-stage3"))
+  return ours, theirs
 
 
 # --- the comparison ------------------------------------------------------------------------
@@ -269,12 +390,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument("--spike_at", type=int, default=15,
                       help="the continuation step with the odd batch (0: none)")
   parser.add_argument("--workdir", help="keep everything here (default: a temporary directory)")
+  parser.add_argument("--stage3", action="store_true",
+                      help="instead: a stage-2-shaped checkpoint continued into stage 3")
   args = parser.parse_args(argv)
   from olmo3 import config
 
   model_cfg = config.olmo3_micro()
   with tempfile.TemporaryDirectory(prefix="continue-olmo-core-") as tmp:
     root = args.workdir or tmp
+    if args.stage3:
+      stage2 = write_tokens(os.path.join(root, "stage2"), STAGE2, None, model_cfg.vocab_size)
+      ours, theirs = stage3(model_cfg, stage2, root, args.steps, args.continue_steps)
+      return _report({"stage3": ours}, {"stage3": theirs}, 0,
+                     {"olmo_core_version": _stage3_parity().olmo_core_version(),
+                      "rope_positions": stage3_model(model_cfg).rope_positions.value})
     # Data steps are 0-based: continuation step k of the first stage is data step steps + k - 1.
     spike = args.spike_at or None
     stage1 = write_tokens(os.path.join(root, "stage1"), STAGE1,
@@ -294,18 +423,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_cfg, stage2, STAGE2, init_from=Workdir(continued).olmo_core_import,
         mode="new_stage", steps=args.continue_steps, schedule="linear", lr=STAGE2_LR,
         decay_steps=args.continue_steps), os.path.join(root, "olmo3-new-stage"))
+  return _report(ours, theirs, args.steps)
+
+
+def _report(ours: dict[str, list[dict]], theirs: dict[str, list[dict]], steps: int,
+            facts: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Prints each mode's steps side by side and the JSON result; returns it."""
   result = {}
-  for mode in ("continue", "new_stage"):
+  for mode in ours:
     print(f"{mode}: {'step':>4}  {'CE (ours)':>10} {'CE (OLMo-core)':>14}  {'grad norm':>9} "
           f"{'grad norm':>9}  {'LR':>10} {'LR':>10}  skipped  instances")
-    first = args.steps if mode == "continue" else 0
+    first = steps if mode == "continue" else 0
     for i, (a, b) in enumerate(zip(ours[mode], theirs[mode]), start=first + 1):
       print(f"{'':>{len(mode) + 1}} {i:>4}  {a['ce_loss']:>10.7f} {b['ce_loss']:>14.7f}  "
             f"{a['grad_norm']:>9.6f} {b['grad_norm']:>9.6f}  {a['lr']:>10.4e} {b['lr']:>10.4e}  "
             f"{int(a['skipped'])} {int(b['skipped'])}      {a['instances']}"
             f"{'' if a['instances'] == b['instances'] else ' != ' + str(b['instances'])}")
     result[mode] = compare(ours[mode], theirs[mode])
-  result["ok"] = all(within(result[mode]) for mode in ("continue", "new_stage"))
+  result.update(facts or {})
+  result["ok"] = all(within(result[mode]) for mode in ours)
   print(json.dumps(result))
   return result
 

@@ -156,11 +156,14 @@ class _Trainer:
 
 def _float64_model_config(tc):
   """OLMo-core's transformer config with its norms' and RoPE's float32 casts turned off."""
+  from olmo3.convert.olmo_core import attention_field
+
   block, head = tc.block, tc.lm_head
-  attn = block.sequence_mixer
+  field = attention_field(block)
+  attn = getattr(block, field)
   exact = lambda c: dataclasses.replace(c, full_precision=False)
   attn = dataclasses.replace(attn, rope=exact(attn.rope), qk_norm=exact(attn.qk_norm))
-  block = dataclasses.replace(block, sequence_mixer=attn, layer_norm=exact(block.layer_norm))
+  block = dataclasses.replace(block, **{field: attn}, layer_norm=exact(block.layer_norm))
   return dataclasses.replace(tc, block=block,
                              lm_head=dataclasses.replace(head, layer_norm=exact(head.layer_norm)))
 
