@@ -391,6 +391,7 @@ def take_back(plan, run_record, created: bool) -> None:
 
 def closing_summary(plan, launch_seconds: float | None = None) -> list[str]:
   """What the run in plan.workdir came to, and the commands to run next."""
+  from olmo3.data import sources
   from olmo3.train.summary import RunSummary
 
   workdir = plan.workdir.root
@@ -401,19 +402,11 @@ def closing_summary(plan, launch_seconds: float | None = None) -> list[str]:
     commands.append(("next stage", next_stage_command(plan, following)))
   commands += [("evaluate", f"python -m olmo3.eval --workdir {quoted}"),
                ("sample", f"python -m olmo3.sample --workdir {quoted} --prompt "
-                          f"{shlex.quote(sample_prompt(plan.exp))}"),
+                          f"{shlex.quote(sources.sample_prompt(plan.exp.data))}"),
                ("export to HF", f"python -m olmo3.convert export-hf --ckpt {quoted} --out "
                                 f"{shlex.quote(workdir.rstrip('/') + '-hf')}")]
   return RunSummary.read(workdir, plan.exp).lines(launch_seconds=launch_seconds,
                                                   next_commands=tuple(commands))
-
-
-def sample_prompt(exp) -> str:
-  """A prompt the summary's sample command suggests, in the kind of text the run trained on:
-  the built-in corpus is Python's standard library (a prose opening only loops there)."""
-  from olmo3.data import sources
-
-  return "def main(" if exp.data.mix in sources.EMBEDDED else "The"
 
 
 def next_stage_command(plan, following: str) -> str:

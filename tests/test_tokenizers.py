@@ -142,8 +142,8 @@ def test_the_suggested_sample_prompt_fits_the_built_in_corpus_python_source():
   import fiddle as fdl
 
   from experiments import olmo3_tiny
-  from launch import main as launch_main
+  from olmo3.data import sources
 
   exp = fdl.build(olmo3_tiny.stage1())
   assert exp.data.mix == "embedded"
-  assert launch_main.sample_prompt(exp) == "def main("
+  assert sources.sample_prompt(exp.data) == "def main("

@@ -172,6 +172,12 @@ def token_files(cfg: DataConfig, vocab_size: int | None,
                                  labels=labels)
 
 
+def sample_prompt(cfg: DataConfig) -> str:
+  """A prompt to sample from a model trained on `cfg`'s data, in the kind of text it holds: the
+  built-in corpus is Python's standard library (a prose opening only loops there)."""
+  return "def main(" if cfg.mix in EMBEDDED else "The"
+
+
 def tokenizer_file(name: str) -> str:
   """What a tokenizer name is loaded from: "embedded" is the built-in corpus's tokenizer.json;
   a URL (a prepared directory's copy in a bucket) a local copy of it in the cache; any other
