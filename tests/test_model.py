@@ -218,28 +218,42 @@ def _packed_row(cfg, lengths, pad, seed=0):
   return jnp.asarray(tokens[None]), jnp.asarray(segments[None], jnp.int32), docs
 
 
-@pytest.mark.parametrize("kernel", [AttentionKernel.XLA, *_kernels_on_this_backend()])
-@pytest.mark.seconds(5)
-def test_packed_documents_never_attend_across_a_boundary(kernel, micro_params):
-  """Each document of a packed row (longer than the sliding window, so both masks act) gives
-  the logits it gives alone, in every kernel; without its segment ids it does not (it would see
-  the documents before it). Positions reset per document or not: RoPE is relative, so both equal
-  the document alone (to the rounding of larger angles)."""
-  cfg = MICRO.replace(attention=kernel)
+@pytest.fixture(scope="module")
+def packed_row(micro_params):
+  """A 128-token row packing three documents (longer than the sliding window, so both masks
+  act) and padding; its segment ids; each document's start and its logits alone (XLA)."""
   lengths = (40, 23, 49)
-  tokens, segments, docs = _packed_row(cfg, lengths, pad=16)
-  starts = np.cumsum((0,) + lengths)
-  alone = model_lib.from_params(MICRO, micro_params)  # XLA: splash needs 128-token multiples
-  for positions, tol in ((config.RopePositions.DOCUMENT, 2e-5), (config.RopePositions.INSTANCE,
-                                                                 2e-4)):
-    model = model_lib.from_params(cfg.replace(rope_positions=positions), micro_params)
-    packed = np.asarray(model(tokens, segments))[0]
-    for doc, start in zip(docs, starts):
-      alone_logits = np.asarray(alone(jnp.asarray(doc[None])))[0]
-      np.testing.assert_allclose(packed[start:start + len(doc)], alone_logits, atol=tol,
-                                 rtol=1e-4)
-  unmasked = np.asarray(model(tokens))[0]
-  assert np.abs(unmasked[starts[1]:starts[2]] - packed[starts[1]:starts[2]]).max() > 1e-2
+  tokens, segments, docs = _packed_row(MICRO, lengths, pad=16)
+  alone = nnx.jit(lambda m, t: m(t))
+  model = model_lib.from_params(MICRO, micro_params)
+  starts = np.cumsum((0,) + lengths)[:-1]
+  return tokens, segments, [(start, np.asarray(alone(model, jnp.asarray(doc[None])))[0])
+                            for doc, start in zip(docs, starts)]
+
+
+@pytest.mark.parametrize("kernel, positions", [
+    (AttentionKernel.XLA, config.RopePositions.DOCUMENT),
+    (AttentionKernel.XLA, config.RopePositions.INSTANCE),
+    *((k, config.RopePositions.DOCUMENT) for k in _kernels_on_this_backend())])
+@pytest.mark.seconds(3)
+def test_packed_documents_never_attend_across_a_boundary(kernel, positions, micro_params,
+                                                          packed_row):
+  """Each document of a packed row gives the logits it gives alone, in every kernel; without
+  its segment ids it does not (it would see the documents before it). Positions reset per
+  document or not: RoPE is relative, so both equal the document alone (to the rounding of
+  larger angles)."""
+  tokens, segments, alone = packed_row
+  model = model_lib.from_params(MICRO.replace(attention=kernel, rope_positions=positions),
+                                micro_params)
+  forward = nnx.jit(lambda m, t, s: m(t, s))
+  packed = np.asarray(forward(model, tokens, segments))[0]
+  tol = 2e-5 if positions == config.RopePositions.DOCUMENT else 2e-4
+  for start, logits in alone:
+    np.testing.assert_allclose(packed[start:start + len(logits)], logits, atol=tol, rtol=1e-4)
+  if kernel == AttentionKernel.XLA and positions == config.RopePositions.DOCUMENT:
+    unmasked = np.asarray(forward(model, tokens, None))[0]
+    second = slice(alone[1][0], alone[1][0] + len(alone[1][1]))
+    assert np.abs(unmasked[second] - packed[second]).max() > 1e-2
 
 
 def test_document_positions_restart_at_each_document():
