@@ -400,14 +400,7 @@ def olmo_core_run(exp, initial: dict, batches: list[dict[str, Any]]) -> list[dic
       trainer.global_step += 1
       trainer.metrics.clear()
       outputs.clear()
-      module.train_batch(batch)
-      module.optim_step()
-      module.zero_grads()
-      m = trainer.metrics
-      rows.append({"loss": sum(x.item() for x in outputs),
-                   "grad_norm": float(m["optim/total grad norm"]),
-                   "lr": float(m["optim/LR (group 0)"]),
-                   "skipped": float(m["optim/step skipped"]) == 1.0})
+      rows.append(bench.olmo_core_step(module, trainer, outputs, batch))
   return rows
 
 

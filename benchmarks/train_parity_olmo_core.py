@@ -276,15 +276,21 @@ def olmo_core_run(exp, initial: dict, tokens: np.ndarray) -> list[dict]:
         module.scheduler, trainer.max_steps = part2, o.stitch_second_steps
       trainer.metrics.clear()
       outputs.clear()
-      module.train_batch({"input_ids": torch.from_numpy(ids)})
-      module.optim_step()
-      module.zero_grads()
-      m = trainer.metrics
-      rows.append({"loss": sum(x.item() for x in outputs),
-                   "grad_norm": float(m["optim/total grad norm"]),
-                   "lr": float(m["optim/LR (group 0)"]),
-                   "skipped": float(m["optim/step skipped"]) == 1.0})
+      rows.append(olmo_core_step(module, trainer, outputs, {"input_ids": torch.from_numpy(ids)}))
   return rows
+
+
+def olmo_core_step(module, trainer, outputs: list, batch: dict) -> dict:
+  """One step as OLMo-core's Trainer takes it (train_batch, optim_step, zero_grads) and what
+  it recorded: the summed CE of `outputs` (the loss function's, filled during the step), the
+  grad norm, the LR and whether SkipStepAdamW skipped."""
+  module.train_batch(batch)
+  module.optim_step()
+  module.zero_grads()
+  m = trainer.metrics
+  return {"loss": sum(x.item() for x in outputs), "grad_norm": float(m["optim/total grad norm"]),
+          "lr": float(m["optim/LR (group 0)"]),
+          "skipped": float(m["optim/step skipped"]) == 1.0}
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:
