@@ -357,13 +357,7 @@ def olmo_core_run(exp, initial: dict, batches: list[dict[str, Any]]) -> list[dic
   float64 = exp.model.compute_dtype == DType.FLOAT64
   o, d = exp.optimizer, exp.data
   outputs = []  # each micro-batch's loss as the model returns it
-
-  class Recorded(TransformerTrainModule):
-    def model_forward(self, input_ids, labels=None, **kwargs):
-      out = super().model_forward(input_ids, labels=labels, **kwargs)
-      outputs.append(out.loss.detach())
-      return out
-
+  Recorded = bench.recording(TransformerTrainModule, outputs)
   config = TransformerTrainModuleConfig(
       rank_microbatch_size=d.global_batch_size * d.seq_len // exp.train.microbatches,
       max_sequence_length=d.seq_len,

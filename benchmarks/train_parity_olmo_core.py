@@ -227,13 +227,7 @@ def olmo_core_run(exp, initial: dict, tokens: np.ndarray) -> list[dict]:
   float64 = exp.model.compute_dtype == DType.FLOAT64
   o, seq_len = exp.optimizer, tokens.shape[2]
   outputs = []  # each micro-batch's loss as the model returns it
-
-  class Recorded(TransformerTrainModule):
-    def model_forward(self, input_ids, labels=None, **kwargs):
-      out = super().model_forward(input_ids, labels=labels, **kwargs)
-      outputs.append(out.loss.detach())
-      return out
-
+  Recorded = recording(TransformerTrainModule, outputs)
   part1 = CosWithWarmup(warmup=o.warmup_steps, alpha_f=o.final_lr / o.peak_lr)
   part2 = HalfCosWithWarmup(warmup=o.stitch_at, alpha_f=o.final_lr / o.peak_lr)
   config = TransformerTrainModuleConfig(
@@ -278,6 +272,20 @@ def olmo_core_run(exp, initial: dict, tokens: np.ndarray) -> list[dict]:
       outputs.clear()
       rows.append(olmo_core_step(module, trainer, outputs, {"input_ids": torch.from_numpy(ids)}))
   return rows
+
+
+def recording(module_class: type, outputs: list) -> type:
+  """OLMo-core's train module class, its model's loss of each micro-batch appended to
+  `outputs` as the forward pass returns it (the module records its CE in a float32
+  accumulator: these are the model's own, in its dtype)."""
+
+  class Recorded(module_class):
+    def model_forward(self, input_ids, labels=None, **kwargs):
+      out = super().model_forward(input_ids, labels=labels, **kwargs)
+      outputs.append(out.loss.detach())
+      return out
+
+  return Recorded
 
 
 def olmo_core_step(module, trainer, outputs: list, batch: dict) -> dict:

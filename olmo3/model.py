@@ -149,12 +149,12 @@ def layer_ropes(cfg: ModelConfig, seq_len: int, segments_BT: jax.Array | None = 
   token's position within its document."""
   dtype = wide(jnp.dtype(cfg.compute_dtype.value))
   per_document = segments_BT is not None and cfg.rope_positions == RopePositions.DOCUMENT
+  positions_BT = document_positions(segments_BT) if per_document else None
 
   def tables(scaling: Yarn | None) -> tuple[jax.Array, jax.Array]:
     cos_TK, sin_TK = rope_tables(seq_len, cfg.head_dim, cfg.rope_theta, dtype, scaling)
-    if not per_document:
+    if positions_BT is None:
       return cos_TK, sin_TK
-    positions_BT = document_positions(segments_BT)
     return cos_TK[positions_BT], sin_TK[positions_BT]
 
   ropes = {False: tables(None)}

@@ -1,3 +1,5 @@
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,17 +209,11 @@ def test_heldout_loss_per_position_band_of_long_documents(tmp_path, tokenizer):
         exp.eval, min_document_tokens=1000)), evaluator.model)
 
 
-@pytest.mark.seconds(8)
-def test_an_evaluation_compiled_ahead_compiles_nothing(tmp_path, tokenizer):
-  """`compile_ahead` on the parameters' shapes (what the training loop runs in a thread during
-  its startup) compiles each program at each shape an evaluation runs (held-out documents and
-  both task kinds), so the evaluation itself lowers and compiles nothing."""
+@contextlib.contextmanager
+def _lowerings():
+  """A list that gains an entry each time JAX lowers a program while the block runs."""
   from jax._src import dispatch, monitoring
 
-  rng = np.random.default_rng(1)
-  docs = [rng.integers(2, MICRO.vocab_size, n) for n in (10, 64, 100, 3, 40)]
-  stream = np.concatenate([np.append(d, MICRO.eos_token_id) for d in docs])
-  evaluator, params = _evaluator(tmp_path, tokenizer, heldout_tokens=stream)
   lowered = []
 
   def listener(event, duration, **kwargs):
@@ -227,11 +223,24 @@ def test_an_evaluation_compiled_ahead_compiles_nothing(tmp_path, tokenizer):
 
   monitoring.register_event_duration_secs_listener(listener)
   try:
+    yield lowered
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.mark.seconds(8)
+def test_an_evaluation_compiled_ahead_compiles_nothing(tmp_path, tokenizer):
+  """`compile_ahead` on the parameters' shapes (what the training loop runs in a thread during
+  its startup) compiles each program at each shape an evaluation runs (held-out documents and
+  both task kinds), so the evaluation itself lowers and compiles nothing."""
+  rng = np.random.default_rng(1)
+  docs = [rng.integers(2, MICRO.vocab_size, n) for n in (10, 64, 100, 3, 40)]
+  stream = np.concatenate([np.append(d, MICRO.eos_token_id) for d in docs])
+  evaluator, params = _evaluator(tmp_path, tokenizer, heldout_tokens=stream)
+  with _lowerings() as lowered:
     evaluator.compile_ahead(evaluator.model.param_target)
     ahead = len(lowered)
     metrics = evaluator.evaluate(params)
-  finally:
-    monitoring.unregister_event_duration_listener(listener)
   kinds = {fn for fn, _ in evaluator.shapes()}
   assert len(kinds) == 2 and ahead == len(evaluator.shapes())
   assert len(lowered) == ahead, "the evaluation lowered programs compile_ahead had not"
@@ -244,8 +253,6 @@ def test_compiled_ahead_with_position_bands_too(tmp_path, tokenizer):
   well."""
   import dataclasses
 
-  from jax._src import dispatch, monitoring
-
   rng = np.random.default_rng(2)
   stream = np.concatenate([np.append(rng.integers(2, MICRO.vocab_size, n), MICRO.eos_token_id)
                            for n in (10, 64, 100)])
@@ -253,18 +260,8 @@ def test_compiled_ahead_with_position_bands_too(tmp_path, tokenizer):
   exp = dataclasses.replace(evaluator.exp, eval=dataclasses.replace(evaluator.exp.eval,
                                                                     position_band=16))
   evaluator = Evaluator(exp, evaluator.model)
-  lowered = []
-
-  def listener(event, duration, **kwargs):
-    del duration, kwargs
-    if event == dispatch.JAXPR_TO_MLIR_MODULE_EVENT:
-      lowered.append(event)
-
-  monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with _lowerings() as lowered:
     evaluator.compile_ahead(evaluator.model.param_target)
     ahead = len(lowered)
     evaluator.evaluate(params)
-  finally:
-    monitoring.unregister_event_duration_listener(listener)
   assert ahead == len(evaluator.shapes()) == 2 and len(lowered) == ahead

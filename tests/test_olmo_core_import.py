@@ -3,10 +3,8 @@ over HTTP too), continuing them in AI2's two ways as OLMo-core continues them, a
 would not be AI2's, refused."""
 
 import dataclasses
-import importlib.util
 import os
 import shutil
-import sys
 
 import jax
 import numpy as np
@@ -28,18 +26,11 @@ from olmo3.train import continuation
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.state import StateLayout, restore_or_init
 
+from conftest import benchmark
+
 MICRO = config.olmo3_micro()
 SEQ, BATCH, SEED, STEP = 32, 4, 5, 3  # the fixture's run: 3 steps of 4 instances of 32 tokens
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _bench():
-  spec = importlib.util.spec_from_file_location(
-      "continue_olmo_core", os.path.join(ROOT, "benchmarks", "continue_olmo_core.py"))
-  bench = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = bench  # its dataclasses look their module up there
-  spec.loader.exec_module(bench)
-  return bench
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +110,8 @@ def test_both_modes_continue_as_olmo_core_does(tmp_path):
   """The benchmark, shortened: OLMo-core's Trainer trains 11 steps and saves; OLMo-core and
   olmo3 each continue it 4 steps (the stage, across the epoch's end at step 13; and a new stage
   on other data from the weights and optimizer state)."""
-  result = _bench().main(["--steps", "11", "--continue_steps", "4", "--spike_at", "0",
-                          "--workdir", str(tmp_path)])
+  result = benchmark("continue_olmo_core").main(["--steps", "11", "--continue_steps", "4",
+                                                 "--spike_at", "0", "--workdir", str(tmp_path)])
   for mode in ("continue", "new_stage"):
     assert result[mode]["steps"] == result[mode]["steps_olmo_core"] == 4, mode
     assert result[mode]["instances_equal"] and result[mode]["skip_decisions_equal"], mode

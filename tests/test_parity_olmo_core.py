@@ -10,7 +10,7 @@ from olmo_core.nn.transformer import TransformerConfig
 from olmo3 import config
 from olmo3.convert import olmo_core, parity
 
-from conftest import random_params
+from conftest import benchmark, random_params
 
 MICRO = config.olmo3_micro()
 
@@ -42,25 +42,14 @@ def test_float32_parity_with_olmo_core(cfg):
   assert metrics["max_kl"] <= 1e-6 and metrics["top1_agreement"] == 1.0, metrics
 
 
-def _benchmark():
-  import importlib.util
-  import os
-
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "benchmarks", "train_parity_olmo_core.py")
-  spec = importlib.util.spec_from_file_location("train_parity_olmo_core", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  return bench
-
-
 @pytest.mark.seconds(20)
 def test_training_steps_match_olmo_cores_train_module():
   """The benchmark's run shortened to 28 steps, with a 16-step skip window so that the rule
   acts from step 8 and the odd batch at step 26 trips it: the same weights and batches through
   our train step and through OLMo-core's TransformerTrainModule (its model, loss, 2
   micro-batches, clipping, SkipStepAdamW and schedulers), in float32."""
-  result = _benchmark().main(["--steps", "28", "--spike_window", "16", "--spike_step", "26"])
+  result = benchmark("train_parity_olmo_core").main(
+      ["--steps", "28", "--spike_window", "16", "--spike_step", "26"])
   assert result["steps"] == 28 and result["skip_decisions_equal"]
   assert result["skipped_steps"] == [26]  # the odd batch trips the rule on both sides
   assert result["max_abs_loss_diff"] < 1e-5
@@ -74,8 +63,8 @@ def test_float64_training_steps_match_olmo_cores_train_module_to_1e9():
   """The same in float64 (JAX x64, OLMo-core's model and optimizer state in float64), 12 steps
   with the odd batch at 10: the losses agree to 1e-9 only if every float32 rounding OLMo-core
   makes in its update (its step factor's products) is made alike, and the clipping is torch's."""
-  result = _benchmark().main(["--dtype", "float64", "--steps", "12", "--spike_window", "16",
-                              "--spike_step", "10"])
+  result = benchmark("train_parity_olmo_core").main(
+      ["--dtype", "float64", "--steps", "12", "--spike_window", "16", "--spike_step", "10"])
   assert result["skipped_steps"] == [10] and result["skip_decisions_equal"]
   assert result["max_abs_loss_diff"] < 1e-9 and result["max_rel_grad_norm_diff"] < 1e-8
   assert result["within"]

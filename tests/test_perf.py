@@ -23,7 +23,7 @@ from olmo3.train import aot
 from olmo3 import xla_flags as flags_lib
 from olmo3.xla_flags import FLAG_SETS
 
-from conftest import FAST_COMPILE_XLA_FLAGS, random_params
+from conftest import FAST_COMPILE_XLA_FLAGS, benchmark, random_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Compile-only needs no TPU; let several test processes load libtpu at once.
@@ -119,14 +119,7 @@ def test_evaluation_programs_compile_with_their_forward_flops():
 def test_eval_price_benchmark_smoke_mode(capsys):
   """Two of the 7B's tasks (20 documents, the embedded tokenizer) and assumed held-out sets:
   the table, and fewer padded tokens than the old per-task batching."""
-  import importlib.util
-
-  path = os.path.join(ROOT, "benchmarks", "eval_price_7b.py")
-  spec = importlib.util.spec_from_file_location("eval_price_7b", path)
-  bench = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = bench  # its dataclasses look their module up while being defined
-  spec.loader.exec_module(bench)
-  result = bench.main(["--smoke"])
+  result = benchmark("eval_price_7b").main(["--smoke"])
   assert result["real_tokens"] < result["padded_tokens_now"] < result["padded_tokens_before"]
   assert 0 < result["fraction_of_10k_steps"] < 0.01 and result["programs"] >= 2
   out = capsys.readouterr().out

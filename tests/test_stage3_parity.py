@@ -8,20 +8,9 @@ check `RopePositions.DOCUMENT` against it. AI2 ran stage 3 with 2.4.0 (positions
 instance, our recipe's `RopePositions.INSTANCE`); that comparison runs in a second environment,
 benchmarks/olmo_core_2_4_env.sh, and its numbers are in benchmarks/RESULTS.md."""
 
-import importlib.util
-import pathlib
-
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _benchmark():
-  path = ROOT / "benchmarks" / "stage3_parity_olmo_core.py"
-  spec = importlib.util.spec_from_file_location("stage3_parity_olmo_core", path)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
-  return bench
+from conftest import benchmark
 
 
 @pytest.mark.seconds(15)
@@ -34,7 +23,7 @@ def test_stage3_steps_match_olmo_cores_train_module_in_float64():
 
   from olmo_core.nn.attention import flash_attn_api
 
-  result = _benchmark().main(["--dtype", "float64", "--steps", "4"])
+  result = benchmark("stage3_parity_olmo_core").main(["--dtype", "float64", "--steps", "4"])
   assert result["olmo_core_version"] == "3.0.0"
   assert result["rope_positions"] == result["olmo_core_rope_positions"] == "document"
   assert result["instances_equal"] and result["doc_lengths_equal"]

@@ -188,7 +188,8 @@ class Evaluator:
       _asked(stop)
       batch = docs.rows(indices, length, size)
       count += int((batch["labels"] >= 0).sum())
-      masks.append(batch["labels"] >= 0)
+      if self._token_logprob is not None:  # the bands count their tokens by position
+        masks.append(batch["labels"] >= 0)
       pending.append(score(params, self._put(batch)))
     # Sums added up on the host in float64, whatever the number of batches.
     ce = -sum(np.asarray(p, np.float64).sum() for p in pending) / max(count, 1)
