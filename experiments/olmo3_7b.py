@@ -141,8 +141,15 @@ def stage3() -> fdl.Config[Experiment]:
   final checkpoint: parameters and AdamW moments, step and schedule reset
   (load_trainer_state=False, load_optim_state=True). AI2's script evaluates nothing in the
   loop; this keeps the held-out perplexity sets (64 documents a batch, their CE also per band
-  of 8192 positions), so the extension is watched. Context parallelism over 8 devices is how AI2 fit a 65,536-token sequence."""
+  of 8192 positions), so the extension is watched.
+
+  Context parallelism of 8, as AI2's (OLMo-core's TransformerContextParallelConfig.llama3,
+  degree 8): each 65,536-token sequence split over 8 devices of the `sequence` axis, each
+  holding 2 of 16 chunks (zig-zag: causal attention costs each the same), keys and values
+  gathered whole; fsdp takes the rest (64 on tpu7x:4x8x8's 512 devices: one sequence each).
+  docs/performance.md#context-parallelism, benchmarks/RESULTS.md (the cp_sweep)."""
   cfg = stage2()
+  cfg.mesh.shape = (("data", 1), ("fsdp", -1), ("sequence", 8), ("tensor", 1))
   cfg.model.rope_scaling = fdl.Config(Yarn, factor=8.0, beta_fast=32.0, beta_slow=1.0,
                                       original_context=8192, layers=ScaledLayers.FULL_ATTENTION)
   cfg.model.rope_positions = RopePositions.INSTANCE
@@ -201,6 +208,25 @@ def mfu_sweep() -> list[dict[str, object]]:
           for remat in ("custom", "full", "minimal")
           for batch in (512, 1024)
           for offload in (True, False)]
+
+
+def cp_sweep() -> list[dict[str, object]]:
+  """Stage 3's layout on 512 devices (5 variants): the sequence split 8 ways (AI2's degree,
+  fsdp 64: one sequence per data-parallel group), 16 ways (fsdp 32: two sequences a group), or
+  4 ways with the heads over 2 (tensor 2, fsdp 64); the Ironwood run's remat or full remat; and
+  splash's block at 512 or 1024 (its tile, and the granularity at which it skips the blocks the
+  causal mask leaves empty). Ranked by per-device memory, compile-only:
+  python launch/sweep.py --fdl_config=experiments.olmo3_7b:stage3
+  --sweep=experiments.olmo3_7b:cp_sweep --compile_only=tpu7x:4x8x8
+  --out benchmarks/sweeps/olmo3_7b_stage3_tpu7x_4x8x8"""
+  def mesh(sequence: int, tensor: int = 1) -> tuple[tuple[str, int], ...]:
+    return (("data", 1), ("fsdp", -1), ("sequence", sequence), ("tensor", tensor))
+
+  return [{"mesh.shape": mesh(8), "model.remat": "custom"},
+          {"mesh.shape": mesh(8), "model.remat": "full"},
+          {"mesh.shape": mesh(16), "model.remat": "custom"},
+          {"mesh.shape": mesh(4, tensor=2), "model.remat": "custom"},
+          {"mesh.shape": mesh(8), "model.remat": "custom", "model.splash_block": 1024}]
 
 
 def head_shape_sweep() -> list[dict[str, object]]:

@@ -107,6 +107,8 @@ def laptop_size(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Expe
   if cfg.data.max_target_seq_len is not None:  # the 7B's target is its sequence (see above)
     cfg.data.max_target_seq_len = SEQ_LEN * longer
   cfg.data.global_batch_size //= BATCH_DIVISOR
+  # A laptop's devices (one CPU, usually) all on fsdp: no context parallelism (stage 3's 8).
+  cfg.mesh.shape = (("data", 1), ("fsdp", -1), ("sequence", 1), ("tensor", 1))
   # Schedule lengths keep their proportion to the stage; the learning rate scales with size.
   ratio = steps / cfg.train.steps
   opt = cfg.optimizer

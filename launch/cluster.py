@@ -98,9 +98,10 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
     _require(NODES, "with --target=slurm")
     jobs.check_slurm(NODES.value, GPUS_PER_NODE.value)
     jobs.check_experiment(exp, target, NODES.value * GPUS_PER_NODE.value, 1)
+    mesh = jobs.mesh_description(exp, NODES.value * GPUS_PER_NODE.value, 1)
     script = jobs.slurm_script(jobs.SlurmJob(name, NODES.value, GPUS_PER_NODE.value,
                                              PROCESSES.value, command, env, PARTITION.value,
-                                             ACCOUNT.value, TIME.value))
+                                             ACCOUNT.value, TIME.value, mesh))
     return script, ["sbatch"], script
   for flag in (ACCELERATOR, TOPOLOGY, IMAGE):
     _require(flag, f"with --target={target.value}")
@@ -108,14 +109,15 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
   slices = jobs.tpu_slices(ACCELERATOR.value, TOPOLOGY.value, NUM_SLICES.value)
   jobs.check_experiment(exp, target, slices.devices, slices.num_slices)
   shm = jobs.check_quantity(SHM_SIZE.value, SHM_SIZE.name)
+  mesh = jobs.mesh_description(exp, slices.devices, slices.num_slices)
   job = jobs.PodJob(name, slices, IMAGE.value, command, env, MAX_RESTARTS.value, shm,
-                    GRACE.value, WORKING_DIR.value, QUEUE.value)
+                    GRACE.value, WORKING_DIR.value, QUEUE.value, mesh)
   if target is jobs.Target.GKE:
     manifest = jobs.render_jobset(job)
     return manifest, ["kubectl", "apply", "-f", "-"], manifest
   _require(CLUSTER, "with --target=xpk")
   argv = jobs.xpk_command(job, CLUSTER.value, PROJECT.value, ZONE.value)
-  return f"# {slices.describe()}\n{shlex.join(argv)}\n", argv, None
+  return f"# {slices.describe()}\n# {mesh}\n{shlex.join(argv)}\n", argv, None
 
 
 def main(argv: list[str]) -> None:

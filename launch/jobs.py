@@ -33,6 +33,7 @@ from olmo3.config import AttentionKernel, Experiment, MeshConfig
 from olmo3.data import mixes, sources
 from olmo3.data.tokens import DataError
 from olmo3.io import storage
+from olmo3.sharding import MESH_AXES
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -184,6 +185,38 @@ def check_experiment(exp: Experiment, target: Target, devices_per_slice: int,
     where = ("--topology/--num_slices" if target is not Target.SLURM
              else "--nodes/--gpus_per_node")
     raise LaunchError(f"{where}: {problem}")
+  shards = filled_mesh(exp.mesh, devices_per_slice, slices)["sequence"]
+  if shards > 1 and kernel is AttentionKernel.CUDNN:
+    raise LaunchError(f"mesh.shape: sequence={shards} (context parallelism) needs an attention "
+                      "kernel that offsets each shard's causal mask; model.attention=cudnn "
+                      "cannot (splash on TPUs can)")
+  if shards > 1 and exp.data.seq_len % (2 * shards):
+    raise LaunchError(f"mesh.shape: sequence={shards} splits each sequence into {2 * shards} "
+                      f"equal chunks; data.seq_len={exp.data.seq_len} is not a multiple of "
+                      f"{2 * shards}")
+
+
+def filled_mesh(mesh: MeshConfig, devices_per_slice: int, slices: int) -> dict[str, int]:
+  """Each mesh axis's size on the job's devices (its -1 filled, times its DCN size), as
+  `olmo3.sharding.make_mesh` builds it; the mesh must fit (`mesh_problem` is None)."""
+  shape, dcn = dict(mesh.shape), dict(mesh.dcn) or ({"data": slices} if slices > 1 else {})
+  known = math.prod(n for n in shape.values() if n != -1)
+  return {axis: (devices_per_slice // known if shape.get(axis) == -1 else shape.get(axis, 1))
+          * dcn.get(axis, 1) for axis in MESH_AXES}
+
+
+def _mesh_comment(mesh: str | None) -> str:
+  return f"# {mesh}\n" if mesh else ""
+
+
+def mesh_description(exp: Experiment, devices_per_slice: int, slices: int) -> str:
+  """The job's mesh in one line, and how it splits each sequence (context parallelism)."""
+  sizes = filled_mesh(exp.mesh, devices_per_slice, slices)
+  text = "mesh " + " x ".join(f"{axis} {n}" for axis, n in sizes.items())
+  if sizes["sequence"] > 1:
+    text += (f"; context parallelism: each {exp.data.seq_len:,}-token sequence over "
+             f"{sizes['sequence']} devices")
+  return text
 
 
 def mesh_problem(mesh: MeshConfig, devices_per_slice: int, slices: int) -> str | None:
@@ -331,6 +364,7 @@ class PodJob:
   grace_period_s: int = 600
   working_dir: str | None = None  # the repository in the image (None: the image's WORKDIR)
   queue: str | None = None  # a Kueue LocalQueue
+  mesh: str | None = None  # `mesh_description`: a comment under the devices' one
 
 
 def check_quantity(value: str, flag: str) -> str:
@@ -394,7 +428,7 @@ def jobset(job: PodJob) -> dict[str, Any]:
 
 def render_jobset(job: PodJob) -> str:
   body = yaml.safe_dump(jobset(job), sort_keys=False, width=1 << 16)  # flags on one line
-  text = f"# {job.slices.describe()}\n{body}"
+  text = f"# {job.slices.describe()}\n{_mesh_comment(job.mesh)}{body}"
   validate_jobset(text, job)
   return text
 
@@ -492,6 +526,7 @@ class SlurmJob:
   partition: str | None = None
   account: str | None = None
   time: str | None = None  # sbatch --time, e.g. 7-00:00:00
+  mesh: str | None = None  # `mesh_description`: a comment under the devices' one
 
   @property
   def tasks_per_node(self) -> int:
@@ -533,7 +568,8 @@ def slurm_script(job: SlurmJob) -> str:
                                         ("time", job.time)) if v]
   if job.time:  # SIGTERM to the tasks before the limit: the run saves a step and exits 0
     header.append(f"--signal=TERM@{SIGNAL_BEFORE_LIMIT_S}")
-  lines = ["#!/bin/bash", f"# {job.describe()}", *(f"#SBATCH {h}" for h in header),
+  lines = ["#!/bin/bash", f"# {job.describe()}", *_mesh_comment(job.mesh).splitlines(),
+           *(f"#SBATCH {h}" for h in header),
            "set -euo pipefail", *(_export(k, v) for k, v in job.env.items())]
   if job.processes is Processes.PER_NODE:
     # JAX's SLURM detection would give each process the one GPU of its SLURM_LOCALID (0 for

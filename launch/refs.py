@@ -234,7 +234,10 @@ def load_sweep(ref: str) -> list[dict[str, Any]]:
 def variant_name(overrides: dict[str, Any]) -> str:
   """A sweep variant's name (its row in results.csv; `launch/sweep.py --variant NAME`)."""
   def short(v):
-    if isinstance(v, (tuple, list)):
+    if isinstance(v, (tuple, list)) and v and all(
+        isinstance(p, (tuple, list)) and len(p) == 2 for p in v):  # pairs: a mesh shape, rules
+      return "/".join(f"{k}{short(n)}" for k, n in v)
+    if isinstance(v, (tuple, list)):  # flags
       return "on" if v else "off"
     return str(getattr(v, "value", v))
 

@@ -279,6 +279,9 @@ class ModelConfig(_Validated):
   pad_token_id: int | None = bounded(100_277, ge=0)  # and < vocab_size
   compute_dtype: DType = DType.BFLOAT16  # parameters are float32 (float64 with FLOAT64)
   attention: AttentionKernel = AttentionKernel.XLA
+  # Splash attention's query and key block (both; a shard's queries or the keys, if fewer):
+  # the kernel's tile, and the granularity at which it skips masked blocks.
+  splash_block: int = resumable(512, ge=8)
   scan_layers: bool = True  # scan over groups of `global_every` layers; False unrolls (same outputs)
   remat: Remat = Remat.NONE
   remat_custom: tuple[tuple[str, str], ...] = ()  # Remat.CUSTOM: (checkpoint name, mode)

@@ -8,6 +8,7 @@ can be compared like for like. Always name the convention with an MFU.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from olmo3.config import ModelConfig
 
@@ -33,6 +34,27 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, convention: Convention = Con
   if convention == Convention.PALM:
     return dense + per_key * cfg.n_layers * seq_len
   raise ValueError(f"unknown convention {convention!r}")
+
+
+def within_document_flops_per_token(cfg: ModelConfig, lengths: Sequence[int]) -> float:
+  """Training FLOPs per token of an instance packing documents of `lengths` tokens (summing to
+  the instance's length; padding counts as a document), counting only the (query, key) pairs
+  within a document: what a kernel that skips the pairs across documents computes (OLMo-core's
+  flash-attn varlen). Splash skips only the blocks its causal / window mask leaves empty, so
+  olmo3's step computes `ModelConfig.flops_per_token` whatever the documents
+  (docs/flops.md#long-context-and-packed-documents)."""
+  seq_len = sum(lengths)
+  if seq_len < 1 or min(lengths) < 1:
+    raise ValueError(f"document lengths {list(lengths)[:8]}...: each must be >= 1")
+
+  def pairs(length: int, window: int | None) -> int:  # sum over p < length of min(p + 1, W)
+    w = length if window is None else min(window, length)
+    return w * (w + 1) // 2 + (length - w) * w
+
+  per_key = 12 * cfg.n_heads * cfg.head_dim
+  attn = sum(per_key * sum(pairs(d, cfg.layer_window(i)) for d in lengths)
+             for i in range(cfg.n_layers))
+  return 6 * cfg.matmul_param_count + attn / seq_len
 
 
 # Peak dense bf16 FLOP/s and HBM bytes per JAX device, by a lowercase substring of

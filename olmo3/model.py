@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from olmo3.config import AttentionKernel, DType, ModelConfig, RopePositions, Yarn
 from olmo3 import remat as remat_lib
 from olmo3.remat import Name
-from olmo3.sharding import constrain, logical_to_spec
+from olmo3.sharding import constrain, logical_to_spec, sequence_axes, sequence_shards
 
 
 def truncated_normal(std: float, cutoff: float) -> nnx.Initializer:
@@ -141,21 +141,30 @@ def document_positions(segments_BT: jax.Array) -> jax.Array:
   return index_BT - first_BT
 
 
-def layer_ropes(cfg: ModelConfig, seq_len: int, segments_BT: jax.Array | None = None
-                ) -> dict[bool, tuple[jax.Array, jax.Array]]:
+def layer_ropes(cfg: ModelConfig, seq_len: int, segments_BT: jax.Array | None = None,
+                order_T: np.ndarray | None = None) -> dict[bool, tuple[jax.Array, jax.Array]]:
   """The RoPE tables of the layers whose RoPE `cfg.rope_scaling` scales (key True) and of the
   others (False), computed once per forward in the float32 (float64) RoPE runs in: [T, K] for
   positions 0..T-1, or, with `segments_BT` and `RopePositions.DOCUMENT`, [B, T, K] at each
-  token's position within its document."""
+  token's position within its document. With `order_T` (the columns laid out for context
+  parallelism: column j is position order_T[j], `segments_BT` laid out alike), the tables of
+  the laid-out columns."""
   dtype = wide(jnp.dtype(cfg.compute_dtype.value))
   per_document = segments_BT is not None and cfg.rope_positions == RopePositions.DOCUMENT
-  positions_BT = document_positions(segments_BT) if per_document else None
+  positions_BT = None
+  if per_document and order_T is None:
+    positions_BT = document_positions(segments_BT)
+  elif per_document:  # a document's first token is found in position order: int32s move
+    inverse_T = np.argsort(order_T)
+    positions_BT = document_positions(segments_BT[:, inverse_T])[:, order_T]
 
   def tables(scaling: Yarn | None) -> tuple[jax.Array, jax.Array]:
     cos_TK, sin_TK = rope_tables(seq_len, cfg.head_dim, cfg.rope_theta, dtype, scaling)
-    if positions_BT is None:
-      return cos_TK, sin_TK
-    return cos_TK[positions_BT], sin_TK[positions_BT]
+    if positions_BT is not None:
+      return cos_TK[positions_BT], sin_TK[positions_BT]
+    if order_T is not None and not _in_order(order_T):
+      return cos_TK[order_T], sin_TK[order_T]
+    return cos_TK, sin_TK
 
   ropes = {False: tables(None)}
   if cfg.rope_scaling is not None:
@@ -166,12 +175,18 @@ def layer_ropes(cfg: ModelConfig, seq_len: int, segments_BT: jax.Array | None = 
 # --- attention kernels -------------------------------------------------------------------------
 
 
-def attention_mask(seq_len: int, window: int | None) -> jax.Array:
+def _in_order(order_T: np.ndarray) -> bool:
+  return bool((order_T == np.arange(len(order_T))).all())
+
+
+def attention_mask(seq_len: int, window: int | None, positions_T: np.ndarray | None = None
+                   ) -> jax.Array:
   """[T, S] bool: query q sees key s when s <= q and, if sliding, s > q - window.
 
-  So a sliding layer sees exactly `window` keys, the query's own position included.
+  So a sliding layer sees exactly `window` keys, the query's own position included. With
+  `positions_T`, query row j is at position positions_T[j] (keys stay at 0..S-1, S = seq_len).
   """
-  q_T1 = jnp.arange(seq_len)[:, None]
+  q_T1 = jnp.arange(seq_len)[:, None] if positions_T is None else jnp.asarray(positions_T)[:, None]
   s_1S = jnp.arange(seq_len)[None, :]
   mask = s_1S <= q_T1
   if window is not None:
@@ -179,9 +194,11 @@ def attention_mask(seq_len: int, window: int | None) -> jax.Array:
   return mask
 
 
-def document_mask(segments_BT: jax.Array) -> jax.Array:
-  """[B, T, S] bool: query t may see key s only within its own document (equal segment ids)."""
-  return segments_BT[:, :, None] == segments_BT[:, None, :]
+def document_mask(segments_BT: jax.Array, segments_BS: jax.Array | None = None) -> jax.Array:
+  """[B, T, S] bool: query t may see key s only within its own document (equal segment ids);
+  the keys' documents `segments_BS` (default: the queries')."""
+  keys_BS = segments_BT if segments_BS is None else segments_BS
+  return segments_BT[:, :, None] == keys_BS[:, None, :]
 
 
 def masked_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
@@ -276,19 +293,33 @@ def _attention_bwd(residuals, d_out_BTHK):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _attend_xla(q_BTHK, k_BSGK, v_BSGK, window, segments_BT):
-  mask = attention_mask(q_BTHK.shape[1], window)
+def _attend_xla(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS):
+  mask = attention_mask(k_BSGK.shape[1], window, positions_T)
   if segments_BT is not None:
-    mask = mask[None] & document_mask(segments_BT)
+    mask = mask[None] & document_mask(segments_BT, segments_BS)
   return masked_attention(q_BTHK, k_BSGK, v_BSGK, mask)
 
 
-def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, implementation):
+def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS,
+                        implementation):
+  if implementation == "cudnn" and positions_T is not None:
+    # Each shard's queries see keys up to their own positions: a causal mask offset by the
+    # shard's place in the sequence, which jax.nn.dot_product_attention's cuDNN path cannot
+    # take (only a top-left causal mask, or a dense one, which at 65,536 tokens does not fit).
+    raise ValueError(f"model.attention='cudnn' cannot run with the sequence split over mesh axes "
+                     f"{sequence_axes()} (context parallelism); use 'splash' (TPU), "
+                     "'dot_product' or 'xla', or mesh sequence size 1")
   if segments_BT is not None and implementation == "cudnn":
     # jax.nn.dot_product_attention's cuDNN path takes documents only as a dense mask, which at
     # stage 3's lengths does not fit (65,536^2 per row).
     raise ValueError("model.attention='cudnn' cannot mask documents (packed instances); use "
                      "'dot_product' or 'splash'")
+  if positions_T is not None:  # queries at their positions: the mask says which keys
+    mask = attention_mask(k_BSGK.shape[1], window, positions_T)[None, None]
+    if segments_BT is not None:
+      mask = mask & document_mask(segments_BT, segments_BS)[:, None]
+    return jax.nn.dot_product_attention(q_BTHK, k_BSGK, v_BSGK, scale=q_BTHK.shape[-1] ** -0.5,
+                                        mask=mask, implementation=implementation)
   # local_window_size=(left, right) counts keys besides the query: W visible keys => W - 1.
   return jax.nn.dot_product_attention(
       q_BTHK, k_BSGK, v_BSGK, scale=q_BTHK.shape[-1] ** -0.5, is_causal=True,
@@ -304,63 +335,115 @@ def _targets_tpu() -> bool:
   return (device.platform if device is not None else jax.default_backend()) == "tpu"
 
 
-def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT):
-  """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh.
-  Documents (`segments_BT`) go in as splash's segment ids."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+def _splash_mask(seq_len: int, window: int | None, positions_T: np.ndarray):
+  """Splash's causal (sliding-window) mask with query row j at position positions_T[j] and keys
+  at 0..S-1, computed inside the kernel; splash skips the blocks it masks whole."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-  def kernel(q_BHTK, k_BGTK, v_BGTK, *segments):
-    heads, t = q_BHTK.shape[1], q_BHTK.shape[2]
-    one = sm.CausalMask((t, t)) if window is None else sm.LocalMask(
-        (t, t), window_size=(window - 1, 0), offset=0)
-    block = min(512, t)
-    if t % block:
-      raise ValueError(f"splash attention needs seq_len divisible by {block}; got {t}")
-    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                          block_q_dq=block, block_kv_dq=block)
-    splash = sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes,
-                                head_shards=1, q_seq_shards=1, interpret=not _targets_tpu())
+  class PositionedCausalMask(sm._ComputableMask):  # pylint: disable=protected-access
+    # splash's own CausalMask / LocalMask with q_sequence set to the queries' positions (its
+    # mask function receives q_sequence's entries as the query ids); they compare unequal to
+    # any mask whose positions differ, so block sparsity is computed for these positions.
+    def __init__(self):
+      def visible(q_ids, kv_ids):
+        seen = kv_ids <= q_ids
+        return seen if window is None else seen & (kv_ids > q_ids - window)
+
+      super().__init__((len(positions_T), seq_len), visible)
+      self.q_sequence = np.asarray(positions_T, np.int32)
+
+    def __eq__(self, other):
+      return (isinstance(other, PositionedCausalMask) and self.shape == other.shape
+              and np.array_equal(self.q_sequence, other.q_sequence))
+
+    def __hash__(self):
+      return hash((self.shape, window, self.q_sequence.tobytes()))
+
+  return PositionedCausalMask()
+
+
+def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS,
+                   block: int):
+  """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh.
+  Documents (`segments_BT`) go in as splash's segment ids. With context parallelism each
+  shard runs its own queries (at `positions_T`) against every key: the kernel is made for the
+  whole sequence with q_seq_shards = the shards, each shard reading its part of the mask."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  from flax.core import spmd
+
+  t, s, heads = q_BTHK.shape[1], k_BSGK.shape[1], q_BTHK.shape[2]
+  mesh = jax.sharding.get_abstract_mesh()
+  rules = spmd.get_logical_axis_rules()
+  on_mesh = not mesh.empty and bool(rules)
+  spec = logical_to_spec(("batch", "act_heads", "seq", None), rules) if on_mesh else None
+  q_shards = sequence_shards()
+  if q_shards > 1 and positions_T is None:
+    positions_T = np.arange(t)  # the mesh's contiguous split (Attention passes its own order)
+  head_shards = 1
+  if on_mesh and spec[1] is not None:
+    head_shards = int(np.prod([mesh.shape[a] for a in
+                               (spec[1] if isinstance(spec[1], tuple) else (spec[1],))]))
+  block_q = min(block, t // q_shards)
+  block_kv = min(block, s)
+  if (t // q_shards) % block_q or s % block_kv:
+    raise ValueError(f"splash attention needs each shard's {t // q_shards} queries and the "
+                     f"{s} keys divisible by its block ({block}, model.splash_block)")
+  sizes = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+                        block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
+                        block_q_dq=block_q, block_kv_dq=block_kv)
+  if positions_T is None:
+    one = sm.CausalMask((t, s)) if window is None else sm.LocalMask(
+        (t, s), window_size=(window - 1, 0), offset=0)
+  else:
+    one = _splash_mask(s, window, positions_T)
+  # The kernel holds its mask's block layout as arrays, split over query shards and heads.
+  splash = sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes,
+                              head_shards=head_shards, q_seq_shards=q_shards,
+                              interpret=not _targets_tpu())
+
+  def kernel(splash, q_BHTK, k_BGSK, v_BGSK, *segments):
     if not segments:
-      return jax.vmap(splash)(q_BHTK, k_BGTK, v_BGTK)
-    return jax.vmap(lambda q, k, v, ids: splash(q, k, v, segment_ids=sk.SegmentIds(ids, ids)))(
-        q_BHTK, k_BGTK, v_BGTK, segments[0])
+      return jax.vmap(splash)(q_BHTK, k_BGSK, v_BGSK)
+    return jax.vmap(lambda q, k, v, ids_q, ids_k: splash(
+        q, k, v, segment_ids=sk.SegmentIds(ids_q, ids_k)))(q_BHTK, k_BGSK, v_BGSK, *segments)
 
   scale = q_BTHK.shape[-1] ** -0.5  # splash does not scale the logits itself
   q, k, v = ((x.transpose(0, 2, 1, 3)) for x in (q_BTHK * scale, k_BSGK, v_BSGK))
-  segments = () if segments_BT is None else (segments_BT,)
-  mesh = jax.sharding.get_abstract_mesh()
-  from flax.core import spmd
-
-  if not mesh.empty and spmd.get_logical_axis_rules():
-    spec = logical_to_spec(("batch", "act_heads", "seq", None), spmd.get_logical_axis_rules())
-    seq_axes = spec[2] if isinstance(spec[2], tuple) else (spec[2],)
-    if any(a is not None and mesh.shape[a] > 1 for a in seq_axes):
-      # Each shard would attend only to its own chunk of keys: that needs ring attention.
-      raise ValueError(f"splash attention does not support a sharded sequence (mesh axes "
-                       f"{seq_axes}); use model.attention='xla' or 'dot_product' with "
-                       "sequence parallelism")
-    segment_spec = jax.sharding.PartitionSpec(spec[0], spec[2])
+  segments = () if segments_BT is None else (
+      segments_BT, segments_BT if segments_BS is None else segments_BS)
+  if on_mesh:
+    P = jax.sharding.PartitionSpec
+    kv_spec = P(spec[0], spec[1], None, None)  # every key on each sequence shard
+    splash_spec = splash.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(spec[1],
+                                                                                 spec[2])))
     kernel = jax.shard_map(kernel, mesh=mesh,
-                           in_specs=(spec,) * 3 + (segment_spec,) * len(segments),
+                           in_specs=(splash_spec, spec, kv_spec, kv_spec)
+                           + ((P(spec[0], spec[2]), P(spec[0], None)) if segments else ()),
                            out_specs=spec, check_vma=False)
-  return kernel(q, k, v, *segments).transpose(0, 2, 1, 3)
+  return kernel(splash, q, k, v, *segments).transpose(0, 2, 1, 3)
 
 
 def attend(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int | None,
-           kernel: AttentionKernel, segments_BT: jax.Array | None = None) -> jax.Array:
+           kernel: AttentionKernel, segments_BT: jax.Array | None = None, *,
+           positions_T: np.ndarray | None = None, segments_BS: jax.Array | None = None,
+           splash_block: int = 512) -> jax.Array:
   """Causal (sliding-window when `window` is set) grouped-query attention; with `segments_BT`
-  (a document id per token of a packed instance), never across documents."""
+  (a document id per token of a packed instance), never across documents.
+
+  Queries are at positions 0..T-1 and keys at 0..S-1 (S = T), or, with `positions_T` (context
+  parallelism: the queries laid out across the sequence's shards), query row j is at position
+  positions_T[j], the keys still at 0..S-1 with their documents `segments_BS`."""
+  args = (q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS)
   match kernel:
     case AttentionKernel.XLA:
-      return _attend_xla(q_BTHK, k_BSGK, v_BSGK, window, segments_BT)
+      return _attend_xla(*args)
     case AttentionKernel.DOT_PRODUCT:
-      return _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, None)
+      return _attend_dot_product(*args, None)
     case AttentionKernel.CUDNN:
-      return _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, "cudnn")
+      return _attend_dot_product(*args, "cudnn")
     case AttentionKernel.SPLASH:
-      return _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT)
+      return _attend_splash(*args, splash_block)
   raise ValueError(f"unknown attention kernel {kernel!r}")
 
 
@@ -381,11 +464,28 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(cfg, kv, "kv_heads")
 
   def __call__(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array],
-               window: int | None, segments_BT: jax.Array | None = None) -> jax.Array:
+               window: int | None, segments_BT: jax.Array | None = None,
+               order_T: np.ndarray | None = None) -> jax.Array:
+    """`order_T`: the columns' positions when the sequence is laid out for context
+    parallelism (Transformer.features)."""
     cfg = self.cfg
     b, t, _ = x_BTD.shape
-    q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, rope)
-    out_BTHK = attend(q_BTHK, k_BTGK, v_BTGK, window, cfg.attention, segments_BT)
+    q_BTHK, k_BSGK, v_BSGK = self.qkv(x_BTD, rope)
+    segments_BS = None
+    if order_T is not None:
+      # Context parallelism: each shard keeps its queries and reads every key, so keys, values
+      # (and their documents) are gathered whole along the sequence, in position order (the
+      # all-gather of OLMo-core's llama3-style context parallelism; its gradient a
+      # reduce-scatter).
+      inverse_S = None if _in_order(order_T) else np.argsort(order_T)
+      whole = lambda x: x if inverse_S is None else x[:, inverse_S]
+      k_BSGK, v_BSGK = (constrain(whole(x), ("batch", None, "act_heads", None))
+                        for x in (k_BSGK, v_BSGK))
+      if segments_BT is not None:
+        segments_BS = constrain(whole(segments_BT), ("batch", None))
+    out_BTHK = attend(q_BTHK, k_BSGK, v_BSGK, window, cfg.attention, segments_BT,
+                      positions_T=order_T, segments_BS=segments_BS,
+                      splash_block=cfg.splash_block)
     context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), Name.CONTEXT)
     return checkpoint_name(self.o_proj(context), Name.OUT_PROJ)
 
@@ -430,11 +530,12 @@ class Block(nnx.Module):
     self.post_feedforward_layernorm = RMSNorm(cfg, cfg.d_model, "embed")
 
   def __call__(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array],
-               window: int | None, segments_BT: jax.Array | None = None) -> jax.Array:
+               window: int | None, segments_BT: jax.Array | None = None,
+               order_T: np.ndarray | None = None) -> jax.Array:
     x_BTD = constrain(checkpoint_name(x_BTD, Name.DECODER_LAYER_INPUT),
                       ("batch", "seq", "act_embed"))
     h_BTD = x_BTD + self.post_attention_layernorm(self.self_attn(x_BTD, rope, window,
-                                                                 segments_BT))
+                                                                 segments_BT, order_T))
     return h_BTD + self.post_feedforward_layernorm(self.mlp(h_BTD))
 
 
@@ -495,24 +596,32 @@ class Transformer(nnx.Module):
     logits_BTV = constrain(self.lm_head(h_BTD), ("batch", "seq", "act_vocab"))
     return (logits_BTV, hidden_LBTD) if return_hidden else logits_BTV
 
-  def features(self, tokens_BT: jax.Array, segments_BT: jax.Array | None = None) -> jax.Array:
+  def features(self, tokens_BT: jax.Array, segments_BT: jax.Array | None = None,
+               order_T: np.ndarray | None = None) -> jax.Array:
     """[B, T, D]: what the LM head reads (the final norm's output, in the compute dtype). The
-    fused loss (olmo3.loss.fused_token_nll) takes these and the head's kernel."""
-    return self._features(tokens_BT, segments_BT, False)[0]
+    fused loss (olmo3.loss.fused_token_nll) takes these and the head's kernel.
 
-  def _features(self, tokens_BT: jax.Array, segments_BT: jax.Array | None, return_hidden: bool):
+    `order_T`: the rows laid out for context parallelism (olmo3.sharding.balanced_order):
+    column j of `tokens_BT` (and `segments_BT`, and of the output) is position order_T[j] of
+    its row. None: column j is position j."""
+    return self._features(tokens_BT, segments_BT, False, order_T)[0]
+
+  def _features(self, tokens_BT: jax.Array, segments_BT: jax.Array | None, return_hidden: bool,
+                order_T: np.ndarray | None = None):
     cfg = self.cfg
+    if order_T is None and sequence_shards() > 1:
+      order_T = np.arange(tokens_BT.shape[1])  # the mesh's contiguous split, unbalanced
     check_token_ids(tokens_BT, cfg.vocab_size)
     valid = (tokens_BT >= 0) & (tokens_BT < cfg.vocab_size)
     tokens_BT = jnp.where(valid, tokens_BT, cfg.padded_vocab_size)  # no row there: NaN
     x_BTD = self.embed_tokens(tokens_BT)
     if segments_BT is not None:
       segments_BT = constrain(segments_BT, ("batch", "seq"))
-    x_BTD, hidden_LBTD = self._blocks(x_BTD, layer_ropes(cfg, tokens_BT.shape[1], segments_BT),
-                                      segments_BT, return_hidden)
+    ropes = layer_ropes(cfg, tokens_BT.shape[1], segments_BT, order_T)
+    x_BTD, hidden_LBTD = self._blocks(x_BTD, ropes, segments_BT, order_T, return_hidden)
     return constrain(self.norm(x_BTD), ("batch", "seq", "act_embed")), hidden_LBTD
 
-  def _blocks(self, x_BTD, ropes, segments_BT, return_hidden: bool):
+  def _blocks(self, x_BTD, ropes, segments_BT, order_T, return_hidden: bool):
     """Runs the layers: scanned in groups of `global_every` (same static windows and RoPE
     tables in every group), the remainder unrolled; or all unrolled. Same parameters, same
     outputs. `ropes[scaled]`: the RoPE tables of layers whose RoPE is (not) scaled."""
@@ -521,7 +630,7 @@ class Transformer(nnx.Module):
 
     def block(params, x, layer):
       return nnx.merge(graphdef, params)(x, ropes[cfg.layer_rope_scaled(layer)],
-                                         cfg.layer_window(layer), segments_BT)
+                                         cfg.layer_window(layer), segments_BT, order_T)
 
     remat = remat_lib.policy(cfg.remat, cfg.remat_custom)
     if remat is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from olmo3 import loss
@@ -61,10 +62,11 @@ class ShardedModel:
     shard the activations). `segments_BT`: documents of packed instances (Transformer)."""
     return nnx.merge(self.graphdef, params)(tokens_BT, segments_BT)
 
-  def features(self, params: Any, tokens_BT: jax.Array, segments_BT: jax.Array | None = None
-               ) -> jax.Array:
-    """[B, T, D]: the final hidden states the LM head reads."""
-    return nnx.merge(self.graphdef, params).features(tokens_BT, segments_BT)
+  def features(self, params: Any, tokens_BT: jax.Array, segments_BT: jax.Array | None = None,
+               order_T: np.ndarray | None = None) -> jax.Array:
+    """[B, T, D]: the final hidden states the LM head reads (columns laid out as `order_T`
+    says: model.Transformer.features)."""
+    return nnx.merge(self.graphdef, params).features(tokens_BT, segments_BT, order_T)
 
   def head(self, params: Any, h_xD: jax.Array) -> jax.Array:
     """The LM head's logits [..., V] of final hidden states [..., D] (any leading shape)."""
@@ -75,13 +77,29 @@ class ShardedModel:
     """Each position's cross-entropy, log-partition and mask: what training and held-out
     evaluation score. Fused over vocabulary chunks of `cfg.vocab_chunk` columns (never the
     full float32 logits), or from the full logits when it is None; the same to float32
-    rounding. Both read `features`. `segments_BT`: documents of packed instances."""
-    h_BTD = self.features(params, tokens_BT, segments_BT)
+    rounding. Both read `features`. `segments_BT`: documents of packed instances.
+
+    With context parallelism (the mesh splits the sequence) the rows are laid out so that
+    causal attention costs every shard the same (olmo3.sharding.balanced_order): tokens,
+    labels and documents go in laid out, the per-token losses come back in position order."""
+    order_T = None
+    if sharding_lib.sequence_shards() > 1:
+      order_T = sharding_lib.balanced_order(tokens_BT.shape[1], sharding_lib.sequence_shards())
+      lay_out = lambda x_BT: sharding_lib.constrain(x_BT[:, order_T], ("batch", "seq"))
+      tokens_BT, labels_BT = lay_out(tokens_BT), lay_out(labels_BT)
+      segments_BT = None if segments_BT is None else lay_out(segments_BT)
+    h_BTD = self.features(params, tokens_BT, segments_BT, order_T)
     if self.cfg.vocab_chunk is None:
       logits_BTV = sharding_lib.constrain(self.head(params, h_BTD), ("batch", "seq", "act_vocab"))
-      return loss.token_nll(logits_BTV, labels_BT)
-    return loss.fused_token_nll(h_BTD, params["lm_head"]["kernel"], labels_BT,
-                                self.cfg.vocab_chunk, sharding_lib.constrain)
+      per_token = loss.token_nll(logits_BTV, labels_BT)
+    else:
+      per_token = loss.fused_token_nll(h_BTD, params["lm_head"]["kernel"], labels_BT,
+                                       self.cfg.vocab_chunk, sharding_lib.constrain)
+    if order_T is None:
+      return per_token
+    inverse_T = np.argsort(order_T)
+    return loss.PerToken(*(sharding_lib.constrain(x_BT[:, inverse_T], ("batch", "seq"))
+                           for x_BT in per_token))
 
   def logits_at(self, params: Any, tokens_BT: jax.Array, position_B: jax.Array) -> jax.Array:
     """[B, V]: each row's logits at one position (the LM head applied there alone)."""

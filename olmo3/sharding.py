@@ -100,6 +100,42 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
   return PartitionSpec(*(table[n] if n is not None else None for n in names))
 
 
+def sequence_axes() -> tuple[str, ...]:
+  """The mesh axes the active rules split the `seq` axis over, those of size > 1 (none
+  outside a mesh context): context parallelism when there are any."""
+  mesh = jax.sharding.get_abstract_mesh()
+  active = spmd.get_logical_axis_rules()
+  if mesh.empty or not active:
+    return ()
+  axes = logical_to_spec(("seq",), active)[0]
+  axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+  return tuple(a for a in axes if mesh.shape[a] > 1)
+
+
+def sequence_shards() -> int:
+  """How many pieces the active mesh cuts each sequence into (1: no context parallelism)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return int(np.prod([mesh.shape[a] for a in sequence_axes()], dtype=int))
+
+
+def balanced_order(seq_len: int, shards: int) -> np.ndarray:
+  """The positions of a sequence laid out for `shards` devices so that causal attention costs
+  each the same: the sequence cut into 2·shards chunks, device i holding chunks i and
+  2·shards - 1 - i (the zig-zag split of OLMo-core's and Llama 3's context parallelism). Column j
+  of the laid-out sequence is position order[j]; cut into `shards` contiguous pieces as the
+  mesh cuts it. One shard: 0..seq_len-1."""
+  if shards == 1:
+    return np.arange(seq_len)
+  chunks = 2 * shards
+  if seq_len % chunks:
+    raise ValueError(f"a sequence of {seq_len} tokens cannot be split into {chunks} equal chunks "
+                     f"for {shards}-way context parallelism (mesh axes {sequence_axes()}): "
+                     f"seq_len must be a multiple of {chunks}")
+  chunk_CX = np.arange(seq_len).reshape(chunks, seq_len // chunks)
+  return np.concatenate([np.concatenate([chunk_CX[i], chunk_CX[chunks - 1 - i]])
+                         for i in range(shards)])
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Sharding constraint by logical names; a no-op outside a mesh context."""
   mesh = jax.sharding.get_abstract_mesh()

@@ -156,6 +156,23 @@ def test_the_experiment_must_fit_the_job():
   assert jobs.default_name("experiments.olmo3_tiny.stage2") == "olmo3-tiny-stage2"
 
 
+def test_stage3_jobs_show_their_context_parallel_mesh_and_refuse_what_cannot_split():
+  stage3 = _exp("experiments.olmo3_7b:stage3")
+  jobs.check_experiment(stage3, jobs.Target.GKE, 512, 1)
+  assert jobs.mesh_description(stage3, 512, 1) == (
+      "mesh data 1 x fsdp 64 x sequence 8 x tensor 1; context parallelism: each 65,536-token "
+      "sequence over 8 devices")
+  assert jobs.mesh_description(_exp(), 256, 2) == "mesh data 2 x fsdp 256 x sequence 1 x tensor 1"
+  with pytest.raises(jobs.LaunchError, match=r"^mesh.shape: sequence=8 \(context parallelism\) "
+                                             "needs .*model.attention=cudnn cannot"):
+    jobs.check_experiment(_exp("experiments.olmo3_7b:stage3", fiddlers=["gpu"]),
+                          jobs.Target.SLURM, 512, 1)
+  with pytest.raises(jobs.LaunchError, match=r"^mesh.shape: sequence=8 splits each sequence "
+                                             "into 16 equal chunks; data.seq_len=65528"):
+    jobs.check_experiment(_exp("experiments.olmo3_7b:stage3", sets=["data.seq_len=65528"]),
+                          jobs.Target.GKE, 512, 1)
+
+
 def test_xpk_command_runs_the_same_job():
   job = _pod_job()
   argv = jobs.xpk_command(job, "my-cluster", zone="us-central1-c")
@@ -239,7 +256,7 @@ def test_cli_dry_run_prints_a_valid_manifest():
                   "--workdir=gs://b/s1", DATA_ROOT, "--dry_run")
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.startswith("# 1 x tpu7x 4x8x8 slice(s): 64 host(s) x 4 chips each, 512 "
-                                "devices in all\n")
+                                "devices in all\n# mesh data 1 x fsdp 512 x sequence 1 x tensor 1\n")
   slices = jobs.tpu_slices("tpu7x", "4x8x8", 1)
   command = jobs.Command(STAGE1, ("data.root='\"http://olmo-data.org\"'",), (), "gs://b/s1")
   job = jobs.PodJob("olmo3-7b-stage1", slices, "img:1", command, jobs.job_env(_exp()))
@@ -260,7 +277,8 @@ def test_cli_submits_with_sbatch_and_names_a_missing_tool(tmp_path):
   assert done.returncode == 0 and done.stdout == "Submitted batch job 42\n", done.stderr[-3000:]
   job = jobs.SlurmJob("olmo3-7b-stage1", 64, 8, jobs.Processes.PER_GPU,
                       jobs.Command(STAGE1, (), ("gpu",), "/shared/s1"),
-                      jobs.job_env(_exp(fiddlers=["gpu"])))
+                      jobs.job_env(_exp(fiddlers=["gpu"])),
+                      mesh="mesh data 1 x fsdp 512 x sequence 1 x tensor 1")
   assert (tmp_path / "submitted").read_text() == jobs.slurm_script(job)
   done = _cluster("--target=gke", "--accelerator=tpu7x", "--topology=4x8x8", "--image=img:1",
                   "--workdir=gs://b/s1", path=os.path.dirname(sys.executable))

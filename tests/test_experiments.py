@@ -21,7 +21,7 @@ SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
 DATA = {"data.mix", "data.root", "checkpoint.init_from", "eval.heldout", "eval.tokenizer",
         "eval.max_documents", "eval.tasks", "eval.task_limit", "eval.min_document_tokens"}
 MACHINE = {"model.attention", "model.compute_dtype", "model.remat", "model.remat_custom",
-           "xla_flags", "libtpu_flags", "env", "data.num_workers"}
+           "xla_flags", "libtpu_flags", "env", "data.num_workers", "mesh.shape"}
 
 
 def _field(path: str) -> str:
@@ -73,7 +73,7 @@ def test_resumable_fields_are_the_marked_ones():
       "train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
       "train.microbatches", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
       "data.num_workers", "data.prefetch", "mesh.shape", "mesh.dcn",
-      "checkpoint.allow_restart_from_scratch", "data.allow_changed_data", "model.vocab_chunk",
+      "checkpoint.allow_restart_from_scratch", "data.allow_changed_data", "model.vocab_chunk", "model.splash_block",
       "data.device_prefetch", "wandb.mode", "wandb.project", "wandb.entity", "wandb.name"}
   old, new = olmo3_tiny.stage1(), olmo3_tiny.stage1()
   new.train.steps, new.mesh.shape = 200, (("data", 2), ("fsdp", -1))
@@ -133,3 +133,27 @@ def test_the_tiny_stage3_is_the_7bs_long_context_shrunk():
   assert big.checkpoint.init_from == "runs/olmo3_7b.stage2"
   assert tiny.checkpoint.init_from == "runs/olmo3_tiny.stage2"
   assert tiny.checkpoint.init_mode == big.checkpoint.init_mode == config.InitMode.NEW_STAGE
+  # AI2's context parallelism of 8 on the pod; a laptop's devices all on fsdp.
+  assert dict(big.mesh.shape)["sequence"] == 8 and dict(tiny.mesh.shape)["sequence"] == 1
+
+
+def test_the_context_parallel_sweep_builds_distinct_layouts_for_512_devices():
+  """Every cp_sweep variant is stage 3 with its layout changed, fills tpu7x:4x8x8's 512
+  devices with the 64 sequences a step splittable, and has a name of its own (a tuple value,
+  such as a mesh shape, is named by its entries: results never overwrite one another)."""
+  from launch import jobs
+
+  names, layouts = set(), set()
+  for overrides in olmo3_7b.cp_sweep():
+    cfg = olmo3_7b.stage3()
+    for path, value in overrides.items():
+      refs.set_field(cfg, path, value)
+    assert {c.path.split("[")[0] for c in diffs.diff(olmo3_7b.stage3(), cfg)} <= {
+        "mesh.shape", "model.remat", "model.splash_block"}
+    exp = fdl.build(cfg)
+    jobs.check_experiment(exp, jobs.Target.GKE, 512, 1)
+    sizes = jobs.filled_mesh(exp.mesh, 512, 1)
+    assert exp.data.global_batch_size % (sizes["data"] * sizes["fsdp"]) == 0
+    layouts.add((sizes["sequence"], sizes["tensor"]))
+    names.add(refs.variant_name(overrides))
+  assert len(names) == len(olmo3_7b.cp_sweep()) and layouts == {(8, 1), (16, 1), (4, 2)}

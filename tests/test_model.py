@@ -7,6 +7,7 @@ from flax import nnx
 from olmo3 import config, sharding
 from olmo3 import model as model_lib
 from olmo3.config import AttentionKernel
+from olmo3.sharded_model import ShardedModel
 
 from conftest import random_params
 
@@ -196,12 +197,119 @@ def test_sharded_on_8_devices_equals_one_device(micro_params, shape):
   np.testing.assert_allclose(out, ref, atol=5e-5, rtol=1e-5)
 
 
-def test_splash_refuses_a_sharded_sequence():
-  cfg = MICRO.replace(attention=AttentionKernel.SPLASH)
-  with sharding.use_mesh(sharding.make_mesh({"fsdp": 4, "sequence": 2})):
-    model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="splash attention does not support a sharded sequence"):
-      nnx.jit(lambda m, t: m(t))(model, jnp.zeros((8, 32), jnp.int32))
+# --- context parallelism --------------------------------------------------------------------------
+
+
+def _cp_inputs(cfg, batch, seq_len):
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(2, cfg.vocab_size, (batch, seq_len)), jnp.int32)
+  labels = jnp.asarray(rng.integers(-1, cfg.vocab_size, (batch, seq_len)), jnp.int32)
+  # Documents of uneven lengths crossing the shards' boundaries (and the window).
+  segments = jnp.asarray(np.sort(rng.integers(0, 5, (batch, seq_len)), axis=1), jnp.int32)
+  return tokens, labels, segments
+
+
+def _loss_and_grads(sm, params, tokens, labels, segments):
+  """Each position's loss and the gradient of their sum, on `sm`'s mesh, fetched to the host."""
+  def f(p, t, l, s):
+    per_token = sm.token_losses(p, t, l, s)
+    return per_token.nll_BT.sum() + 1e-2 * per_token.lse_BT.sum(), per_token.nll_BT
+
+  with sm.context():
+    (_, nll), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params, tokens, labels, segments)
+  return jax.device_get((nll, grads))
+
+
+@pytest.mark.parametrize("kernel, shape, seq_len", [
+    ("xla", {"fsdp": 2, "sequence": 4}, 64),
+    ("xla", {"data": 2, "sequence": 2, "tensor": 2}, 64),
+    ("xla", {"sequence": 8}, 64),
+    ("dot_product", {"fsdp": 2, "sequence": 4}, 64),
+    # Splash (interpret mode) tiles 128 queries a block: 512 tokens over 4 shards.
+    ("splash", {"sequence": 4, "tensor": 2}, 512),
+])
+@pytest.mark.seconds(8)
+def test_context_parallel_equals_one_device(kernel, shape, seq_len):
+  """Per-token losses and gradients with the sequence split over the mesh (and the batch or
+  heads over other axes) equal one device's: packed documents, per-document RoPE positions,
+  sliding and global layers, every query shard balanced. A mask that ignores a shard's place
+  in the sequence, or keys that stay sharded, fail this."""
+  cfg = MICRO.replace(attention=AttentionKernel(kernel), splash_block=128,
+                      rope_positions=config.RopePositions.DOCUMENT)
+  one = ShardedModel(cfg, sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
+  params = jax.device_get(one.init_params(0))
+  inputs = _cp_inputs(cfg, 2, seq_len)
+  ref_nll, ref_grads = _loss_and_grads(one, params, *inputs)
+  nll, grads = _loss_and_grads(ShardedModel(cfg, sharding.make_mesh(shape)), params, *inputs)
+  np.testing.assert_allclose(nll, ref_nll, rtol=2e-5, atol=2e-5)
+  for path, g, ref in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads),
+                          jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
+                               err_msg=jax.tree_util.keystr(path[0]))
+
+
+def _causal_pairs(positions, window=None):
+  keys = positions + 1 if window is None else np.minimum(positions + 1, window)
+  return int(keys.sum())
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_the_balanced_order_gives_every_shard_the_same_causal_work(shards):
+  order = sharding.balanced_order(64, shards)
+  assert sorted(order.tolist()) == list(range(64))
+  per_shard = order.reshape(shards, -1)
+  assert len({_causal_pairs(p) for p in per_shard}) == 1
+  # The mesh's contiguous split is what it balances: the last shard does shards² / ... more.
+  contiguous = np.arange(64).reshape(shards, -1)
+  assert _causal_pairs(contiguous[-1]) > 2 * _causal_pairs(contiguous[0])
+  with pytest.raises(ValueError, match="multiple of 16"):
+    sharding.balanced_order(72, 8)
+
+
+def test_splash_skips_the_same_number_of_blocks_on_every_query_shard():
+  """What splash computes per shard is its mask's non-empty blocks: on the full-attention
+  layers, the same count on every shard. (A sliding layer's queries see `window` keys each but
+  the first `window` positions', fewer: shard 0 holds those, and the order cannot help it.)"""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+  t, shards, block = 2048, 4, 128
+  order = sharding.balanced_order(t, shards)
+  for layout in (order, np.arange(t)):
+    mask = model_lib._splash_mask(t, None, layout)  # pylint: disable=protected-access
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([mask]), block_sizes=sk.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block), head_shards=1,
+        q_seq_shards=shards, interpret=True)
+    blocks = np.asarray(kernel.fwd_mask_info.block_mask)[0] > 0  # [q blocks, kv blocks]
+    per_shard = blocks.reshape(shards, -1, blocks.shape[-1]).sum(axis=(1, 2))
+    assert (per_shard.min() == per_shard.max()) == (layout is order), per_shard
+
+
+def test_token_losses_lay_the_sequence_out_balanced():
+  """The train step's and evaluation's loss gives the model the balanced layout, and returns
+  each position's loss in position order."""
+  seen = []
+
+  class Spy(ShardedModel):
+    def features(self, params, tokens, segments=None, order=None):
+      seen.append(order)
+      return super().features(params, tokens, segments, order)
+
+  cfg = MICRO
+  sm = Spy(cfg, sharding.make_mesh({"fsdp": 2, "sequence": 4}))
+  tokens, labels, _ = _cp_inputs(cfg, 2, 64)
+  with sm.context():
+    jax.eval_shape(sm.token_losses, sm.param_shapes, tokens, labels)
+  np.testing.assert_array_equal(seen[-1], sharding.balanced_order(64, 4))
+
+
+def test_cudnn_refuses_a_split_sequence_in_one_line():
+  cfg = MICRO.replace(attention=AttentionKernel.CUDNN)
+  sm = ShardedModel(cfg, sharding.make_mesh({"fsdp": 4, "sequence": 2}))
+  tokens, labels, _ = _cp_inputs(cfg, 4, 64)
+  with sm.context(), pytest.raises(ValueError, match=r"model.attention='cudnn' cannot run with "
+                                   r"the sequence split over mesh axes \('sequence',\)"):
+    jax.eval_shape(sm.token_losses, sm.param_shapes, tokens, labels)
 
 
 # --- packed documents ----------------------------------------------------------------------------

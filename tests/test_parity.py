@@ -82,8 +82,8 @@ def test_cli_exits_nonzero_past_the_threshold(tmp_path, capsys):
 # --- the check must catch the bugs it exists for ---------------------------------------------
 
 
-def _window_off_by_one(seq_len, window):
-  q = jnp.arange(seq_len)[:, None]
+def _window_off_by_one(seq_len, window, positions=None):
+  q = jnp.arange(seq_len)[:, None] if positions is None else jnp.asarray(positions)[:, None]
   s = jnp.arange(seq_len)[None, :]
   mask = s <= q
   return mask & (s > q - window - 1) if window is not None else mask
@@ -99,8 +99,8 @@ def _rope_interleaved(x_BTNK, cos_TK, sin_TK):
   return out.reshape(x.shape).astype(x_BTNK.dtype)
 
 
-def _norm_before_sublayer(self, x, rope, window, segments=None):
-  h = x + self.self_attn(self.post_attention_layernorm(x), rope, window, segments)
+def _norm_before_sublayer(self, x, rope, window, segments=None, order=None):
+  h = x + self.self_attn(self.post_attention_layernorm(x), rope, window, segments, order)
   return h + self.mlp(self.post_feedforward_layernorm(h))
 
 

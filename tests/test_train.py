@@ -155,8 +155,8 @@ NAN_MARK, SPIKE_MARK = 491, 490  # token ids the corpus never holds (it draws be
 class _Injecting(ShardedModel):
   """Turns a batch holding a marker token into a NaN loss or a large loss spike."""
 
-  def features(self, params, tokens, segments=None):  # the logits scale with the head's input
-    h = super().features(params, tokens, segments)
+  def features(self, params, tokens, segments=None, order=None):  # scales the head's input
+    h = super().features(params, tokens, segments, order)
     scale = jnp.where(jnp.any(tokens == NAN_MARK), jnp.nan,
                       jnp.where(jnp.any(tokens == SPIKE_MARK), 30.0, 1.0))
     return h * scale.astype(h.dtype)
