@@ -76,10 +76,11 @@ def test_float64_steps_with_the_sequence_split_equal_one_shard_to_1e_12(tmp_path
         assert np.linalg.norm(p - r) <= 1e-12 * np.linalg.norm(r), shape
 
 
-# The tiny stage 3 (2048-token packed instances, YaRN) from fresh parameters, 3 steps; held-out
-# evaluation at the end (CE per band of 256 positions) on 2 documents; no downstream tasks.
+# The tiny stage 3 (packed instances, YaRN) at half its length (1024 tokens: 64 per chunk of 8
+# shards' zig-zag), from fresh parameters, 3 steps; held-out evaluation at the end (CE per band
+# of 256 positions) on 2 documents; no downstream tasks.
 STAGE3 = ["--fdl_config=experiments.olmo3_tiny:stage3", "--fdl_set=checkpoint.init_from=None",
-          "--fdl_set=train.log_every=1", "--fdl_set=eval.tasks=()",
+          "--fdl_set=data.seq_len=1024", "--fdl_set=train.log_every=1", "--fdl_set=eval.tasks=()",
           "--fdl_set=eval.max_documents=2", "--fdl_set=checkpoint.every=2"]
 # These launches compile much (a program per mesh) and run little.
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
@@ -110,28 +111,23 @@ def _params(workdir, step):
                                    checkpoint.host_target(model.param_shapes))
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=50)
 def test_stage3_through_the_launcher_equals_one_sequence_shard_and_resumes_resized(tmp_path):
-  """Through the launcher on 8 CPU devices: the sequence split 4 ways (x 2 fsdp), and split 8
-  ways for 2 steps then resumed from that checkpoint split 2 ways (x 2 data x 2 tensor), log
-  the same losses, gradient norms and held-out CE (per position band too) as the sequence
-  unsplit (2 fsdp x 4 tensor), and end with the same parameters: float32 rounding (relative
-  1e-5)."""
-  ref, split, resized = tmp_path / "ref", tmp_path / "split", tmp_path / "resized"
+  """Through the launcher on 8 CPU devices: the sequence split 8 ways for 2 steps, then resumed
+  from that checkpoint split 2 ways (x 2 data x 2 tensor), logs the same losses, gradient norms
+  and held-out CE (per position band too) as the sequence unsplit (2 fsdp x 4 tensor), and ends
+  with the same parameters: float32 rounding (relative 1e-5). (Other splits, fsdp with the
+  sequence among them, are compared in process: above and tests/test_model.py.)"""
+  ref, resized = tmp_path / "ref", tmp_path / "resized"
   _launch(ref, {"fsdp": 2, "tensor": 4}, 3)
-  _launch(split, {"fsdp": 2, "sequence": 4}, 3)
   _launch(resized, {"sequence": 8}, 2)
   done = _launch(resized, {"data": 2, "sequence": 2, "tensor": 2}, 3)
   assert "checkpoints/2 (step 2, verified)" in done.stderr, done.stderr[-2000:]
-  expected = _metrics(ref)
-  assert sorted(expected) == [1, 2, 3] and any(k.startswith("eval/") for k in expected[3])
-  for run in (split, resized):
-    logged = _metrics(run)
-    assert sorted(logged) == [1, 2, 3] and logged[3].keys() == expected[3].keys(), run
-    for step, numbers in expected.items():
-      for key, value in numbers.items():
-        assert abs(logged[step][key] - value) <= 1e-5 * abs(value), (run.name, step, key)
-  ref_params = jax.tree.leaves(_params(ref, 3))
-  for run in (split, resized):
-    for p, r in zip(jax.tree.leaves(_params(run, 3)), ref_params):
-      assert np.linalg.norm(p - r) <= 1e-5 * np.linalg.norm(r), run.name
+  expected, logged = _metrics(ref), _metrics(resized)
+  assert sorted(expected) == sorted(logged) == [1, 2, 3]
+  assert any(k.startswith("eval/") for k in expected[3]) and logged[3].keys() == expected[3].keys()
+  for step, numbers in expected.items():
+    for key, value in numbers.items():
+      assert abs(logged[step][key] - value) <= 1e-5 * abs(value), (step, key)
+  for p, r in zip(jax.tree.leaves(_params(resized, 3)), jax.tree.leaves(_params(ref, 3))):
+    assert np.linalg.norm(p - r) <= 1e-5 * np.linalg.norm(r)
