@@ -12,7 +12,13 @@ only the step.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import json
+import os
+import zlib
+from pathlib import Path
 
 import numpy as np
 
@@ -34,10 +40,74 @@ def epoch_permutation(n_instances: int, seed: int, epoch: int, chunk: int = 1) -
   return (runs[:, None] * np.uint32(chunk) + np.arange(chunk, dtype=np.uint32)).reshape(-1)
 
 
-class GlobalOrder:
-  """Which instances make up each global step's batch."""
+_CHECKSUM_BLOCK = 1 << 26  # bytes per zlib.crc32 call (0.15 s per GB in all)
 
-  def __init__(self, n_instances: int, global_batch_size: int, seed: int, chunk: int = 1):
+
+def _crc32(path: Path) -> int:
+  crc = 0
+  with open(path, "rb") as f:
+    while block := f.read(_CHECKSUM_BLOCK):
+      crc = zlib.crc32(block, crc)
+  return crc
+
+
+def _verified(path: Path, meta_path: Path, key: dict) -> bool:
+  """Whether `path` holds the permutation `key` names, whole: its sidecar names the same key,
+  size and checksum as the file has. A missing, torn or foreign file is not."""
+  try:
+    meta = json.loads(meta_path.read_text())
+    return (meta.get("key") == key and path.stat().st_size == meta.get("bytes")
+            and _crc32(path) == meta.get("crc32"))
+  except (OSError, ValueError):
+    return False
+
+
+def shared_epoch_permutation(n_instances: int, seed: int, epoch: int, chunk: int,
+                             cache_dir: str | os.PathLike) -> np.ndarray:
+  """`epoch_permutation`, computed once per machine and kept in `cache_dir`: read back
+  memory-mapped, so every process and loader worker of a job on that machine shares one copy
+  in the page cache (AI2's stage 1: 724M instances, 2.9 GB, 48 s to compute). The file is
+  checked against its sidecar's key, size and CRC-32 whenever it is opened; a missing, torn or
+  foreign file is computed again (under a lock: one process computes, the others wait and
+  read) and replaced atomically, never trusted."""
+  key = {"n_instances": n_instances, "seed": seed, "epoch": epoch, "chunk": chunk}
+  directory = Path(cache_dir)
+  name = f"order-{n_instances}-{seed}-{epoch}-{chunk}"
+  path, meta_path = directory / f"{name}.u32", directory / f"{name}.json"
+  if not _verified(path, meta_path, key):
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{name}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, a crash included
+      if not _verified(path, meta_path, key):
+        order = epoch_permutation(n_instances, seed, epoch, chunk)
+        _write_atomic(path, order.tobytes())
+        meta = {"key": key, "bytes": order.nbytes, "crc32": zlib.crc32(order.data)}
+        _write_atomic(meta_path, json.dumps(meta).encode())
+  if n_instances == 0:
+    return np.zeros(0, np.uint32)  # np.memmap refuses an empty file
+  return np.memmap(path, dtype=np.uint32, mode="r")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+  tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+  try:
+    with open(tmp, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+
+
+class GlobalOrder:
+  """Which instances make up each global step's batch. With `cache_dir`, each epoch's order
+  is computed once per machine and shared (`shared_epoch_permutation`); without, computed in
+  this process."""
+
+  def __init__(self, n_instances: int, global_batch_size: int, seed: int, chunk: int = 1,
+               cache_dir: str | os.PathLike | None = None):
     if n_instances < global_batch_size:
       raise ValueError(f"{n_instances} instances cannot fill one global batch of "
                        f"{global_batch_size}")
@@ -45,13 +115,18 @@ class GlobalOrder:
     self.global_batch_size = global_batch_size
     self.seed = seed
     self.chunk = chunk
+    self.cache_dir = cache_dir
     self.batches_per_epoch = n_instances // global_batch_size
 
   @functools.lru_cache(maxsize=2)
   def _epoch_batches(self, epoch: int) -> np.ndarray:
     kept = self.batches_per_epoch * self.global_batch_size
-    return epoch_permutation(self.n_instances, self.seed, epoch, self.chunk)[:kept].reshape(
-        self.batches_per_epoch, self.global_batch_size)
+    if self.cache_dir is None:
+      order = epoch_permutation(self.n_instances, self.seed, epoch, self.chunk)
+    else:
+      order = shared_epoch_permutation(self.n_instances, self.seed, epoch, self.chunk,
+                                       self.cache_dir)
+    return order[:kept].reshape(self.batches_per_epoch, self.global_batch_size)
 
   def epoch_of(self, step: int) -> int:
     return step // self.batches_per_epoch + 1

@@ -1,0 +1,79 @@
+"""The global order computed once per machine and shared (olmo3.data.order): the same order as
+computed in process, read back without computing, and never trusted when torn or foreign. The
+order's own semantics against OLMo-core: tests/test_data_olmo_core.py."""
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import pytest
+
+from olmo3.data import order as order_lib
+from olmo3.data.order import GlobalOrder, epoch_permutation, shared_epoch_permutation
+
+
+@pytest.mark.parametrize("epoch, chunk", [(1, 1), (2, 1), (1, 4)])
+def test_the_shared_order_is_the_order(tmp_path, epoch, chunk):
+  np.testing.assert_array_equal(shared_epoch_permutation(10_000, 7, epoch, chunk, tmp_path),
+                                epoch_permutation(10_000, 7, epoch, chunk))
+  shared, own = GlobalOrder(10_000, 64, 7, chunk, tmp_path), GlobalOrder(10_000, 64, 7, chunk)
+  for step in (0, 155, 156, 400):  # 156 batches an epoch: the second epoch too
+    np.testing.assert_array_equal(shared.batch(step), own.batch(step))
+
+
+def _refuse(*args):
+  raise AssertionError("computed again")
+
+
+def test_a_kept_order_is_read_not_computed(tmp_path, monkeypatch):
+  expected = shared_epoch_permutation(10_000, 7, 1, 1, tmp_path)
+  monkeypatch.setattr(order_lib, "epoch_permutation", _refuse)
+  read = shared_epoch_permutation(10_000, 7, 1, 1, tmp_path)
+  assert isinstance(read, np.memmap)
+  np.testing.assert_array_equal(read, expected)
+
+
+@pytest.mark.parametrize("damage", ["torn", "flipped", "foreign"])
+def test_a_torn_or_foreign_order_is_computed_again(tmp_path, damage):
+  expected = epoch_permutation(10_000, 7, 1)
+  shared_epoch_permutation(10_000, 7, 1, 1, tmp_path)
+  path = tmp_path / "order-10000-7-1-1.u32"
+  data = path.read_bytes()
+  if damage == "torn":  # a copy cut short
+    path.write_bytes(data[: len(data) // 2])
+  elif damage == "flipped":  # the right size, one index changed
+    path.write_bytes(data[:400] + bytes([data[400] ^ 1]) + data[401:])
+  else:  # another order under this name (another seed's), sidecar and all
+    other = epoch_permutation(10_000, 8, 1).tobytes()
+    path.write_bytes(other)
+    meta = path.with_suffix(".json")
+    meta.write_text(meta.read_text().replace('"seed": 7', '"seed": 8'))
+  np.testing.assert_array_equal(shared_epoch_permutation(10_000, 7, 1, 1, tmp_path), expected)
+  assert path.read_bytes() == expected.tobytes()
+
+
+def _compute(directory, log):
+  def counted(*args):
+    with open(log, "a") as f:
+      f.write(f"{os.getpid()}\n")
+    time.sleep(0.5)  # long enough for the other process to reach the lock
+    return epoch_permutation(*args)
+
+  order_lib.epoch_permutation = counted
+  shared_epoch_permutation(10_000, 7, 1, 1, directory)
+
+
+@pytest.mark.slow(seconds=2)
+def test_processes_racing_for_the_order_compute_it_once(tmp_path):
+  log = tmp_path / "computed"
+  ctx = multiprocessing.get_context("fork")
+  procs = [ctx.Process(target=_compute, args=(tmp_path / "cache", log)) for _ in range(3)]
+  for p in procs:
+    p.start()
+  for p in procs:
+    p.join(30)
+  assert [p.exitcode for p in procs] == [0, 0, 0]
+  assert len(log.read_text().split()) == 1
+  np.testing.assert_array_equal(shared_epoch_permutation(10_000, 7, 1, 1, tmp_path / "cache"),
+                                epoch_permutation(10_000, 7, 1))
