@@ -161,7 +161,19 @@ def main() -> None:
     later = _child(root, cache, 1_000_000, args.workers)
   finally:
     shutil.rmtree(work, ignore_errors=True)
-  assert cold["first_instances"] == warm["first_instances"]  # the kept order is the order
+  # The kept order is the order: the batches the launches read are those of the permutation
+  # computed here, in this process, as before it was shared.
+  import fiddle as fdl
+
+  from launch import refs
+  from olmo3.data.order import epoch_permutation
+
+  data = fdl.build(refs.resolve("experiments.olmo3_7b:stage1")).data
+  order = epoch_permutation(INSTANCES, data.seed, 1, data.chunk_instances)
+  b = data.global_batch_size
+  batch = lambda step: order[step * b:step * b + 4].tolist()
+  assert cold["first_instances"] == warm["first_instances"] == batch(0), (cold, batch(0))
+  assert later["first_instances"] == batch(1_000_000), (later, batch(1_000_000))
   print(json.dumps({
       "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
       f"{os.cpu_count()} CPUs", "files": files, "instances": cold["instances"],
