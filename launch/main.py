@@ -53,7 +53,7 @@ from absl import app, flags, logging  # noqa: E402
 from etils import epath  # noqa: E402
 from fiddle import printing  # noqa: E402
 
-from launch import config_files, diffs, refs  # noqa: E402
+from launch import config_files, diffs, peers, refs  # noqa: E402
 from olmo3.config import Schedule  # noqa: E402
 from olmo3 import xla_flags as flags_lib  # noqa: E402
 from olmo3.io import errors as errors_lib  # noqa: E402
@@ -96,6 +96,9 @@ def start_jax() -> None:
     compilation_cache.enable(cache)
   env = os.environ
   heartbeat = max(1, round(storage.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
+  position = peers.job_position(env)
+  if position is not None:  # a lost peer ends this process in one line (launch/peers.py)
+    peers.watch_stderr(*position)
   if "JAX_COORDINATOR_ADDRESS" in env:
     jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
                                num_processes=int(env["JAX_NUM_PROCESSES"]),
@@ -123,6 +126,9 @@ def leaving_at_once_on_failure() -> Iterator[None]:
     if code and jax.process_count() > 1:
       # Runs before JAX's own exit handler (registered first, run last), after the error line.
       atexit.register(_exit_now, code)
+      lost = peers.peer_lost(e, jax.process_index(), jax.process_count())
+      if lost is not None:
+        raise lost from None
     raise
 
 
@@ -527,7 +533,7 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
   from olmo3.train.skips import TrainingStopped
 
   return (ConfigError, DataError, TaskError, CheckpointError, MetricsError, RecordError,
-          LeaseHeld, LeaseLost, TrainingStopped, OSError)  # OSError: storage
+          LeaseHeld, LeaseLost, TrainingStopped, peers.PeerLost, OSError)  # OSError: storage
 
 
 if __name__ == "__main__":

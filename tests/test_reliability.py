@@ -136,6 +136,43 @@ def test_a_live_workdir_is_refused_and_sigterm_stops_cleanly_even_at_startup(tmp
   assert "before step 1: stopping" in err
 
 
+@pytest.mark.slow(seconds=25)
+def test_when_the_coordinator_dies_the_other_process_ends_in_one_line_naming_it(tmp_path):
+  """Process 0 of a 2-process job (the coordinator) SIGKILLed while both train: process 1
+  ends non-zero within seconds, its last line an `error:` line naming process 0, without
+  jaxlib's abort dump or a traceback (launch/peers.py)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs, errs = [], []
+  for rank in (0, 1):
+    env = dict(_env(1), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(rank))
+    errs.append(open(tmp_path / f"stderr{rank}", "w+"))
+    procs.append(subprocess.Popen([sys.executable, MAIN, *TINY, "--fdl_set=train.steps=500",
+                                   f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=errs[-1]))
+  try:
+    deadline = time.time() + 120
+    while "step 3/500" not in (tmp_path / "stderr1").read_text():
+      assert all(p.poll() is None for p in procs) and time.time() < deadline, (
+          (tmp_path / "stderr1").read_text()[-3000:])
+      time.sleep(0.2)
+    procs[0].kill()
+    code = procs[1].wait(60)
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+  time.sleep(0.5)  # the filter writes its line as the launcher's stderr closes
+  text = (tmp_path / "stderr1").read_text()
+  assert code != 0
+  assert text.strip().splitlines()[-1].startswith(
+      "error: process 0 of 2 (the coordinator) left the job, so process 1 of 2 stops too"), text
+  for dump in ("Terminating process", "Traceback", "Check failure", "Gloo"):
+    assert dump not in text, text
+
+
 @pytest.mark.slow(seconds=90)
 def test_two_processes_train_save_and_resume_on_another_mesh(tmp_path, request):
   """A run resumed on more devices and processes continues the same data sequence, and the
