@@ -91,6 +91,32 @@ def test_analytic_flops_match_the_compiled_step():
   assert report.compiled_tflops_per_step * 1e12 == pytest.approx(palm, rel=0.03)
   assert report.analytic_tflops_per_step < report.compiled_tflops_per_step
   assert report.total_gb > 0 and "compiled train step" in report.format()
+  # Every weight matrix is gathered whole for the forward pass at least (fsdp over 8 devices).
+  assert report.collective_gb["all-gather"] * 1e9 >= 4 * model.matmul_param_count
+  assert report.collective_trips_known and "collectives per device per step: all-gather" in (
+      report.format())
+
+
+def _looped_all_reduce(trips: int) -> float:
+  """The all-reduce bytes of a program whose loop body all-reduces a [16, 128] float32 array."""
+  mesh = jax.make_mesh((8,), ("x",))
+  sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+
+  def f(w_DF, x_BD):
+    def body(c, _):  # depends on the carry: XLA cannot hoist the all-reduce out of the loop
+      return c + ((x_BD * c) @ w_DF).sum(), None
+    return jax.lax.scan(body, 0.0, None, length=trips)[0]
+
+  compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=sharded),
+                              jax.ShapeDtypeStruct((16, 64), jnp.float32)).compile()
+  moved, known = aot.collective_bytes(compiled.as_text())
+  assert known and moved["all-gather"] == moved["reduce-scatter"] == 0
+  return moved["all-reduce"]
+
+
+def test_collective_bytes_count_a_loops_collectives_once_per_trip():
+  assert _looped_all_reduce(5) == 5 * 16 * 128 * 4
+  assert _looped_all_reduce(10) == 10 * 16 * 128 * 4
 
 
 @pytest.mark.seconds(8)

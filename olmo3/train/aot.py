@@ -8,7 +8,10 @@ experiment's LIBTPU_INIT_ARGS are parsed by the compiler, so a bad flag fails he
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
+import re
 import time
 from typing import Any
 
@@ -63,6 +66,10 @@ class CompileReport:
   analytic_tflops_per_step: float
   compile_s: float
   flops_caveat: str = ""  # why the compiled count understates the step, when it does
+  # Per device per step, by collective kind (`collective_bytes`); and whether every loop's
+  # trip count was known (else a loop's collectives are counted once).
+  collective_gb: dict[str, float] = dataclasses.field(default_factory=dict)
+  collective_trips_known: bool = True
 
   def format(self) -> str:
     fit = ("unknown HBM" if self.fits is None else
@@ -77,7 +84,12 @@ class CompileReport:
         f"{self.alias_gb:.2f} GB = {self.total_gb:.2f} GB -> {fit}",
         f"TFLOP per step: compiled {compiled} vs analytic {self.analytic_tflops_per_step:,.4g} "
         "(exact causal + sliding-window count; XLA counts masked attention in full)"
-        + (f"; {self.flops_caveat}" if self.flops_caveat else "")])
+        + (f"; {self.flops_caveat}" if self.flops_caveat else ""),
+        "collectives per device per step: " + ", ".join(
+            f"{kind} {gb:,.2f} GB" for kind, gb in self.collective_gb.items())
+        + " (result sizes; loops counted per trip"
+        + ("" if self.collective_trips_known else "; a loop of unknown trip count counted once")
+        + ")"])
 
 
 def _compile(lowered: Any, topology: str | None) -> Any:
@@ -105,6 +117,67 @@ def _compiled_flops(compiled: Any) -> float | None:
   return (cost or {}).get("flops")
 
 
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+          "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3b11fnuz": 1, "s4": 1, "u4": 1}
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OP = re.compile(r"=\s*(.*?)\s([a-z][\w\-]*)\(")
+_CALLEES = re.compile(r"(?:body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+                      r"|branch_computations=\{([^}]*)\}")
+
+
+def _shape_bytes(shape: str) -> int:
+  """Bytes of an HLO result type: an array type, or every array of a tuple type."""
+  return sum(_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+             for dtype, dims in re.findall(r"\b([a-z]\w*)\[([\d,]*)\]", shape))
+
+
+def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
+  """Bytes each device moves through each kind of collective in one run of a compiled,
+  SPMD-partitioned program (`compiled.as_text()`: per-device shapes), and whether every loop's
+  trip count was known. A collective counts its result's size (an all-gather the gathered
+  array, a reduce-scatter its scattered shard, an all-reduce its operand); an asynchronous one
+  is counted at its `-done`. Ops inside a `while` body count once per iteration
+  (`known_trip_count`; a loop without one counts once). JAX has no API for this: the optimized
+  HLO text is what the compiler will run."""
+  bodies: dict[str, list[str]] = {}
+  entry, name = None, None
+  for line in hlo_text.splitlines():
+    found = _COMPUTATION.match(line) if not line.startswith(" ") else None
+    if found:
+      name = found.group(1)
+      bodies[name] = []
+      entry = name if line.startswith("ENTRY") else entry
+    elif name is not None and line.startswith(" "):
+      bodies[name].append(line)
+  known = True
+
+  @functools.lru_cache(maxsize=None)
+  def total(computation: str) -> tuple[tuple[str, float], ...]:
+    nonlocal known
+    sums = dict.fromkeys(COLLECTIVES, 0.0)
+    for line in bodies.get(computation, ()):
+      op = _OP.search(line)
+      if op is None:
+        continue
+      kind = op.group(2).removesuffix("-done")
+      if kind in sums and not op.group(2).endswith("-start"):
+        sums[kind] += _shape_bytes(op.group(1))
+      times = 1
+      if op.group(2) == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        known = known and trips is not None
+        times = int(trips.group(1)) if trips else 1
+      for callee, branches in _CALLEES.findall(line):
+        for c in ([callee] if callee else re.findall(r"%?([\w.\-]+)", branches)):
+          for k, v in total(c):
+            sums[k] += times * v
+    return tuple(sums.items())
+
+  return dict(total(entry)) if entry else dict.fromkeys(COLLECTIVES, 0.0), known
+
+
 def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileReport:
   devices = topology_devices(topology) if topology else None
   model = ShardedModel.for_experiment(exp, devices)
@@ -119,6 +192,7 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
   kind = model.mesh.devices.flat[0].device_kind
   hbm = flops_lib.hbm_bytes_per_device(kind)
   per_device = _compiled_flops(compiled)
+  moved, known = collective_bytes(compiled.as_text())
   n = model.mesh.devices.size
   analytic = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
   caveats = []
@@ -133,7 +207,8 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
       alias_gb=alias, total_gb=total, hbm_gb=hbm / 1e9 if hbm else None,
       fits=None if hbm is None else total * 1e9 <= hbm,
       compiled_tflops_per_step=per_device * n / 1e12 if per_device else None,
-      analytic_tflops_per_step=analytic / 1e12, compile_s=seconds, flops_caveat="; ".join(caveats))
+      analytic_tflops_per_step=analytic / 1e12, compile_s=seconds, flops_caveat="; ".join(caveats),
+      collective_gb={k: v / 1e9 for k, v in moved.items()}, collective_trips_known=known)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +252,7 @@ def compile_eval_batch(exp: Experiment, length: int, choices: int | None = None,
   args, temps, outs, _ = _memory_gb(compiled)
   hbm = flops_lib.hbm_bytes_per_device(model.mesh.devices.flat[0].device_kind)
   per_device = _compiled_flops(compiled)
+  moved, known = collective_bytes(compiled.as_text())
   n = model.mesh.devices.size
   return EvalCompileReport(
       program="row_logprob" if choices is None else "choice_logprobs", rows=rows,
