@@ -119,6 +119,36 @@ def test_collective_bytes_count_a_loops_collectives_once_per_trip():
   assert _looped_all_reduce(10) == 10 * 16 * 128 * 4
 
 
+# The shape of the TPU compiler's text: no known_trip_count, the condition `i < N`; an
+# asynchronous all-gather (counted once, at its -done) inside the loop, a tuple-shaped
+# all-reduce outside it.
+TPU_STYLE_HLO = """HloModule step
+%cond (p: (s32[], bf16[8,4])) -> pred[] {
+  %c = s32[]{:T(128)} constant(3), backend_config={"flag_configs":[]}
+  %p = (s32[]{:T(128)}, bf16[8,4]{1,0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT
+}
+%body (p.1: (s32[], bf16[8,4])) -> (s32[], bf16[8,4]) {
+  %p.1 = (s32[]{:T(128)}, bf16[8,4]{1,0}) parameter(0)
+  %x = bf16[2,4]{1,0} get-tuple-element(%p.1), index=1
+  %ags = (bf16[2,4]{1,0}, bf16[8,4]{1,0}) all-gather-start(%x), dimensions={0}
+  %agd = bf16[8,4]{1,0:T(8,128)(2,1)} all-gather-done(%ags)
+  ROOT %t = (s32[]{:T(128)}, bf16[8,4]{1,0}) tuple(%i, %agd)
+}
+ENTRY %main (a: (s32[], bf16[8,4])) -> (s32[], bf16[8,4]) {
+  %a = (s32[]{:T(128)}, bf16[8,4]{1,0}) parameter(0)
+  %ar = (f32[16]{0}, f32[4,4]{1,0}) all-reduce(%a), to_apply=%cond
+  ROOT %w = (s32[]{:T(128)}, bf16[8,4]{1,0}) while(%a), condition=%cond, body=%body, backend_config={"flag_configs":[]}
+}
+"""
+
+
+def test_collective_bytes_read_a_loops_trips_from_its_condition():
+  moved, known = aot.collective_bytes(TPU_STYLE_HLO)
+  assert known and moved["all-gather"] == 3 * 8 * 4 * 2 and moved["all-reduce"] == (16 + 16) * 4
+
+
 @pytest.mark.seconds(8)
 def test_evaluation_programs_compile_with_their_forward_flops():
   """What benchmarks/eval_price_7b.py compiles for the 7B: one evaluation batch (eval.batch_size

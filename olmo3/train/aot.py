@@ -133,13 +133,27 @@ def _shape_bytes(shape: str) -> int:
              for dtype, dims in re.findall(r"\b([a-z]\w*)\[([\d,]*)\]", shape))
 
 
+def _trip_count(while_line: str, bodies: dict[str, list[str]]) -> int | None:
+  """A while loop's iterations: XLA's `known_trip_count` (XLA:CPU writes it), else, as a JAX
+  loop's condition reads (the TPU compiler's text), `i < N` with i from 0: N."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', while_line)
+  if known:
+    return int(known.group(1))
+  condition = re.search(r"condition=%?([\w.\-]+)", while_line)
+  body = bodies.get(condition.group(1), []) if condition else []
+  limits = [int(c) for line in body for c in re.findall(r"= s32\[\]\S* constant\((\d+)\)", line)]
+  compares_less = any("ROOT" in line and "compare(" in line and "direction=LT" in line
+                      for line in body)
+  return limits[0] if compares_less and len(limits) == 1 else None
+
+
 def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
   """Bytes each device moves through each kind of collective in one run of a compiled,
   SPMD-partitioned program (`compiled.as_text()`: per-device shapes), and whether every loop's
   trip count was known. A collective counts its result's size (an all-gather the gathered
   array, a reduce-scatter its scattered shard, an all-reduce its operand); an asynchronous one
   is counted at its `-done`. Ops inside a `while` body count once per iteration
-  (`known_trip_count`; a loop without one counts once). JAX has no API for this: the optimized
+  (`_trip_count`; a loop whose count cannot be read counts once, and the second value says so). JAX has no API for this: the optimized
   HLO text is what the compiler will run."""
   bodies: dict[str, list[str]] = {}
   entry, name = None, None
@@ -166,9 +180,9 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
         sums[kind] += _shape_bytes(op.group(1))
       times = 1
       if op.group(2) == "while":
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+        trips = _trip_count(line, bodies)
         known = known and trips is not None
-        times = int(trips.group(1)) if trips else 1
+        times = trips or 1
       for callee, branches in _CALLEES.findall(line):
         for c in ([callee] if callee else re.findall(r"%?([\w.\-]+)", branches)):
           for k, v in total(c):
