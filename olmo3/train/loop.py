@@ -19,28 +19,35 @@ The host never waits for a step it does not need: batches reach the devices ahea
 step (`pipeline.DevicePrefetch`), a log step's row is fetched after the next step is dispatched,
 and the consecutive-skip count is checked with the rows and before evaluating or saving. Only
 evaluation and checkpoint steps (and a preemption's save) wait for their own step.
+
+What a step does (its row, evaluation, save, stop, and what it says) is decided apart from
+doing it, by olmo3.train.decisions: the loop dispatches the step, reads the previous row, and
+carries the step's decisions out (`_StepIO`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import jax
 from absl import logging
 from etils import epath
 
 from olmo3.data import pipeline
+from olmo3.io import metrics as metrics_lib
 from olmo3.io import storage
 from olmo3.run import record
 from olmo3.run.plan import RunPlan
 from olmo3.sharded_model import ShardedModel
-from olmo3.train import logs
+from olmo3.train import decisions, logs
 from olmo3.train import state as state_lib
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.evaluation import LoopEvaluation
 from olmo3.train.lease import Lease, LeaseLost, hold, stop_without_lease
-from olmo3.train.preemption import EXCHANGE_EVERY, Preemption
+from olmo3.train.preemption import Preemption
 from olmo3.train.rows import MetricRows, open_writer
 from olmo3.train.skips import SkipLimit
 from olmo3.train.step import jit_train_step
@@ -97,16 +104,7 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
     record.write_experiment(plan.workdir.root, exp.to_dict())  # unless the launcher's record did
     plan.size_cache.save()  # the remote sizes the plan looked up, for the next launch
   with model.context(), contextlib.ExitStack() as cleanup:
-    source = plan.train_files
-    logging.info("training data: %d files, sources %s, %d %sinstances of %d tokens",
-                 len(source.paths), list(source.source_names), len(source),
-                 "packed " if exp.data.packing else "", exp.data.seq_len)
-    if plan.alarm_off:
-      logging.warning("%s", plan.alarm_off)
-    step_fn = jit_train_step(exp, model, layout, len(source.source_names))
-    if evaluation is not None:  # beside the startup below, which keeps about one core busy
-      evaluation.compile_ahead()
-      cleanup.callback(evaluation.close)
+    step_fn = _compile(plan, model, layout, evaluation, cleanup)
     with logs.Heartbeat("initialising or restoring the train state"):
       state, data_position = state_lib.restore_or_init(layout, checkpoints, plan)
     start, end = int(state.step), plan.end
@@ -118,104 +116,146 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
       logging.warning("interrupted (%s) before step %d: stopping; nothing trained",
                       progress.signal, start + 1)
       return {}
-    loader = pipeline.Loader(exp.data, model.batch_sharding,
-                             start_step=data_position.data_step(start), num_steps=end - start,
-                             source=source, microbatches=exp.train.microbatches)
-    batches = (pipeline.DevicePrefetch(iter(loader), exp.data.device_prefetch)
-               if exp.data.device_prefetch else iter(loader))
-    writer = open_writer(plan, start)
-    rows = MetricRows(plan, model.mesh, writer, start)
-    limit = exp.train.max_consecutive_skips
-    skips = SkipLimit(limit, int(state.skip.consecutive)) if limit is not None else None
-
-    def wait_for_step() -> None:
-      """The pending row and the skip count, where the loop needs the step's results anyway."""
-      rows.write()
-      if skips is not None:
-        skips.check()
-
+    io = _StepIO(plan, model, step_fn, start, state, data_position, preemption, progress,
+                 checkpoints, evaluation)
+    cadences = decisions.Cadences(end, exp.train.log_every, exp.checkpoint.every,
+                                  exp.train.eval_every if evaluation is not None else None)
     # Nothing below reads the devices except wait_for_step, evaluation and saving: the host
     # runs a step ahead, dispatching step s + 1 before it waits for step s's row.
     completed = False  # the last step trained and saved, no signal or alarm having stopped it
-    try:
-      with contextlib.closing(batches):
-        for step, batch in enumerate(batches, start=start + 1):
-          checkpoints.check()  # a failed async save stops the run here, not a save later
-          if not preemption.stop_requested and (lost := lease.lost()):
-            preemption.request_stop(lost)  # never a step more than the processes agree on
-          if step == start + 1:  # the first call traces and compiles (minutes for the 7B)
-            with logs.Heartbeat(f"compiling the train step (steps {start + 1}-{end} to go)"):
-              state, step_metrics = step_fn(state, batch)
-            rows.restart_clock(start)  # step times and the ETA are the steps', not the compile's
-          else:
-            state, step_metrics = step_fn(state, batch)
-          progress.steps += 1
-          if rows.pending:
-            wait_for_step()  # the previous step's row, while this step runs
-          if skips is not None:
-            skips.add(step, step_metrics)
-          last_step = step == end
-          rows.add(step, step_metrics, row=step % exp.train.log_every == 0 or last_step)
-          evaluate = evaluation is not None and (step % exp.train.eval_every == 0 or last_step)
-          checkpoint = step % exp.checkpoint.every == 0 or last_step
-          # A signal seen at any point of this step is honoured here: no evaluation, and a save
-          # whatever the checkpoint cadence. In a job of several processes, at the step they
-          # agree on (a second or so later, or the next exchange for signals Python caught:
-          # olmo3.train.preemption).
-          signalled = preemption.agreed(
-              exchange=evaluate or checkpoint or step % EXCHANGE_EVERY == 0)
-          interrupted = signalled and (evaluate or not last_step)  # else it ends here anyway
-          stop = False
-          if evaluate and not interrupted:
-            wait_for_step()  # the alarm compares this step's row with the evaluation
-            # Every process asks at the same evaluation batches: they abandon it together.
-            outcome = evaluation(step, state.params, rows,
-                                 stop=lambda: preemption.agreed(exchange=False))
-            interrupted, stop = outcome is None, bool(outcome)
-          if stop or interrupted or checkpoint:
-            wait_for_step()  # never a checkpoint after the skip limit was reached
-            if interrupted and preemption.stop_requested:
-              stop_without_lease(preemption.reason, step, lambda: (
-                  writer.flush(), state_lib.save(checkpoints, state, plan, data_position),
-                  checkpoints.wait()))
-            writer.flush()  # metrics up to a checkpoint are on disk before it can exist
-            logging.info("saving the checkpoint of step %d", step)
-            # (the final save's notice holds until its async part has landed, below the loop)
-            preemption.notice = (f"the run stops once the checkpoint of step {step} is saved"
-                                 + (", the run's last: the run is then complete" if last_step
-                                    else ""))
-            state_lib.save(checkpoints, state, plan, data_position)
-            if not last_step:
-              preemption.notice = None
-            if not (stop or interrupted or last_step):  # a signal during the save: stop here
-              interrupted = preemption.agreed()
-          if interrupted and preemption.stop_requested:  # the lease was lost during the save
-            stop_without_lease(preemption.reason, step, checkpoints.wait)
-          if interrupted:
-            progress.interrupted, progress.signal = step, preemption.signal_name
-            progress.evaluation_skipped = evaluate
-            logging.warning("interrupted (%s) at step %d: saved%s", progress.signal, step,
-                            (f"; step {step}'s evaluation did not run" if evaluate else "")
-                            + ("; the run is complete" if last_step
-                               else "; rerun the same command to resume"))
-          if stop or interrupted:
-            break
-          completed = last_step
-    except BaseException as e:
-      with storage.cleanup_after(e):
-        storage.quietly("finishing the last checkpoint save", checkpoints.wait)
-        # A run whose lease another launch took writes nothing more into the workdir: its
-        # metrics would land in (in a bucket: replace) the new holder's metrics.jsonl.
-        if not (isinstance(e, LeaseLost) and e.taken):
-          storage.quietly("writing the metrics", writer.flush)
-      raise
+    with _cleanup_on_failure(checkpoints, io.writer), contextlib.closing(io.batches):
+      for step, batch in enumerate(io.batches, start=start + 1):
+        checkpoints.check()  # a failed async save stops the run here, not a save later
+        if not preemption.stop_requested and (lost := lease.lost()):
+          preemption.request_stop(lost)  # never a step more than the processes agree on
+        step_metrics = io.dispatch(step, batch)
+        progress.steps += 1
+        if io.rows.pending:
+          io.wait_for_step()  # the previous step's row, while this step runs
+        if io.skips is not None:
+          io.skips.add(step, step_metrics)
+        due = cadences.due(step)
+        io.rows.add(step, step_metrics, row=due.row)
+        decision = decisions.take_step(due, io)
+        if decision.ends:
+          break
+        completed = decision.completed
     checkpoints.wait()
-    writer.flush()
+    io.writer.flush()
     preemption.notice = None
     # A signal during the last step or its save (which nothing stops) was not acted on: say
     # that it was seen and how the run ended (every process asks here, as at a step).
     if completed and preemption.agreed():
       progress.signal = preemption.signal_name
-      logging.warning("%s received during step %d, the run's last, or its save: the checkpoint "
-                      "is saved and the run is complete", progress.signal, end)
-  return rows.last
+      logging.warning("%s", decisions.signal_at_the_end(progress.signal, end))
+  return io.rows.last
+
+
+def _compile(plan: RunPlan, model: ShardedModel, layout: state_lib.StateLayout,
+             evaluation: LoopEvaluation | None, cleanup: contextlib.ExitStack) -> Callable:
+  """The train step, jitted (it compiles at its first call); the evaluation's programs start
+  compiling beside the startup, which keeps about one core busy."""
+  exp, source = plan.exp, plan.train_files
+  logging.info("training data: %d files, sources %s, %d %sinstances of %d tokens",
+               len(source.paths), list(source.source_names), len(source),
+               "packed " if exp.data.packing else "", exp.data.seq_len)
+  if plan.alarm_off:
+    logging.warning("%s", plan.alarm_off)
+  step_fn = jit_train_step(exp, model, layout, len(source.source_names))
+  if evaluation is not None:
+    evaluation.compile_ahead()
+    cleanup.callback(evaluation.close)
+  return step_fn
+
+
+class _StepIO:
+  """What the loop's steps act on (decisions.StepIO): the devices, the data, the metric rows,
+  the checkpoints, the evaluation, the signals and the lease. The decisions are
+  olmo3.train.decisions'; this only carries them out."""
+
+  def __init__(self, plan: RunPlan, model: ShardedModel, step_fn: Callable, start: int,
+               state: state_lib.TrainState, data_position: state_lib.DataPosition,
+               preemption: Preemption, progress: Progress, checkpoints: RunCheckpoints,
+               evaluation: LoopEvaluation | None):
+    exp = plan.exp
+    self.plan, self.step_fn, self.state, self.data_position = plan, step_fn, state, data_position
+    self.preemption, self.progress = preemption, progress
+    self.checkpoints, self.evaluation = checkpoints, evaluation
+    self.start = start
+    loader = pipeline.Loader(exp.data, model.batch_sharding,
+                             start_step=data_position.data_step(self.start),
+                             num_steps=plan.end - self.start, source=plan.train_files,
+                             microbatches=exp.train.microbatches)
+    self.batches = (pipeline.DevicePrefetch(iter(loader), exp.data.device_prefetch)
+                    if exp.data.device_prefetch else iter(loader))
+    self.writer = open_writer(plan, self.start)
+    self.rows = MetricRows(plan, model.mesh, self.writer, self.start)
+    limit = exp.train.max_consecutive_skips
+    self.skips = SkipLimit(limit, int(state.skip.consecutive)) if limit is not None else None
+
+  def dispatch(self, step: int, batch: Any) -> dict[str, jax.Array]:
+    """Dispatches the step (the devices run it while the host goes on); its metrics."""
+    if step == self.start + 1:  # the first call traces and compiles (minutes for the 7B)
+      with logs.Heartbeat(f"compiling the train step (steps {step}-{self.plan.end} to go)"):
+        self.state, step_metrics = self.step_fn(self.state, batch)
+      # step times and the ETA are the steps', not the compile's
+      self.rows.restart_clock(self.start)
+    else:
+      self.state, step_metrics = self.step_fn(self.state, batch)
+    return step_metrics
+
+  def wait_for_step(self) -> None:
+    """The pending row and the skip count, where the loop needs the step's results anyway."""
+    self.rows.write()
+    if self.skips is not None:
+      self.skips.check()
+
+  def agreed(self, exchange: bool) -> bool:
+    return self.preemption.agreed(exchange=exchange)
+
+  def stop_requested(self) -> bool:
+    return self.preemption.stop_requested
+
+  def evaluate(self, step: int) -> bool | None:
+    # Every process asks at the same evaluation batches: they abandon it together.
+    return self.evaluation(step, self.state.params, self.rows,
+                           stop=lambda: self.preemption.agreed(exchange=False))
+
+  def _save(self) -> None:
+    state_lib.save(self.checkpoints, self.state, self.plan, self.data_position)
+
+  def save(self, decision: decisions.Decision) -> None:
+    self.writer.flush()  # metrics up to a checkpoint are on disk before it can exist
+    logging.info("%s", decision.saving)
+    self.preemption.notice = decision.notice
+    self._save()
+    # (the final save's notice holds until its async part has landed, below the loop)
+    self.preemption.notice = decision.notice_after_save
+
+  def leave(self, decision: decisions.Decision) -> NoReturn:
+    save = ((lambda: (self.writer.flush(), self._save(), self.checkpoints.wait()))
+            if decision.leave is decisions.Leave.SAVING else self.checkpoints.wait)
+    stop_without_lease(self.preemption.reason, decision.step, save)
+
+  def report(self, decision: decisions.Decision) -> None:
+    progress = self.progress
+    progress.interrupted, progress.signal = decision.step, self.preemption.signal_name
+    progress.evaluation_skipped = decision.evaluation_skipped
+    logging.warning("%s", decision.report(progress.signal))
+
+
+@contextlib.contextmanager
+def _cleanup_on_failure(checkpoints: RunCheckpoints,
+                        writer: metrics_lib.MetricWriter) -> Iterator[None]:
+  """Whatever stops the steps, the last async save and the metrics are finished on the way out
+  without replacing the error (after a storage failure, each tried once)."""
+  try:
+    yield
+  except BaseException as e:
+    with storage.cleanup_after(e):
+      storage.quietly("finishing the last checkpoint save", checkpoints.wait)
+      # A run whose lease another launch took writes nothing more into the workdir: its
+      # metrics would land in (in a bucket: replace) the new holder's metrics.jsonl.
+      if not (isinstance(e, LeaseLost) and e.taken):
+        storage.quietly("writing the metrics", writer.flush)
+    raise
