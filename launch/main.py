@@ -64,7 +64,9 @@ FLAGS = flags.DEFINE_string(
 SETS = flags.DEFINE_multi_string("fdl_set", [], "override: path=value (a Python literal)")
 FIDDLERS = flags.DEFINE_multi_string("fiddler", [], "fiddler: name or name(key=value, ...)")
 WORKDIR = flags.DEFINE_string("workdir", None, "run directory (default runs/<module>.<fn>)")
-DRY_RUN = flags.DEFINE_bool("dry_run", False, "print the config and its numbers; allocate nothing")
+DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "print the config and its numbers; allocate nothing (with "
+    "--compile_only=KIND:AxBxC: the mesh and checkpoint layout on that topology, compiling nothing)")
 COMPILE_ONLY = flags.DEFINE_string(
     "compile_only", None, "compile the train step and report memory and FLOPs: 'local' for this "
     "machine's devices, or a TPU topology kind:AxBxC (e.g. tpu7x:4x8x8; needs the tpu extra)")
@@ -207,16 +209,34 @@ def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
   print(f"downstream tasks    {len(ev.tasks)}, {cadence}"
         + (f" ({ev.task_limit} documents each)" if ev.task_limit else "")
         + (": " + ", ".join(ev.tasks) if ev.tasks else ""))
-  print(f"mesh                {dict(exp.mesh.shape)} ", end="")
   import jax
 
-  try:
-    from olmo3 import sharding
+  from olmo3 import sharding
 
-    mesh = sharding.make_mesh(dict(exp.mesh.shape))
-    print(f"-> {dict(mesh.shape)} on {jax.device_count()} {jax.default_backend()} devices")
+  topology = COMPILE_ONLY.value if COMPILE_ONLY.value not in (None, "local") else None
+  mesh = None
+  try:
+    if topology:
+      from olmo3.train import aot
+
+      devices = aot.topology_devices(topology)
+      where = f"{len(devices)} {devices[0].device_kind} devices ({topology})"
+    else:
+      devices, where = None, f"{jax.device_count()} {jax.default_backend()} devices"
+    mesh = sharding.make_mesh(dict(exp.mesh.shape), devices)
+    print(f"mesh                {dict(exp.mesh.shape)} -> {dict(mesh.shape)} on {where}")
   except ValueError as e:
-    print(f"-> does not fit the {jax.device_count()} local devices ({e})")
+    print(f"mesh                {dict(exp.mesh.shape)} -> does not fit the "
+          f"{where if topology is None else topology} ({e})")
+  start = plan.start_checkpoint() if plan is not None else None
+  if start is not None and mesh is not None:
+    from olmo3.io import checkpoint
+
+    try:
+      written = checkpoint.load_meta(start).get("written_on")
+      print(f"checkpoint layout   {sharding.layout_change(written, mesh)}")
+    except CheckpointError as e:
+      print(f"checkpoint layout   unknown: {e}")
   from olmo3 import compilation_cache
 
   cache = compilation_cache.directory(CACHE.value)

@@ -85,6 +85,35 @@ def make_mesh(shape: dict[str, int] | None = None,
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
+def layout(mesh: Mesh) -> dict[str, object]:
+  """What a checkpoint records of the mesh it was written on (plain JSON): the axes of size > 1,
+  the devices, their kind and how many processes held them. Orbax reshards every array onto the
+  reader's mesh, so this is for people: the dry run and the restore say what changed."""
+  return {"mesh": {a: int(n) for a, n in mesh.shape.items() if n > 1},
+          "devices": int(mesh.devices.size),
+          "device_kind": str(mesh.devices.flat[0].device_kind),
+          "processes": len({d.process_index for d in mesh.devices.flat})}
+
+
+def layout_change(written: dict[str, object] | None, mesh: Mesh) -> str:
+  """One line: the layout a checkpoint was written on (`layout`) against `mesh`'s."""
+  here = layout(mesh)
+
+  def words(l: dict[str, object]) -> str:
+    processes = f"{l['processes']:,} process{'es' if l['processes'] != 1 else ''}"
+    if l["devices"] == 1:
+      return f"one {l['device_kind']} device"
+    return f"{l['mesh']} of {l['devices']:,} {l['device_kind']} devices in {processes}"
+
+  if not written:
+    return (f"not recorded (an older checkpoint); restored onto {words(here)}, each array "
+            "resharded as it is read")
+  if written == here:
+    return f"written on {words(written)}: the same layout"
+  return (f"written on {words(written)}; restored onto {words(here)}, each array resharded as "
+          "it is read")
+
+
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh, rules: Rules = FSDP_RULES) -> Iterator[None]:
   """Build and run sharded modules inside this context (Auto axes, logical rules active)."""

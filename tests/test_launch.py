@@ -319,6 +319,13 @@ def test_tiny_stages_1_2_3_end_to_end(tmp_path):
                         + ["train.steps=12", "train.eval_every=4", "train.log_every=1"])
   assert fdl.build(record) == fdl.build(cfg)
   assert "--fdl_config=experiments.olmo3_tiny:stage1" in (s1 / "command.txt").read_text()
+  # Stage 2 on other hardware: the dry run for a TPU slice says how the checkpoint's layout
+  # changes (the restore itself on another mesh: tests/test_train.py).
+  stage2 = ["--fdl_config=experiments.olmo3_tiny:stage2", f"--workdir={s2}", *TINY_FAST,
+            f"--fdl_set=checkpoint.init_from='{s1}'"]
+  dry = _main(*stage2, "--dry_run", "--compile_only=v5p:2x2x1").stdout
+  assert ("checkpoint layout   written on one cpu device; restored onto {'fsdp': 4} of 4 TPU v5 "
+          "devices in 1 process, each array resharded as it is read") in dry, dry[-2000:]
   # Stage 2 anneals from stage 1's final checkpoint.
   _main("--fdl_config=experiments.olmo3_tiny:stage2", f"--workdir={s2}", *TINY_FAST,
         f"--fdl_set=checkpoint.init_from='{s1}'", "--fdl_set=train.steps=4",

@@ -126,8 +126,10 @@ def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path, monkeypatch
   assert a[8] < a[1] - 1.0  # it learns
 
 
-@pytest.mark.seconds(15)
-def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
+@pytest.mark.seconds(22)
+def test_stage2_starts_fresh_from_stage1_moments_on_any_mesh(tmp_path, caplog):
+  """Stage 2 takes stage 1's parameters and moments; on another layout (the hardware switch
+  between stages: here 8 devices in one fsdp axis -> 4 in data x fsdp) it trains the same."""
   path = write_corpus(tmp_path)
   stage1 = micro_experiment(path, steps=4)
   train(RunPlan.build(stage1, str(tmp_path / "s1")))
@@ -146,6 +148,16 @@ def test_stage2_starts_fresh_from_stage1_moments(tmp_path):
     np.testing.assert_array_equal(a, b)  # moments and Adam's count (bias correction) carried
   train(RunPlan.build(stage2, str(tmp_path / "s2")))
   assert sorted(_losses(tmp_path / "s2")) == [1, 2, 3]
+  switched = dataclasses.replace(stage2, mesh=dataclasses.replace(
+      stage2.mesh, shape=(("data", 2), ("fsdp", 2))))
+  with caplog.at_level("INFO"):
+    train(RunPlan.build(switched, str(tmp_path / "switched")),
+          model=ShardedModel.for_experiment(switched, jax.devices()[:4]))
+  assert (f"{tmp_path / 's1'}/checkpoints/4: written on {{'fsdp': 8}} of 8 cpu devices in 1 "
+          "process; restored onto {'data': 2, 'fsdp': 2} of 4 cpu devices in 1 process, each "
+          "array resharded as it is read") in caplog.text
+  np.testing.assert_allclose(list(_losses(tmp_path / "switched").values()),
+                             list(_losses(tmp_path / "s2").values()), rtol=1e-5)
 
 
 

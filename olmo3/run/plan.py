@@ -242,6 +242,17 @@ class RunPlan:
             "files": len(files.paths), "tokens": int(files.file_tokens.sum()),
             "heldout": {s.name: sum(s.tokens) for s in self.heldout}}
 
+  def start_checkpoint(self) -> str | None:
+    """The olmo3 checkpoint step directory this launch restores: its own newest (a resume) or
+    checkpoint.init_from's; None when it starts fresh, is complete, or starts from an OLMo-core
+    checkpoint (converted at the start)."""
+    resume = self.resume
+    if resume.start is Start.RESUME:
+      return os.fspath(self.workdir.checkpoints / str(resume.step))
+    if resume.start is Start.INIT_FROM and resume.olmo_core is None:
+      return resume.init_from
+    return None
+
   def describe(self) -> list[str]:
     """What --dry_run prints of the plan (the config and its numbers come before it)."""
     exp, data = self.exp, self.exp.data

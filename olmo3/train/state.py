@@ -37,6 +37,7 @@ from olmo3.config import Experiment, InitMode
 from olmo3.data.tokens import DataError
 from olmo3.io.olmo_core_checkpoints import locate
 from olmo3.run.plan import Resume, RunPlan, decide_start
+from olmo3 import sharding
 from olmo3.sharded_model import ShardedModel
 from olmo3.train import continuation, optim
 from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
@@ -205,7 +206,8 @@ def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, plan: RunP
                     "previous checkpoint", e, aside)
       continue
     checkpoints.keep_verified(step)
-    logging.info("resumed from %s (step %d, verified)", path, step)
+    logging.info("resumed from %s (step %d, verified): %s", path, step,
+                 sharding.layout_change(meta.get("written_on"), layout.model.mesh))
     position = _resumed_position(path, meta, plan.identity, exp.data.allow_changed_data)
     return layout.on_mesh(meta["step"], params, opt_state, meta.get("skip")), position
   quarantined = checkpoints.quarantined()
@@ -236,6 +238,9 @@ def _initialised(layout: StateLayout, resume: Resume, plan: RunPlan
     _convert_once(resume, plan)
   params, opt_state, meta = layout.restore_init(path)
   source = resume.olmo_core or path
+  if resume.olmo_core is None:  # (a converted OLMo-core checkpoint was written by this host)
+    logging.info("%s: %s", path, sharding.layout_change(meta.get("written_on"),
+                                                        layout.model.mesh))
   if "olmo_core" in meta:
     continuation.check_optimizer(meta["olmo_core"], exp.optimizer, source)
   if exp.checkpoint.init_mode is InitMode.NEW_STAGE:
@@ -317,4 +322,5 @@ def save(checkpoints: RunCheckpoints, state: TrainState, plan: RunPlan,
   checkpoints.save(step, state.params, state.opt_state, {
       "step": step, "data_step": data_step,
       "instances_consumed": data_step * plan.exp.data.global_batch_size, "data": data.identity,
-      "experiment": plan.name, "skip": skip, "model_config": dataclasses.asdict(plan.exp.model)})
+      "experiment": plan.name, "skip": skip, "model_config": dataclasses.asdict(plan.exp.model),
+      "written_on": sharding.layout(jax.tree.leaves(state.params)[0].sharding.mesh)})
