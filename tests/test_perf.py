@@ -468,3 +468,23 @@ def test_flag_sets_are_applied_once_whatever_the_environment_already_holds(monke
   assert os.environ["XLA_FLAGS"] == "--xla_a=1 --xla_b=2"
   assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_tpu_c=true"
   assert os.environ["K"] == "v"
+
+
+def test_a_restart_is_priced_as_the_sum_of_its_phases_and_youngs_interval_maximises_goodput():
+  """benchmarks/restart_7b.py's arithmetic (its measurements need minutes: RESULTS.md)."""
+  r7 = benchmark("restart_7b")
+  save = {"gb": 1.37, "checksums_s": 8.0, "save_blocking_s": 10.0, "restore_s": 16.0}
+  measured = {"imports": {"imports_s": 2.0}, "plan": {"sizes_s": 1.5},
+              "lower": {"trace_and_lower_s": 40.0}, "checkpoint_gcs": save}
+  result = r7.price(measured, {"first_batch_restart_s": {"step_0": 3.9, "step_1000000": 3.6}},
+                    preemptions_per_day=1.0)
+  step_s, _ = r7.step_seconds()
+  assert step_s == pytest.approx(195_275e12 / (512 * 2307e12 / 2 * 0.445), rel=1e-3)
+  assert result["restart_s"] == pytest.approx(100 + 120 + 2 + 1.5 + 360 + 40 + 10 + 8 + 3.9)
+  assert result["state_gb"] == pytest.approx(1.37 * 64)
+  # The loop's stall per save is the blocking part less the checksums (2 s): Young's interval.
+  best = result["best_cadence_steps"]
+  assert best == round((2 * 2.0 * 86_400) ** 0.5 / step_s)
+  at = lambda cadence: r7.goodput(cadence, step_s, 2.0, result["restart_s"], 86_400)
+  assert at(best) > max(at(best // 2), at(best * 2)) and 0.97 < at(best) < 1
+  assert r7.goodput(1000, step_s, 0.0, 0.0, float("inf")) == 1.0

@@ -474,3 +474,17 @@ def test_heartbeat_reports_a_long_phase_while_it_runs(caplog):
              for m in messages) >= 2
   assert messages[-1] == "compiling the thing: done in 0 s" and beat.seconds >= 0.3
   assert [logs.duration(s) for s in (4.4, 247, 7500)] == ["4 s", "4 min 07 s", "2 h 05 min"]
+
+
+def test_a_checkpoints_layout_is_described_against_the_mesh_it_is_read_onto():
+  from olmo3 import sharding
+
+  four = sharding.make_mesh({"data": 2, "fsdp": 2}, jax.devices()[:4])
+  pod = {"mesh": {"fsdp": 512}, "devices": 512, "device_kind": "TPU7x", "processes": 64}
+  assert sharding.layout_change(pod, four) == (
+      "written on {'fsdp': 512} of 512 TPU7x devices in 64 processes; restored onto "
+      "{'data': 2, 'fsdp': 2} of 4 cpu devices in 1 process, each array resharded as it is read")
+  assert sharding.layout_change(sharding.layout(four), four) == (
+      "written on {'data': 2, 'fsdp': 2} of 4 cpu devices in 1 process: the same layout")
+  assert sharding.layout_change(None, four).startswith("not recorded (an older checkpoint); "
+                                                       "restored onto {'data': 2, 'fsdp': 2}")

@@ -1,0 +1,420 @@
+"""A restart of the 7B stage 1 on tpu7x:4x8x8 after a lost host, priced phase by phase, and the
+goodput of the whole run at one preemption a day with the checkpoint cadence that maximises it.
+
+  python benchmarks/restart_7b.py [--quick] [--startup_json FILE] [--out FILE.json]
+
+Measured here, each in a process of its own as a restarted host would run it:
+- detection: the real launcher as a 2-process CPU job, one process SIGKILLed mid-run; the
+  seconds until the survivor has exited, for a lost worker and a lost coordinator (on CPU a
+  worker's loss fails the survivor's next Gloo collective at once; on TPU the collective
+  waits, and the price takes the coordination service's heartbeat timeout, 100 s);
+- imports: a fresh interpreter importing the launcher and everything a launch imports;
+- the plan: the sizes of 1,016 objects looked up in a GCS emulator bucket (fake-gcs-server on
+  this machine), as every launch looks up its remote token files;
+- tracing and lowering the 7B's train step for the topology's 512 devices (the host's share of
+  a compile that the persistent cache otherwise serves);
+- one host's share of the train state (the 7B's parameters and both Adam moments, 87.6 GB in
+  all, split 64 ways: every array of the 7B's tree, its largest axis cut by 64, over this
+  machine's 8 simulated devices as one tpu7x host's 8): saved through the run's checkpointer
+  (async, as training saves) and restored through its verified restore, on local disk and in
+  the GCS emulator;
+- the first batch after a restart: benchmarks/startup_7b.py (run here unless --startup_json
+  gives its JSON).
+What this machine cannot measure is assumed and named in the output (`assumed`): the step time
+(the analytic FLOPs at the TPU reproduction's 44.5% MFU), a lost host's replacement (JobSet
+recreating the pods), loading the compiled program from the persistent cache, and that every
+host reads its share from the bucket at the rate measured here, in parallel.
+Prints a Markdown table and one JSON object (`--out` writes it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOSTS = 64  # tpu7x:4x8x8: 256 chips, 4 a host, 2 devices a chip
+DEVICES_PER_HOST = 8
+STEPS = 1_413_814  # stage 1 (experiments/olmo3_7b.py)
+MFU = 0.445  # the public TPU reproduction's stage-1 MFU with the tpu7x flag set
+MIX_FILES = 1_016  # OLMo-mix-0625-official's token files
+# Assumptions for what needs the pod (seconds); each is named in the output.
+ASSUMED = {
+    "replacement_s": (120.0, "JobSet deletes and recreates the 64 pods on a spare or repaired "
+                             "host and the cached image starts (not measurable here)"),
+    "compile_cache_load_s": (10.0, "the 7B's TPU executable read from the persistent "
+                                   "compilation cache and loaded (tens of MB; not measurable "
+                                   "here)"),
+}
+HEARTBEAT_S = 100.0  # launch/main.py's DEFAULT_HEARTBEAT_S: a lost worker's peers stop by then
+
+
+def _load(relative: str):
+  name = os.path.splitext(os.path.basename(relative))[0]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relative))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+def _child(phase: str, *args: str, env: dict[str, str] | None = None, timeout: int = 1800
+           ) -> dict:
+  """Runs `phase` of this script in a fresh process; its last stdout line is its JSON."""
+  done = subprocess.run([sys.executable, os.path.abspath(__file__), "--phase", phase, *args],
+                        cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True,
+                        text=True, timeout=timeout)
+  if done.returncode != 0:
+    raise RuntimeError(f"phase {phase} failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ---- phases (each in its own process) ---------------------------------------------------------
+
+def phase_imports() -> dict:
+  start = time.perf_counter()
+  # What a launch imports before it reads its config: the launcher and the training stack.
+  import launch.main  # noqa: F401  pylint: disable=unused-import
+  import olmo3.train.loop  # noqa: F401  pylint: disable=unused-import
+  return {"imports_s": time.perf_counter() - start}
+
+
+def phase_sizes(bucket_url: str) -> dict:
+  from olmo3.io import storage
+
+  urls = [f"{bucket_url}/mix/part-{i:04d}.npy" for i in range(MIX_FILES)]
+  start = time.perf_counter()
+  sizes = file_sizes.SizeCache(None).sizes(urls)
+  seconds = time.perf_counter() - start
+  assert all(s is not None for s in sizes), "an object was not found"
+  return {"sizes_s": seconds, "files": len(urls)}
+
+
+def phase_lower(topology: str) -> dict:
+  import fiddle as fdl
+
+  from launch import refs
+  from olmo3.sharded_model import ShardedModel
+  from olmo3.train import aot
+  from olmo3.train.state import StateLayout
+  from olmo3.train.step import abstract_inputs, jit_train_step
+
+  exp = fdl.build(refs.resolve("experiments.olmo3_7b:stage1"))
+  model = ShardedModel.for_experiment(exp, aot.topology_devices(topology))
+  start = time.perf_counter()
+  layout = StateLayout(exp, model)
+  with model.context():
+    jit_train_step(exp, model, layout).lower(*abstract_inputs(exp, model, layout))
+  return {"trace_and_lower_s": time.perf_counter() - start}
+
+
+def _host_share():
+  """(params, opt_state, targets): one tpu7x host's share of the 7B's train state on this
+  machine's 8 devices: each array of the 7B's parameter tree with its largest axis cut by
+  HOSTS, sharded over the devices along it; the moments (mu, nu) alike."""
+  import fiddle as fdl
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from launch import refs
+  from olmo3.sharded_model import ShardedModel
+
+  exp = fdl.build(refs.resolve("experiments.olmo3_7b:stage1"))
+  shapes = ShardedModel.for_experiment(exp, jax.devices()[:1]).param_shapes
+  mesh = jax.make_mesh((len(jax.devices()),), ("host",), devices=jax.devices())
+
+  def share(s, seed):
+    shape = list(s.shape)
+    axis = int(np.argmax(shape))
+    shape[axis] //= HOSTS
+    spec = [None] * len(shape)
+    if shape[axis] % mesh.size == 0:
+      spec[axis] = "host"
+    sharding = NamedSharding(mesh, PartitionSpec(*spec))
+    make = jax.jit(lambda: jax.random.normal(jax.random.key(seed), shape, s.dtype) * 0.02,
+                   out_shardings=sharding)
+    return make(), jax.ShapeDtypeStruct(tuple(shape), s.dtype, sharding=sharding)
+
+  leaves, treedef = jax.tree.flatten(shapes)
+  made = [[share(s, 3 * i + k) for i, s in enumerate(leaves)] for k in range(3)]
+  trees = [jax.tree.unflatten(treedef, [m[0] for m in kind]) for kind in made]
+  targets = [jax.tree.unflatten(treedef, [m[1] for m in kind]) for kind in made]
+  nbytes = sum(x.nbytes for t in trees for x in jax.tree.leaves(t))
+  jax.block_until_ready(trees)
+  del jnp
+  return trees[0], {"mu": trees[1], "nu": trees[2]}, targets[0], {"mu": targets[1],
+                                                                  "nu": targets[2]}, nbytes
+
+
+def phase_checkpoint(directory: str) -> dict:
+  from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
+
+  from olmo3.io import checkpoint
+
+  params, opt_state, params_target, opt_target, nbytes = _host_share()
+  # The checksums a save records and a restore verifies: computed by the devices (here the
+  # CPU; a TPU's at HBM speed), timed apart once their programs are compiled.
+  checkpoint.array_records(directory, {"params": params, "opt_state": opt_state})
+  start = time.perf_counter()
+  checkpoint.array_records(directory, {"params": params, "opt_state": opt_state})
+  checksums = time.perf_counter() - start
+  checkpoints = RunCheckpoints(directory, keep=2, async_save=True)
+  start = time.perf_counter()
+  checkpoints.save(1000, params, opt_state, {"step": 1000})
+  blocking = time.perf_counter() - start  # what the training loop waits for
+  checkpoints.wait()
+  total = time.perf_counter() - start
+  del params, opt_state
+  start = time.perf_counter()
+  restored = restore_train_state(checkpoints.step_dir(1000), params_target, opt_target)
+  import jax
+  jax.block_until_ready(restored[:2])
+  restore = time.perf_counter() - start
+  gb = nbytes / 1e9
+  return {"gb": gb, "checksums_s": checksums, "save_blocking_s": blocking, "save_s": total,
+          "restore_s": restore,
+          # the storage's share: the whole less the checksums (one pass each way)
+          "save_io_gb_per_s": gb / max(total - checksums, 1e-9),
+          "restore_io_gb_per_s": gb / max(restore - checksums, 1e-9)}
+
+
+def phase_detection(workdir: str, lost: int) -> dict:
+  """The tiny stage 1 as a 2-process job of the real launcher; process `lost` SIGKILLed after
+  its second logged step; seconds from the kill until the other process has exited."""
+  port = _free_port()
+  procs, logs = [], []
+  for rank in range(2):
+    env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(rank),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
+    logs.append(log)
+    procs.append(subprocess.Popen(
+        [sys.executable, "launch/main.py", "--fdl_config=experiments.olmo3_tiny:stage1",
+         f"--workdir={workdir}/run", "--fdl_set=train.steps=100000", "--fdl_set=train.log_every=1",
+         "--fdl_set=train.eval_every=0", "--fdl_set=checkpoint.every=100000",
+         "--fdl_set=data.global_batch_size=8", "--fdl_set=data.seq_len=128"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+  metrics = os.path.join(workdir, "run", "metrics.jsonl")
+  deadline = time.time() + 600
+  while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 2):
+    if time.time() > deadline or any(p.poll() is not None for p in procs):
+      raise RuntimeError("the job did not reach its second step: "
+                         + open(logs[0].name).read()[-2000:])
+    time.sleep(0.2)
+  procs[lost].send_signal(signal.SIGKILL)
+  killed = time.perf_counter()
+  survivor = procs[1 - lost]
+  survivor.wait(timeout=600)
+  seconds = time.perf_counter() - killed
+  procs[lost].wait()
+  for log in logs:
+    log.close()
+  last = [l for l in open(logs[1 - lost].name).read().splitlines() if l.strip()][-1:]
+  return {"detect_s": seconds, "survivor_exit": survivor.returncode,
+          "survivor_last_line": last[0] if last else ""}
+
+
+def _free_port() -> int:
+  import socket
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+# ---- the price ------------------------------------------------------------------------------
+
+def step_seconds() -> tuple[float, float]:
+  """(seconds per step, TFLOP per step) of the 7B stage 1 on tpu7x:4x8x8 at MFU."""
+  import fiddle as fdl
+
+  from launch import refs
+  from olmo3 import flops
+
+  exp = fdl.build(refs.resolve("experiments.olmo3_7b:stage1"))
+  per_step = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
+  peak = flops.peak_flops_per_device("TPU7x")
+  return per_step / (HOSTS * DEVICES_PER_HOST * peak * MFU), per_step / 1e12
+
+
+def goodput(cadence: int, step_s: float, save_s: float, restart_s: float,
+            mtbf_s: float) -> float:
+  """The share of wall time that trains, for checkpoints every `cadence` steps each stalling
+  the loop `save_s`, and failures every `mtbf_s` each costing `restart_s` plus the work since
+  the last checkpoint (half an interval on average)."""
+  interval = cadence * step_s + save_s  # wall time between checkpoints
+  per_failure = restart_s + interval / 2
+  useful_per_interval = cadence * step_s
+  # Over one mean time between failures: intervals that train, then one failure's loss.
+  return max(0.0, 1 - per_failure / mtbf_s) * useful_per_interval / interval
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--phase", help=argparse.SUPPRESS)
+  parser.add_argument("--arg", action="append", default=[], help=argparse.SUPPRESS)
+  parser.add_argument("--quick", action="store_true",
+                      help="skip tracing the 7B and the startup benchmark (use --startup_json)")
+  parser.add_argument("--startup_json", help="benchmarks/startup_7b.py's JSON, not rerun")
+  parser.add_argument("--topology", default="tpu7x:4x8x8")
+  parser.add_argument("--preemptions_per_day", type=float, default=1.0)
+  parser.add_argument("--out", help="also write the JSON here")
+  args = parser.parse_args()
+  sys.path.insert(0, ROOT)
+  from olmo3 import platforms
+
+  platforms.choose()  # the CPU: no TPU probing (the topology is compiled for, not run on)
+  if args.phase:
+    phases = {"imports": phase_imports, "sizes": phase_sizes, "lower": phase_lower,
+              "checkpoint": phase_checkpoint,
+              "detection": lambda w, lost: phase_detection(w, int(lost))}
+    print(json.dumps(phases[args.phase](*args.arg)))
+    return
+  servers = _load("tests/storage_servers.py")
+  eight = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  measured: dict = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    measured["imports"] = _child("imports")
+    for lost in (1, 0):
+      workdir = os.path.join(tmp, f"detect{lost}")
+      os.makedirs(workdir)
+      measured[f"detection_lost_{'worker' if lost else 'coordinator'}"] = _child(
+          "detection", "--arg", workdir, "--arg", str(lost))
+    server = servers.GcsServer(os.path.join(tmp, "gcs"))
+    server.start()
+    try:
+      server.make_bucket("run")
+      _upload_empty_objects(server, "run", MIX_FILES)
+      measured["plan"] = _child("sizes", "--arg", "gs://run", env=server.env)
+      measured["checkpoint_local"] = _child("checkpoint", "--arg", os.path.join(tmp, "ckpt"),
+                                            env=eight)
+      measured["checkpoint_gcs"] = _child("checkpoint", "--arg", "gs://run/ckpt",
+                                          env={**server.env, **eight})
+    finally:
+      server.close()
+  if not args.quick:
+    measured["lower"] = _child("lower", "--arg", args.topology)
+  if args.startup_json:
+    with open(args.startup_json) as f:
+      startup = json.load(f)
+  elif not args.quick:
+    done = subprocess.run([sys.executable, "benchmarks/startup_7b.py"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    startup = json.loads(done.stdout.strip().splitlines()[-1])
+  else:
+    startup = {"first_batch_restart_s": {"step_0": float("nan")}}
+  result = price(measured, startup, args.preemptions_per_day)
+  print(markdown(result))
+  print(json.dumps(result))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+def markdown(result: dict) -> str:
+  lines = ["| phase of a restart after a lost host | seconds |", "|---|---|"]
+  lines += [f"| {name} | {seconds:,.1f} |" for name, seconds in result["restart_phases_s"].items()]
+  lines += [f"| **restart, in all** | **{result['restart_s']:,.0f}** |", "",
+            f"| checkpoint every (steps) | steps lost on average | goodput, a failure every "
+            f"{result['mtbf_s'] / 3600:.0f} h | the same, the lease's wait by the store's clock "
+            f"(restart {result['restart_s_lease_by_store_clock']:,.0f} s) |", "|---|---|---|---|"]
+  other = result["goodput_by_cadence_lease_by_store_clock"]
+  for cadence, share in result["goodput_by_cadence"].items():
+    best = " (Young's interval)" if int(cadence) == result["best_cadence_steps"] else ""
+    lines.append(f"| {int(cadence):,}{best} | {int(cadence) / 2:,.0f} | {share:.2%} | "
+                 f"{other[cadence]:.2%} |")
+  return "\n".join(lines)
+
+
+def _upload_empty_objects(server, bucket: str, n: int) -> None:
+  """n small objects under mix/ (a lookup costs the same whatever the object's size)."""
+  import concurrent.futures
+  import urllib.request
+
+  def put(i: int) -> None:
+    url = (f"{server.url}/upload/storage/v1/b/{bucket}/o?uploadType=media"
+           f"&name=mix/part-{i:04d}.npy")
+    request = urllib.request.Request(url, data=b"\0" * 64, method="POST",
+                                     headers={"Content-Type": "application/octet-stream"})
+    urllib.request.urlopen(request, timeout=30).close()
+
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    list(pool.map(put, range(n)))
+
+
+def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
+  from olmo3.train import lease
+
+  step_s, tflop = step_seconds()
+  gcs = measured["checkpoint_gcs"]
+  state_gb = gcs["gb"] * HOSTS
+  first_batch = startup["first_batch_restart_s"]
+  first_batch = max(first_batch.values()) if isinstance(first_batch, dict) else first_batch
+  phases = {
+      "detection: a lost host's peers stop at the heartbeat timeout (assumed: TPU collectives "
+      "wait for it)": HEARTBEAT_S,
+      "replacement (assumed)": ASSUMED["replacement_s"][0],
+      "process start and imports": measured["imports"]["imports_s"],
+      f"the plan: {MIX_FILES:,} remote sizes looked up": measured["plan"]["sizes_s"],
+      "the workdir's lease: a recreated pod cannot prove the killed holder dead, so it waits "
+      f"until the lease has not changed for the takeover age (OLMO3_LEASE_TAKEOVER_S)":
+          lease.DEFAULT_TAKEOVER_S,
+      "tracing and lowering the train step": measured.get("lower", {}).get(
+          "trace_and_lower_s", float("nan")),
+      "the compiled program from the persistent cache (assumed)":
+          ASSUMED["compile_cache_load_s"][0],
+      f"restore: {gcs['gb']:.2f} GB a host read from the bucket and resharded": (
+          gcs["restore_s"] - gcs["checksums_s"]),
+      "the restore's verification (checksums; on the TPU at HBM speed, here "
+      f"{gcs['checksums_s']:.1f} s on the CPU)": 0.0,
+      "the first batch (startup_7b.py, a restart)": first_batch,
+  }
+  restart_s = sum(v for v in phases.values() if not math.isnan(v))
+  mtbf = 86_400 / preemptions_per_day
+  # The loop's stall per save: what the async save blocks on, less the checksums (the TPU
+  # computes them at HBM speed): the copy of the host's share off the devices.
+  save_s = gcs["save_blocking_s"] - gcs["checksums_s"]
+  cadences = [100, 200, 500, 1000, 2000, 5000, 10_000]
+  # Young's interval: sqrt(2 x the save's cost x the time between failures), in steps.
+  best = max(1, round(math.sqrt(2 * save_s * mtbf) / step_s))
+  table = {c: goodput(c, step_s, save_s, restart_s, mtbf) for c in [*cadences, best]}
+  # Were the takeover age counted from the lease's last renewal by one clock (the store's),
+  # the time before the restarted process watches would count toward it (not built).
+  before_watching = list(phases.values())[:4]
+  store_clock_s = restart_s - min(lease.DEFAULT_TAKEOVER_S, sum(before_watching))
+  table_store_clock = {c: goodput(c, step_s, save_s, store_clock_s, mtbf)
+                       for c in [*cadences, best]}
+  run_days = STEPS * step_s / 86_400
+  return {
+      "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, "
+      f"{os.cpu_count()} cores", "measured": measured, "startup": startup,
+      "assumed": {k: {"seconds": v, "why": why} for k, (v, why) in ASSUMED.items()}
+      | {"step_s": {"seconds": step_s, "why": f"{tflop:,.0f} TFLOP a step at {MFU:.1%} MFU on "
+                    f"{HOSTS * DEVICES_PER_HOST} tpu7x devices"},
+         "bucket_parallel": {"why": "every host restores its share at the rate measured here, "
+                             "at the same time (a bucket's aggregate bandwidth is far larger)"}},
+      "state_gb": state_gb, "restart_phases_s": phases, "restart_s": restart_s,
+      "run_days_without_failures": run_days, "mtbf_s": mtbf, "save_blocking_s": save_s,
+      "goodput_by_cadence": {str(c): g for c, g in sorted(table.items())},
+      "restart_s_lease_by_store_clock": store_clock_s,
+      "goodput_by_cadence_lease_by_store_clock": {str(c): g for c, g in
+                                                  sorted(table_store_clock.items())},
+      "best_cadence_steps": best,
+  }
+
+
+if __name__ == "__main__":
+  main()
