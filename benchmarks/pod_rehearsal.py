@@ -339,7 +339,7 @@ class Rehearsal:
     return f"{self.http.url}/embedded"
 
   def env(self) -> dict[str, str]:
-    from olmo3.io import storage
+    from olmo3.io import settings
     from olmo3.train import lease
 
     from launch import main as launcher
@@ -348,7 +348,7 @@ class Rehearsal:
             if k != "XLA_FLAGS" and not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES",
                                                       "JAX_PROCESS_ID", "SLURM_"))}
     return dict(base, **self.gcs.env, **{
-        storage.RETRY_ENV: str(RETRY_S), storage.TIMEOUT_ENV: str(TIMEOUT_S),
+        settings.RETRY_ENV: str(RETRY_S), settings.TIMEOUT_ENV: str(TIMEOUT_S),
         lease.TAKEOVER_ENV: str(TAKEOVER_S), launcher.HEARTBEAT_ENV: str(HEARTBEAT_S)})
 
   def stage1_args(self, steps: int, workdir: str, every: int) -> list[str]:

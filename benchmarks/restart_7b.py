@@ -90,7 +90,7 @@ def phase_imports() -> dict:
 
 
 def phase_sizes(bucket_url: str) -> dict:
-  from olmo3.io import storage
+  from olmo3.io import file_sizes
 
   urls = [f"{bucket_url}/mix/part-{i:04d}.npy" for i in range(MIX_FILES)]
   start = time.perf_counter()

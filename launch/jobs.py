@@ -32,7 +32,7 @@ from launch import refs
 from olmo3.config import AttentionKernel, Experiment, MeshConfig
 from olmo3.data import mixes, sources
 from olmo3.data.tokens import DataError
-from olmo3.io import storage
+from olmo3.io import pathnames
 from olmo3.sharding import MESH_AXES
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -283,7 +283,7 @@ def check_hosts(exp: Experiment, host: Sequence[str]) -> None:
   named += [("EvalConfig.heldout", m, sources.heldout_root(exp) or "", ev.heldout_tokenizer_id)
             for m in ev.heldout or ()]
   for field, mix, root, tokenizer_id in named:
-    if mix in sources.EMBEDDED or storage.is_url(mix) or os.path.exists(mix):
+    if mix in sources.EMBEDDED or pathnames.is_url(mix) or os.path.exists(mix):
       continue  # built in, or a path: the hosts read it for themselves
     if mixes.find(mix, olmo_core=with_core) is None:
       if mixes.find(mix) is not None:  # this machine has ai2-olmo-core; the hosts do not

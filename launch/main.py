@@ -28,8 +28,6 @@ import atexit
 import contextlib
 import gc
 import os
-import re
-import shlex
 import sys
 import time
 import typing
@@ -49,15 +47,22 @@ if __name__ == "__main__":
   gc.set_threshold(50_000, 20, 20)
 
 import fiddle as fdl  # noqa: E402
+import jax  # noqa: E402  (imported through olmo3.config anyway; importing starts no backend)
 from absl import app, flags, logging  # noqa: E402
 from etils import epath  # noqa: E402
 from fiddle import printing  # noqa: E402
 
 from launch import config_files, diffs, peers, refs  # noqa: E402
-from olmo3.config import Schedule  # noqa: E402
+from olmo3 import compilation_cache  # noqa: E402
 from olmo3 import xla_flags as flags_lib  # noqa: E402
+from olmo3.config import ConfigError  # noqa: E402
 from olmo3.io import errors as errors_lib  # noqa: E402
+from olmo3.io import pathnames, settings  # noqa: E402
+from olmo3.run import record  # noqa: E402
 from olmo3.train import logs  # noqa: E402
+from olmo3.train.skips import TrainingStopped  # noqa: E402
+# The rest is imported where it is used, out of --help's way: the stores' clients, the lease,
+# the data pipeline, Orbax, the train step.
 
 FLAGS = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function (or the dotted form)")
@@ -88,16 +93,11 @@ DEFAULT_HEARTBEAT_S = 100
 def start_jax() -> None:
   """Joins the job's other processes (JAX_COORDINATOR_* or the cluster's own environment) and
   turns the persistent compilation cache on."""
-  import jax
-
-  from olmo3 import compilation_cache
-  from olmo3.io import storage
-
   cache = compilation_cache.directory(CACHE.value)
   if cache:
     compilation_cache.enable(cache)
   env = os.environ
-  heartbeat = max(1, round(storage.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
+  heartbeat = max(1, round(settings.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
   position = peers.job_position(env)
   if position is not None:  # a lost peer ends this process in one line (launch/peers.py)
     peers.watch_stderr(*position)
@@ -122,8 +122,6 @@ def leaving_at_once_on_failure() -> Iterator[None]:
   try:
     yield
   except BaseException as e:
-    import jax
-
     code = errors_lib.exit_code(e) if isinstance(e, SystemExit) else 1
     if code and jax.process_count() > 1:
       # Runs before JAX's own exit handler (registered first, run last), after the error line.
@@ -140,110 +138,24 @@ def _exit_now(code: int) -> None:
   os._exit(code)  # pylint: disable=protected-access  # the exit that skips JAX's handler
 
 
-def long_context_lines(exp) -> list[str]:
-  """What a dry run says of RoPE scaling and packed documents (stage 3), when the run has them."""
-  m, packing = exp.model, exp.data.packing
-  lines = []
-  if m.rope_scaling is not None:
-    y = m.rope_scaling
-    scaled = [i for i in range(m.n_layers) if m.layer_rope_scaled(i)]
-    lines.append(f"RoPE                YaRN x{y.factor:g} over {y.original_context:,} tokens "
-                 f"(beta_fast {y.beta_fast:g}, beta_slow {y.beta_slow:g}, attention factor "
-                 f"{y.attention_factor:.6f}) on {len(scaled)} of {m.n_layers} layers "
-                 f"({y.layers.value}: {', '.join(map(str, scaled))}); the others plain, theta "
-                 f"{m.rope_theta:g}")
-  if packing is not None:
-    lines.append(f"packing             documents packed into {exp.data.seq_len:,}-token "
-                 f"instances (best-fit decreasing in groups of {packing.source_group_size} "
-                 f"files, shuffled with seed {packing.source_permutation_seed}; long documents: "
-                 f"{packing.long_documents.value}); attention within each document, RoPE "
-                 f"positions per {m.rope_positions.value}")
-  return lines
-
-
 def dry_run(cfg: fdl.Config, exp, workdir: str) -> None:
+  """The config as Fiddle prints it, then what olmo3.run.dry_run says of the run."""
+  from olmo3.run import dry_run as dry_run_lib
+
   print(printing.as_str_flattened(cfg))
-  m, d, o = exp.model, exp.data, exp.optimizer
   print()
-  print(f"parameters          {m.param_count:,}")
-  print(f"FLOPs per token     {m.flops_per_token(d.seq_len) / 1e9:.3f} G (training, exact causal "
-        "+ sliding-window count)")
-  print(f"tokens per step     {d.global_batch_size} x {d.seq_len} = {exp.tokens_per_step:,}")
-  over = (f"stitched: part 1 aimed at {o.stitch_first_steps:,}, part 2 from update "
-          f"{o.stitch_resumed_at + 1:,} aimed at {o.stitch_second_steps:,}"
-          if o.schedule is Schedule.STITCHED_COSINE else f"schedule over {o.decay_steps:,}")
-  print(f"steps               {exp.train.steps:,} ({over})")
-  print(f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})")
-  for line in long_context_lines(exp):
-    print(line)
-  from olmo3.io.checkpoint import CheckpointError
-  from olmo3.data import sources
-  from olmo3.data.tokens import DataError
-  from olmo3.run.plan import RunPlan, Start
-
-  try:  # held-out sets and tokenizer as the run takes them
-    resolved = sources.resolve(exp)
-  except DataError as e:
-    print(f"data                cannot be resolved here: {e}")
-    resolved = None
-  plan = None  # its lines say what there is to evaluate
-  try:  # the files' sizes and the start, when the data is reachable from here
-    if resolved is not None:
-      plan = RunPlan.from_resolved(resolved, workdir, FLAGS.value)
-      print("\n".join(plan.describe()))
-  except (DataError, CheckpointError) as e:  # e.g. AI2's data on a laptop
-    print(f"plan                unknown here: {e}")
-    if exp.checkpoint.init_from:  # where the stage starts, as far as the config says
-      print(f"start               from {exp.checkpoint.init_from} "
-            f"(checkpoint.init_mode={exp.checkpoint.init_mode.value}) unless {workdir} holds "
-            "a checkpoint of its own")
-  described = plan is not None
-  ev = exp.eval if resolved is None else resolved.exp.eval
-  cadence = (f"every {exp.train.eval_every:,} steps" if exp.train.eval_every
-             else "never (train.eval_every=0)")
-  for mix, files in resolved.heldout if resolved is not None else ():
-    labels = list(sources.by_set(list(files)))
-    print(f"held-out            {mix}: {len(labels)} sets, {cadence}: {', '.join(labels)}")
-  if not ev.heldout and not described:
-    print("held-out            none (eval.heldout=()): the generalization-gap alarm is off")
-  print(f"downstream tasks    {len(ev.tasks)}, {cadence}"
-        + (f" ({ev.task_limit} documents each)" if ev.task_limit else "")
-        + (": " + ", ".join(ev.tasks) if ev.tasks else ""))
-  import jax
-
-  from olmo3 import sharding
-
   topology = COMPILE_ONLY.value if COMPILE_ONLY.value not in (None, "local") else None
-  mesh = None
-  try:
-    if topology:
-      from olmo3.train import aot
+  for line in dry_run_lib.lines(exp, workdir, FLAGS.value, topology=topology,
+                                topology_devices=topology_devices,
+                                compilation_cache=compilation_cache.directory(CACHE.value),
+                                closing=closing_summary):
+    print(line)
 
-      devices = aot.topology_devices(topology)
-      where = f"{len(devices)} {devices[0].device_kind} devices ({topology})"
-    else:
-      devices, where = None, f"{jax.device_count()} {jax.default_backend()} devices"
-    mesh = sharding.make_mesh(dict(exp.mesh.shape), devices)
-    print(f"mesh                {dict(exp.mesh.shape)} -> {dict(mesh.shape)} on {where}")
-  except ValueError as e:
-    print(f"mesh                {dict(exp.mesh.shape)} -> does not fit the "
-          f"{where if topology is None else topology} ({e})")
-  start = plan.start_checkpoint() if plan is not None else None
-  if start is not None and mesh is not None:
-    from olmo3.io import checkpoint
 
-    try:
-      written = checkpoint.load_meta(start).get("written_on")
-      print(f"checkpoint layout   {sharding.layout_change(written, mesh)}")
-    except CheckpointError as e:
-      print(f"checkpoint layout   unknown: {e}")
-  from olmo3 import compilation_cache
+def topology_devices(topology: str) -> list:
+  from olmo3.train import aot
 
-  cache = compilation_cache.directory(CACHE.value)
-  print(f"compilation cache   {os.path.expanduser(cache) if cache else 'off'}")
-  if plan is not None and plan.resume.start is Start.COMPLETE:
-    print()
-    print("\n".join(closing_summary(plan)))
+  return aot.topology_devices(topology)
 
 
 def compile_only(exp) -> None:
@@ -279,10 +191,10 @@ def experiment() -> tuple[fdl.Config, typing.Any]:
 def check_workdir(workdir: str) -> None:
   """The workdir is writable where it is (a local path, gs://, s3://) and a directory or can be
   created as one (no file where a directory goes)."""
-  from olmo3.io import storage
+  from olmo3.io import clients, storage
 
   try:
-    storage.check_supported(workdir, writable=True, what="--workdir")
+    clients.check_supported(workdir, writable=True, what="--workdir")
   except ValueError as e:
     sys.exit(f"error: {e}")
   if storage.exists(workdir) and not storage.is_dir(workdir):
@@ -290,7 +202,7 @@ def check_workdir(workdir: str) -> None:
              "one is created)")
   # On a local disk the nearest existing parent must be a directory (object stores have no
   # directories to be in the way).
-  for parent in epath.Path(workdir).absolute().parents if not storage.is_url(workdir) else ():
+  for parent in epath.Path(workdir).absolute().parents if not pathnames.is_url(workdir) else ():
     if parent.exists():
       if not parent.is_dir():
         sys.exit(f"error: --workdir={workdir}: {parent} is a file, so the directory cannot be "
@@ -317,9 +229,8 @@ def new_revision(workdir: str, cfg: fdl.Config) -> dict[str, str] | None:
 def build_plan(exp, workdir: str):
   """The RunPlan, or one line: data that cannot be read, or an init_from that holds no
   checkpoint yet (naming the command that trains it, for a default workdir)."""
-  from olmo3.io.checkpoint import CheckpointError
   from olmo3.data.tokens import DataError
-  from olmo3.run import record
+  from olmo3.io.checkpoint import CheckpointError
   from olmo3.run.plan import InitFromError, RunPlan
 
   try:
@@ -343,12 +254,9 @@ def build_plan(exp, workdir: str):
 def begin(plan, revision: dict[str, str] | None):
   """Process 0 refuses a workdir another live run holds (before this launch records anything
   in it; train() then takes the lease) and records the launch. The record, to take back."""
-  import jax
-
-  from olmo3.run.record import RunRecord
   from olmo3.train.lease import Lease, LeaseHeld
 
-  run_record = RunRecord(plan.workdir.root)
+  run_record = record.RunRecord(plan.workdir.root)
   if jax.process_index() == 0:
     try:
       if plan.workdir.lease.exists():
@@ -366,7 +274,8 @@ def run(plan, run_record, created: bool) -> str:
   that stops before its first step (an error, or a signal) takes back what this launch wrote,
   whatever stopped it; an error is then one line when it has a one-line form (the user's
   data, tasks, checkpoints, the lease, metrics, storage), else raised on with its traceback."""
-  from olmo3.io import errors, storage
+  from olmo3.io import retry
+  from olmo3.train import closing
   from olmo3.train.loop import Progress, train
 
   progress = Progress()
@@ -374,36 +283,26 @@ def run(plan, run_record, created: bool) -> str:
     last = train(plan, preemption=PREEMPTION, progress=progress)
   except BaseException as e:
     if progress.steps == 0:
-      with storage.attempts_once():  # the store may be down: cleanup never in the way of `e`
+      with retry.attempts_once():  # the store may be down: cleanup never in the way of `e`
         take_back(plan, run_record, created)
     if isinstance(e, _one_line_errors()):
-      verbose = errors.traceback_wanted(logging.get_verbosity())
+      verbose = errors_lib.traceback_wanted(logging.get_verbosity())
       logging.error("%s", e, exc_info=verbose)
       if not verbose:
-        sys.exit(errors.one_line(e))
+        sys.exit(errors_lib.one_line(e))
     raise
-  step = progress.interrupted
   if progress.steps == 0:  # a signal before the first step, or nothing left to train
     take_back(plan, run_record, created)
-    if step is None:
-      return ""
-    return (f"interrupted before step {step + 1}; nothing trained, nothing written; rerun the "
-            f"same command to {'resume' if step else 'start'}")
-  if step is None:
-    return "\n".join(closing_summary(plan, time.monotonic() - STARTED)) if last else ""
-  if step == plan.end:  # complete: the signal only cut its final evaluation short
-    return (f"interrupted at step {step}, the last; saved; the run is complete but its final "
-            f"evaluation did not run: python -m olmo3.eval --workdir {plan.workdir.root} "
-            f"--step {step} scores it")
-  return (f"interrupted at step {step}; saved; rerun the same command to resume"
-          + (f" (step {step}'s evaluation did not run)" if progress.evaluation_skipped else ""))
+  if progress.interrupted is not None:
+    return closing.interruption(plan, progress)
+  if progress.steps == 0 or not last:
+    return ""
+  return "\n".join(closing_summary(plan, time.monotonic() - STARTED))
 
 
 def take_back(plan, run_record, created: bool) -> None:
   """What this launch wrote, on a run that trained nothing: the workdir as it was found
   (process 0; the others wrote nothing of their own)."""
-  import jax
-
   if jax.process_index() != 0:
     return
   try:
@@ -416,75 +315,18 @@ def take_back(plan, run_record, created: bool) -> None:
 
 
 def closing_summary(plan, launch_seconds: float | None = None) -> list[str]:
-  """What the run in plan.workdir came to, and the commands to run next."""
-  from olmo3.data import sources
-  from olmo3.train.summary import RunSummary
+  """What the run in plan.workdir came to, and the commands to run next (olmo3.train.closing),
+  the next stage's among them when the experiment's module defines it (stage<n+1>)."""
+  from olmo3.train import closing
 
-  workdir = plan.workdir.root
-  quoted = shlex.quote(workdir)
-  commands = []
-  following = next_stage(FLAGS.value)
-  if following is not None:
-    commands.append(("next stage", next_stage_command(plan, following)))
-  commands += [("evaluate", f"python -m olmo3.eval --workdir {quoted}"),
-               ("sample", f"python -m olmo3.sample --workdir {quoted} --prompt "
-                          f"{shlex.quote(sources.sample_prompt(plan.exp.data))}"),
-               ("export to HF", f"python -m olmo3.convert export-hf --ckpt {quoted} --out "
-                                f"{shlex.quote(workdir.rstrip('/') + '-hf')}")]
-  return RunSummary.read(workdir, plan.exp).lines(launch_seconds=launch_seconds,
-                                                  next_commands=tuple(commands))
-
-
-def next_stage_command(plan, following: str) -> str:
-  """The command that trains `following` from this run: initialised from this run's workdir
-  (unless that stage's default already is it), on this run's data where the run was given other
-  data than its experiment's (a user's own corpus: the next stage's default is the embedded
-  corpus or AI2's), and, unless this run is its experiment's default (default workdir and
-  data), in a workdir of its own beside this run's: the next stage's default workdir may hold
-  another run, and a launch there would be refused."""
-  workdir = plan.workdir.root
-  command = [f"python launch/main.py --fdl_config={following}"]
-  init_from = refs.load(following).checkpoint.init_from
-  if init_from is None or storage_key(init_from) != storage_key(workdir):
-    command.append(_assignment("checkpoint.init_from", workdir))
-  data = fdl.build(refs.resolve(FLAGS.value, [], FIDDLERS.value)).data
-  given = [f for f in ("paths", "mix", "root", "tokenizer_id")
-           if getattr(plan.exp.data, f) != getattr(data, f)]
-  command += [_assignment(f"data.{f}", getattr(plan.exp.data, f)) for f in given]
-  if given or storage_key(workdir) != storage_key(refs.default_workdir(FLAGS.value)):
-    # runs/mine -> runs/mine.stage2; runs/x.stage1 -> runs/x.stage2
-    function, following_function = refs.split_ref(FLAGS.value)[1], refs.split_ref(following)[1]
-    base = workdir.rstrip("/")
-    mine = (base[:-len(function)] + following_function if base.endswith(f".{function}")
-            else f"{base}.{following_function}")
-    command.append(f"--workdir={shlex.quote(mine)}")
-  return " ".join(command)
-
-
-def _assignment(path: str, value) -> str:
-  """--fdl_set=path=value for a shell: in double quotes where the value holds nothing the
-  shell reads there, so the Python literal's quotes reach the launcher."""
-  assignment = f"--fdl_set={path}={value!r}"
-  plain = re.fullmatch(r"[\w./:@,+'-]*", repr(value))
-  return f'"{assignment}"' if plain else shlex.quote(assignment)
-
-
-def next_stage(ref: str) -> str | None:
-  """module:stage<n+1> of a module:stage<n> reference, when the module defines it."""
-  module, function = refs.split_ref(ref)
-  match = re.fullmatch(r"(.*?)(\d+)", function)
-  if match is None:
-    return None
-  following = f"{match[1]}{int(match[2]) + 1}"
-  names = refs.module_functions(refs.import_module(module, f"--fdl_config={ref!r}"),
-                                refs.Kind.EXPERIMENT)
-  return f"{module}:{following}" if following in names else None
-
-
-def storage_key(path: str) -> str:
-  from olmo3.io import storage
-
-  return os.fspath(storage.absolute(path)).rstrip("/")
+  module, function = refs.split_ref(FLAGS.value)
+  following, stage = closing.following_function(function), None
+  if following is not None and following in refs.module_functions(
+      refs.import_module(module, f"--fdl_config={FLAGS.value!r}"), refs.Kind.EXPERIMENT):
+    stage = closing.NextStage(module, function, following,
+                              refs.load(f"{module}:{following}").checkpoint.init_from,
+                              fdl.build(refs.resolve(FLAGS.value, [], FIDDLERS.value)).data)
+  return closing.summary_lines(plan, stage, launch_seconds)
 
 
 def main(argv: list[str]) -> None:
@@ -515,8 +357,6 @@ def main(argv: list[str]) -> None:
 def train_the_plan(plan, revision: dict[str, str] | None, workdir: str, exp) -> None:
   """The launch once JAX has started: a complete run reports itself; otherwise the launch is
   recorded and trained."""
-  import jax
-
   from olmo3.run.plan import Start
   from olmo3.sharded_model import ShardedModel
   from olmo3.train.state import confirm_complete
@@ -543,16 +383,13 @@ def train_the_plan(plan, revision: dict[str, str] | None, workdir: str, exp) -> 
 def _one_line_errors() -> tuple[type[BaseException], ...]:
   """What a launch reports in one line wherever it happens (before train(): the workdir,
   storage and lease checks; `run` reports train()'s own, having taken back what it wrote)."""
-  from olmo3.config import ConfigError
   from olmo3.data.tokens import DataError
   from olmo3.eval.tasks import TaskError
   from olmo3.io.checkpoint import CheckpointError
   from olmo3.io.metrics import MetricsError
-  from olmo3.run.record import RecordError
   from olmo3.train.lease import LeaseHeld, LeaseLost
-  from olmo3.train.skips import TrainingStopped
 
-  return (ConfigError, DataError, TaskError, CheckpointError, MetricsError, RecordError,
+  return (ConfigError, DataError, TaskError, CheckpointError, MetricsError, record.RecordError,
           LeaseHeld, LeaseLost, TrainingStopped, peers.PeerLost, OSError)  # OSError: storage
 
 

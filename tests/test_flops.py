@@ -3,7 +3,7 @@ import pytest
 
 from olmo3 import config
 from olmo3 import flops as flops_lib
-from olmo3 import model as model_lib
+from olmo3 import attention as attention_lib
 
 
 def test_one_document_per_instance_counts_what_the_causal_count_does():
@@ -20,8 +20,8 @@ def test_within_document_pairs_are_the_masks_visible_pairs():
   segments = np.repeat(np.arange(len(lengths)), lengths)[None]
   per_key = 12 * cfg.n_heads * cfg.head_dim
   visible = sum(
-      int((np.asarray(model_lib.attention_mask(sum(lengths), cfg.layer_window(i)))[None]
-           & np.asarray(model_lib.document_mask(segments))).sum())
+      int((np.asarray(attention_lib.attention_mask(sum(lengths), cfg.layer_window(i)))[None]
+           & np.asarray(attention_lib.document_mask(segments))).sum())
       for i in range(cfg.n_layers))
   expected = 6 * cfg.matmul_param_count + per_key * visible / sum(lengths)
   assert flops_lib.within_document_flops_per_token(cfg, lengths) == pytest.approx(expected,

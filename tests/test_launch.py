@@ -10,7 +10,7 @@ import sys
 import fiddle as fdl
 import pytest
 
-from launch import config_files, diffs, refs
+from launch import config_files, diffs, rankings, refs
 from olmo3.run import record
 from olmo3.io import metrics as metrics_lib
 from tests import forked
@@ -219,7 +219,7 @@ def test_sweep_ranks_by_heldout_loss_lowest_first(tmp_path):
 
   def ranked(*rank_by):
     out = tmp_path / "_".join(rank_by or ("default",))
-    sweep.write_results(str(out), rows, *rank_by)
+    rankings.write_results(str(out), rows, *rank_by)
     assert (out / "results.png").exists()
     return [line.split(" | ")[1] for line in (out / "results.md").read_text().splitlines()[2:]]
 
@@ -265,7 +265,7 @@ def test_sweep_times_steady_state_repeats_and_ranks_by_their_median(tmp_path):
              "tokens_per_s_max": 210.0},
             {"variant": "noisy", "fits": True, "tokens_per_s": 150.0, "tokens_per_s_min": 50.0,
              "tokens_per_s_max": 400.0}]
-  sweep.write_results(str(tmp_path / "out"), ranked)
+  rankings.write_results(str(tmp_path / "out"), ranked)
   table = (tmp_path / "out" / "results.md").read_text().splitlines()
   assert [line.split(" | ")[1] for line in table[2:]] == ["steady", "noisy"]
   assert "tokens_per_s_max" in table[0] and "tokens_per_s_min" in table[0]

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from olmo3.io import storage
+from olmo3.io import settings
 from olmo3.train import lease as lease_lib
 from olmo3.train.lease import Lease, LeaseHeld, LeaseLost
 from tests import forked, storage_servers
@@ -372,7 +372,7 @@ def test_a_renewal_whose_answer_was_lost_is_the_runs_own_and_the_run_trains_on(s
     # Renewals every 1.25 s, each request's deadline 2 s; the run gives up on a lease it
     # cannot renew for 7.5 s, well after the lost renewal's retry.
     run = _background(["--fdl_set=train.steps=100000", f"--workdir={store}://lease/run"],
-                      dict(_env(1), **env, **{storage.TIMEOUT_ENV: "2",
+                      dict(_env(1), **env, **{settings.TIMEOUT_ENV: "2",
                                               lease_lib.TAKEOVER_ENV: "15"}))
     stack.callback(run.kill)
     run.until(proxy.renewed_after_the_lost_one)

@@ -5,6 +5,7 @@ import pytest
 from flax import nnx
 
 from olmo3 import config, sharding
+from olmo3 import attention as attention_lib
 from olmo3 import model as model_lib
 from olmo3.config import AttentionKernel
 from olmo3.sharded_model import ShardedModel
@@ -24,11 +25,11 @@ def micro_params():
 
 
 def test_attention_mask_window_counts_the_query_itself():
-  mask = np.asarray(model_lib.attention_mask(8, window=3))
+  mask = np.asarray(attention_lib.attention_mask(8, window=3))
   assert mask[5].nonzero()[0].tolist() == [3, 4, 5]  # exactly W keys, the query's own included
   assert mask[1].nonzero()[0].tolist() == [0, 1]
   assert mask.sum(1).max() == 3
-  causal = np.asarray(model_lib.attention_mask(8, window=None))
+  causal = np.asarray(attention_lib.attention_mask(8, window=None))
   assert (causal == np.tril(np.ones((8, 8), bool))).all()
 
 
@@ -37,12 +38,12 @@ def test_dot_product_local_window_matches_our_window():
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 12, 2, 8)), jnp.float32) for _ in range(3))
   for window in (1, 3, 5):
-    ours = model_lib.attend(q, k, v, window, AttentionKernel.XLA)
+    ours = attention_lib.attend(q, k, v, window, AttentionKernel.XLA)
     theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
                                           local_window_size=(window - 1, 0))
     np.testing.assert_allclose(ours, theirs, atol=1e-6)
   off_by_one = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(3, 0))
-  assert np.abs(np.asarray(model_lib.attend(q, k, v, 3, AttentionKernel.XLA) - off_by_one)).max() > 1e-3
+  assert np.abs(np.asarray(attention_lib.attend(q, k, v, 3, AttentionKernel.XLA) - off_by_one)).max() > 1e-3
 
 
 def _kernels_on_this_backend():
@@ -59,8 +60,8 @@ def test_attention_kernels_equal_xla(kernel, window):
   dtype = jnp.bfloat16 if kernel == AttentionKernel.CUDNN else jnp.float32
   q = jnp.asarray(rng.standard_normal((2, 128, 8, 16)), dtype)
   k, v = (jnp.asarray(rng.standard_normal((2, 128, 2, 16)), dtype) for _ in range(2))
-  ref = model_lib.attend(q, k, v, window, AttentionKernel.XLA)
-  out = model_lib.attend(q, k, v, window, kernel)
+  ref = attention_lib.attend(q, k, v, window, AttentionKernel.XLA)
+  out = attention_lib.attend(q, k, v, window, kernel)
   tol = 2e-2 if dtype == jnp.bfloat16 else 2e-6
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol)
 
@@ -83,13 +84,13 @@ def test_xla_attention_gradient_equals_autodiff_of_a_masked_softmax(window):
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((2, 24, 6, 8)))
     k, v = (jnp.asarray(rng.standard_normal((2, 24, 2, 8))) for _ in range(2))
-    mask = model_lib.attention_mask(24, window).at[3].set(False)
+    mask = attention_lib.attention_mask(24, window).at[3].set(False)
     weights = jnp.asarray(rng.standard_normal((2, 24, 6, 8)))
 
     def loss(fn):
       return lambda q, k, v: jnp.sum(fn(q, k, v, mask) * weights)
 
-    ours = jax.value_and_grad(loss(model_lib.masked_attention), argnums=(0, 1, 2))(q, k, v)
+    ours = jax.value_and_grad(loss(attention_lib.masked_attention), argnums=(0, 1, 2))(q, k, v)
     plain = jax.value_and_grad(loss(_plain_attention), argnums=(0, 1, 2))(q, k, v)
     np.testing.assert_allclose(ours[0], plain[0], rtol=1e-12)
     for a, b in zip(ours[1], plain[1]):
@@ -276,7 +277,7 @@ def test_splash_skips_the_same_number_of_blocks_on_every_query_shard():
   t, shards, block = 2048, 4, 128
   order = sharding.balanced_order(t, shards)
   for layout in (order, np.arange(t)):
-    mask = model_lib._splash_mask(t, None, layout)  # pylint: disable=protected-access
+    mask = attention_lib._splash_mask(t, None, layout)  # pylint: disable=protected-access
     kernel = sk.make_splash_mha(sm.MultiHeadMask([mask]), block_sizes=sk.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block), head_shards=1,
         q_seq_shards=shards, interpret=True)
@@ -366,11 +367,11 @@ def test_packed_documents_never_attend_across_a_boundary(kernel, positions, micr
 
 def test_document_positions_restart_at_each_document():
   segments = jnp.asarray([[0, 0, 0, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 7]], jnp.int32)
-  assert model_lib.document_positions(segments).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3],
+  assert attention_lib.document_positions(segments).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3],
                                                               [0, 1, 2, 3, 4, 5, 6, 7, 0]]
 
 
 def test_cudnn_refuses_documents_in_one_line():
   q = jnp.zeros((1, 8, 2, 8))
   with pytest.raises(ValueError, match="'cudnn' cannot mask documents"):
-    model_lib.attend(q, q, q, None, AttentionKernel.CUDNN, jnp.zeros((1, 8), jnp.int32))
+    attention_lib.attend(q, q, q, None, AttentionKernel.CUDNN, jnp.zeros((1, 8), jnp.int32))

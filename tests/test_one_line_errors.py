@@ -19,7 +19,7 @@ import pytest
 
 from olmo3.data.serve import RangeServer
 from olmo3.data import embedded
-from olmo3.io import errors, storage
+from olmo3.io import errors, settings
 from tests import forked, storage_servers, test_launch_errors
 
 TINY = test_launch_errors.TINY
@@ -133,7 +133,7 @@ def test_storage_and_record_failures_are_one_line(tmp_path):
                    "--fdl_set=data.paths=('http://127.0.0.1:9/tokens.npy',)",
                    f"--workdir={tmp_path / 'w1'}"],
              last="error: looking up http://127.0.0.1:9/tokens.npy failed: ClientConnectorError",
-             contains=[f"{storage.RETRY_ENV}=2 s"], absent=[os.fspath(tmp_path / "w1")]),
+             contains=[f"{settings.RETRY_ENV}=2 s"], absent=[os.fspath(tmp_path / "w1")]),
         dict(name="missing over HTTP", program="main",
              argv=[TINY, "--fdl_set=data.mix=None",
                    f"--fdl_set=data.paths=('{server.url}/nope.npy',)",
@@ -156,7 +156,7 @@ def test_storage_and_record_failures_are_one_line(tmp_path):
         dict(name="eval of a bad experiment.json", program="olmo3.eval",
              argv=["--workdir", os.fspath(run)], last="error: TrainConfig.steps=-3"),
     ]
-    results = _drive(tmp_path, cases, {storage.RETRY_ENV: "2"})
+    results = _drive(tmp_path, cases, {settings.RETRY_ENV: "2"})
   _check(cases, results)
   # The traceback, on request.
   with RangeServer(os.fspath(tmp_path / "served")):
@@ -270,7 +270,7 @@ def test_missing_credentials_are_one_line_naming_the_url_and_what_to_set(tmp_pat
       env = dict(base, **{k: v for k, v in s3_env.items() if k not in credentials})
       env.update({"AWS_CONFIG_FILE": os.fspath(tmp_path / "no" / "config"),
                   "AWS_SHARED_CREDENTIALS_FILE": os.fspath(tmp_path / "no" / "credentials"),
-                  storage.RETRY_ENV: "2"})
+                  settings.RETRY_ENV: "2"})
       urllib.request.urlopen(urllib.request.Request(
           f"{s3_env['AWS_ENDPOINT_URL']}/olmo3-nocreds", method="PUT"), timeout=10).close()
       runs = {

@@ -16,14 +16,14 @@ import urllib.request
 
 import pytest
 
-from olmo3.io import storage
+from olmo3.io import settings
 from olmo3.train import lease as lease_lib
 from tests import storage_servers
 from tests.background import Background
 from tests.test_reliability import MAIN, ROOT, TINY, _env, straight  # noqa: F401
 
 BUDGET_S = 8  # OLMO3_STORAGE_RETRY_S in these runs
-LIMITS = {storage.RETRY_ENV: str(BUDGET_S), storage.TIMEOUT_ENV: "5",
+LIMITS = {settings.RETRY_ENV: str(BUDGET_S), settings.TIMEOUT_ENV: "5",
           lease_lib.TAKEOVER_ENV: "40"}
 
 
@@ -98,7 +98,7 @@ def test_a_store_back_within_the_budget_loses_nothing(tmp_path, straight):
   with contextlib.ExitStack() as stack:
     stack.callback(server.close)
     server.make_bucket("olmo3-blip")
-    env = dict(_env(1), **server.env, **dict(LIMITS, **{storage.RETRY_ENV: "60"}))
+    env = dict(_env(1), **server.env, **dict(LIMITS, **{settings.RETRY_ENV: "60"}))
     run = _launch(["--fdl_set=train.steps=9", "--workdir=gs://olmo3-blip/run"], env)
     run.wait_for("saving the checkpoint of step 3")
     server.stop()
@@ -115,7 +115,7 @@ def test_a_store_back_within_the_budget_loses_nothing(tmp_path, straight):
 
 # A store that hangs: short limits, so the run's own waits are short; the bound is the same.
 STALL_BUDGET_S = 3
-STALL_LIMITS = {storage.RETRY_ENV: str(STALL_BUDGET_S), storage.TIMEOUT_ENV: "3",
+STALL_LIMITS = {settings.RETRY_ENV: str(STALL_BUDGET_S), settings.TIMEOUT_ENV: "3",
                 lease_lib.TAKEOVER_ENV: "40"}
 
 

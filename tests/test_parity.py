@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from olmo3 import config
+from olmo3 import attention as attention_lib
 from olmo3 import model as model_lib
 from olmo3.convert import hf, parity
 from olmo3.convert.__main__ import main as convert_main
@@ -105,8 +106,8 @@ def _norm_before_sublayer(self, x, rope, window, segments=None, order=None):
 
 
 @pytest.mark.parametrize("target, attr, bug", [
-    (model_lib, "attention_mask", _window_off_by_one),
-    (model_lib, "apply_rope", _rope_interleaved),
+    (attention_lib, "attention_mask", _window_off_by_one),
+    (attention_lib, "apply_rope", _rope_interleaved),
     (model_lib.Block, "__call__", _norm_before_sublayer),
 ], ids=["window_off_by_one", "rope_interleaved", "norm_before_sublayer"])
 def test_parity_catches_bugs(tmp_path, monkeypatch, target, attr, bug):

@@ -123,15 +123,15 @@ def test_rope_positions_of_packed_documents_are_olmo_cores(positions, scaled):
   though attention scores, which depend on position differences, hardly move."""
   from olmo_core.nn.rope import RotaryEmbedding, YaRNRoPEScalingConfig
 
-  from olmo3 import model as model_lib
+  from olmo3 import attention as attention_lib
 
   cfg = YARN.replace(rope_positions=positions)
   yarn = cfg.rope_scaling if scaled else None
   lengths = [70, 130, 56]  # documents of a 256-token row (the last runs to the end)
   segments = np.repeat(np.arange(1, len(lengths) + 1), lengths)[None].astype(np.int32)
-  ropes = model_lib.layer_ropes(cfg, segments.shape[1], jnp.asarray(segments))
+  ropes = attention_lib.layer_ropes(cfg, segments.shape[1], jnp.asarray(segments))
   x = np.random.default_rng(0).standard_normal((1, segments.shape[1], 2, cfg.head_dim))
-  ours = np.asarray(model_lib.apply_rope(jnp.asarray(x, jnp.float32), *ropes[scaled]))
+  ours = np.asarray(attention_lib.apply_rope(jnp.asarray(x, jnp.float32), *ropes[scaled]))
   reference = RotaryEmbedding(head_size=cfg.head_dim, theta=int(cfg.rope_theta),
                               scaling=None if yarn is None else YaRNRoPEScalingConfig(
                                   factor=yarn.factor, beta_fast=yarn.beta_fast,

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from olmo3.data.serve import RangeServer
-from olmo3.io import checkpoint, orbax_s3, storage
+from olmo3.io import checkpoint, clients, conditional, errors, file_sizes, orbax_s3, pathnames
+from olmo3.io import retry, settings, storage
 from olmo3.io import metrics as metrics_lib
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.data.tokens import DataError, TokenFiles, write_token_file
@@ -26,8 +27,8 @@ VOCAB = 1000
 
 @pytest.fixture(autouse=True)
 def _fast_backoff(monkeypatch):
-  monkeypatch.setattr(storage, "_FIRST_BACKOFF_S", 0.001)
-  monkeypatch.setenv(storage.RETRY_ENV, "0.5")  # an outage outlasts the budget in half a second
+  monkeypatch.setattr(retry, "_FIRST_BACKOFF_S", 0.001)
+  monkeypatch.setenv(settings.RETRY_ENV, "0.5")  # an outage outlasts the budget in half a second
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
   cache = tmp_path / "sizes.json"
   with RangeServer(os.fspath(token_dir), latency_s=0.02) as server:
     urls = [f"{server.url}/{i}.npy" for i in range(3)]
-    sizes = storage.SizeCache(cache)
+    sizes = file_sizes.SizeCache(cache)
     remote = TokenFiles(urls, 128, VOCAB, size_cache=sizes)
     assert not cache.exists()  # looked up, not yet saved (a launcher's checks write nothing)
     sizes.save()
@@ -59,8 +60,8 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
     # One ranged GET per instance, in flight together (the 20 ms each keeps them overlapping),
     # never more at once than the per-host bound.
     assert server.get_requests() == looked_up + len(instances)
-    assert 1 < server.max_in_flight <= storage.concurrency(), server.max_in_flight
-    again = TokenFiles(urls, 128, VOCAB, size_cache=storage.SizeCache(cache))  # a resumed run
+    assert 1 < server.max_in_flight <= settings.concurrency(), server.max_in_flight
+    again = TokenFiles(urls, 128, VOCAB, size_cache=file_sizes.SizeCache(cache))  # a resumed run
     # ... checks the sizes again, all at once, against the record.
     assert server.get_requests() == 2 * looked_up + len(instances)
     assert again.file_tokens.tolist() == local.file_tokens.tolist()
@@ -77,7 +78,7 @@ def test_transient_errors_are_retried_and_lasting_ones_are_named(token_dir):
     np.testing.assert_array_equal(remote.read(list(range(10))), local.read(list(range(10))))
     assert server.errors_injected > 0
   with RangeServer(os.fspath(token_dir), fail_first=100) as server:
-    with pytest.raises(storage.StorageError, match=rf"{server.url}/0.npy failed: .*503.*after "
+    with pytest.raises(errors.StorageError, match=rf"{server.url}/0.npy failed: .*503.*after "
                        rf"\d+ attempts in \d+ s"):
       TokenFiles([f"{server.url}/0.npy"], 128, VOCAB)
   with RangeServer(os.fspath(token_dir)) as server:
@@ -85,14 +86,14 @@ def test_transient_errors_are_retried_and_lasting_ones_are_named(token_dir):
       TokenFiles([f"{server.url}/0.npy", f"{server.url}/nope.npy"], 128, VOCAB)
   with RangeServer(os.fspath(token_dir), honour_range=False) as server:
     url = f"{server.url}/0.npy"
-    with pytest.raises(storage.StorageError, match=f"{url}: the server does not support HTTP "
+    with pytest.raises(errors.StorageError, match=f"{url}: the server does not support HTTP "
                        "Range requests"):  # at the first look at the file
       TokenFiles([url], 128, VOCAB)
     # A size recorded by an earlier launch (the server replaced since): refused all the same.
     cache = token_dir / "sizes.json"
     cache.write_text(json.dumps({url: [os.path.getsize(token_dir / "0.npy"), None]}))
-    with pytest.raises(storage.StorageError, match="support HTTP Range"):
-      TokenFiles([url], 128, VOCAB, size_cache=storage.SizeCache(cache))
+    with pytest.raises(errors.StorageError, match="support HTTP Range"):
+      TokenFiles([url], 128, VOCAB, size_cache=file_sizes.SizeCache(cache))
   with pytest.raises(DataError, match="unsupported scheme ftp://"):
     TokenFiles(["ftp://host/0.npy"], 128, VOCAB)
 
@@ -104,7 +105,7 @@ def test_remote_data_that_changed_is_named_with_its_record(token_dir, tmp_path):
   cache = tmp_path / "sizes.json"
   with RangeServer(os.fspath(token_dir)) as server:
     url = f"{server.url}/1.npy"
-    sizes = storage.SizeCache(cache)
+    sizes = file_sizes.SizeCache(cache)
     files = TokenFiles([url], 128, VOCAB, size_cache=sizes)
     sizes.save()
     assert len(files) == 39  # 5100 tokens
@@ -121,8 +122,8 @@ def test_remote_data_that_changed_is_named_with_its_record(token_dir, tmp_path):
         rf"token file {url} changed since this run recorded it in {cache}: 20,400 bytes then, "
         r"16,000 bytes now. Restore the file; or continue deliberately on the data as it is now "
         r"with data.allow_changed_data=True")):
-      TokenFiles([url], 128, VOCAB, size_cache=storage.SizeCache(cache))  # the next launch
-    accepting = storage.SizeCache(cache, accept_changes=True)
+      TokenFiles([url], 128, VOCAB, size_cache=file_sizes.SizeCache(cache))  # the next launch
+    accepting = file_sizes.SizeCache(cache, accept_changes=True)
     assert len(TokenFiles([url], 128, VOCAB, size_cache=accepting)) == 31
     accepting.save()
     assert json.loads(cache.read_text()) == {url: [16000, None]}
@@ -133,13 +134,13 @@ def test_an_object_replaced_with_one_of_the_same_size_is_named_by_its_version(s3
   storage_servers.make_bucket(url)
   write_token_file(url, np.arange(512, dtype=np.uint32))
   cache = tmp_path / "sizes.json"
-  sizes = storage.SizeCache(cache)
+  sizes = file_sizes.SizeCache(cache)
   TokenFiles([url], 128, VOCAB, size_cache=sizes)
   sizes.save()
   write_token_file(url, np.arange(512, dtype=np.uint32)[::-1])  # same size, other tokens
   with pytest.raises(DataError, match=rf"token file {url} changed since this run recorded it "
                      r"in .*: 2,048 bytes \(version .*\) then, 2,048 bytes \(version .*\) now"):
-    TokenFiles([url], 128, VOCAB, size_cache=storage.SizeCache(cache))
+    TokenFiles([url], 128, VOCAB, size_cache=file_sizes.SizeCache(cache))
 
 
 def test_held_out_documents_over_http_equal_local(tmp_path):
@@ -207,11 +208,11 @@ def test_a_tokenizer_file_in_a_bucket_or_behind_http_is_copied_to_the_cache(tmp_
 
 
 def test_join_keeps_urls():
-  assert storage.join("http://h/root", "a/b.npy") == "http://h/root/a/b.npy"
-  assert storage.join("gs://b/", "/x", "y") == "gs://b/x/y"
-  assert storage.join("/tmp", "a") == "/tmp/a"
+  assert pathnames.join("http://h/root", "a/b.npy") == "http://h/root/a/b.npy"
+  assert pathnames.join("gs://b/", "/x", "y") == "gs://b/x/y"
+  assert pathnames.join("/tmp", "a") == "/tmp/a"
   with pytest.raises(ValueError, match="read-only"):
-    storage.check_supported("https://h/run", writable=True, what="workdir")
+    clients.check_supported("https://h/run", writable=True, what="workdir")
 
 
 # Session-scoped: a server restarted on a new port would leave fsspec's (and etils') cached
@@ -230,17 +231,17 @@ def test_a_file_another_process_removed_does_not_exist_for_this_one(s3_env):
   reading it failed a 2-process save in the pod rehearsal)."""
   import fsspec
 
-  storage.configure_clients()
+  clients.configure_clients()
   url = "s3://olmo3-test/listed/array_metadatas"
   for name in ("process_0", "process_1"):
     storage.write_bytes_atomic(f"{url}/{name}", b"{}")
-  here = storage.filesystem(url)
+  here = clients.filesystem(url)
   assert len(here.ls(url)) == 2  # a listing of the directory
   elsewhere = fsspec.filesystem("s3", skip_instance_cache=True)  # another process's client
   elsewhere.rm(f"{url}/process_1")
   assert not here.exists(f"{url}/process_1")
   assert [p.rsplit("/", 1)[1] for p in here.ls(url)] == ["process_0"]
-  assert storage.client_options()["gcs"]["use_listings_cache"] is False  # gs:// the same
+  assert clients.client_options()["gcs"]["use_listings_cache"] is False  # gs:// the same
 
 
 @pytest.mark.seconds(15)
@@ -256,7 +257,7 @@ def test_orbax_checkpoints_on_s3_commit_by_file_and_restore(s3_env, tmp_path):
   params = {"w": jnp.arange(12.0).reshape(3, 4), "b": {"c": jnp.ones(3, jnp.bfloat16)}}
   url = "s3://olmo3-test/models/7"
   checkpoint.save_model(url, PRESETS["olmo3_tiny"](), params)
-  assert storage.exists(storage.join(url, "commit_success.txt"))
+  assert storage.exists(pathnames.join(url, "commit_success.txt"))
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   restored = checkpoint.restore_params(url, checkpoint.host_target(target))
   jax.tree.map(np.testing.assert_array_equal, restored, params)
@@ -312,7 +313,7 @@ def test_a_run_kept_in_a_bucket_is_killed_resumes_from_it_and_matches_the_local_
   assert checkpoint.run_steps(f"{workdir}/checkpoints")[-1] == 9
   for record in ("config.json", "experiment.json", "command.txt", "file_sizes.json"):
     assert storage.exists(f"{workdir}/{record}"), record
-  fs = storage.filesystem(workdir)
+  fs = clients.filesystem(workdir)
   assert [p for p in fs.find(f"{workdir}/tensorboard") if "tfevents" in p]
   assert not [p for p in os.listdir(ROOT) if p.endswith(":")]  # no local 'gs:' / 's3:' dirs
 
@@ -327,14 +328,14 @@ def test_object_store_leases_are_taken_and_replaced_only_under_a_precondition(s3
   bucket = "s3://olmo3-lease"
   storage_servers.make_bucket(bucket)
   url = f"{bucket}/run/lease.json"
-  storage.create_exclusive(url, b"one")
-  with pytest.raises(storage.PreconditionFailed):
-    storage.create_exclusive(url, b"two")
-  first = storage.read_versioned(url)
-  storage.replace_if(url, b"three", first)
-  with pytest.raises(storage.PreconditionFailed):  # judged on what is no longer there
-    storage.replace_if(url, b"four", first)
-  assert storage.read_versioned(url).data == b"three"
+  conditional.create_exclusive(url, b"one")
+  with pytest.raises(errors.PreconditionFailed):
+    conditional.create_exclusive(url, b"two")
+  first = conditional.read_versioned(url)
+  conditional.replace_if(url, b"three", first)
+  with pytest.raises(errors.PreconditionFailed):  # judged on what is no longer there
+    conditional.replace_if(url, b"four", first)
+  assert conditional.read_versioned(url).data == b"three"
   storage.write_bytes_atomic(url, b"")  # an empty lease just written: taken once it is stale
   held = lease_lib.Lease(f"{bucket}/run", takeover=2.4)
   held.acquire()
@@ -377,7 +378,7 @@ def _same_prepared(url, local) -> None:
   names = [prepare.MANIFEST_FILE, prepare.TOKENIZER_FILE] + [
       f for split in prepare.SPLITS for f in manifest.splits[split]["files"]]
   for name in names:
-    assert storage.read_bytes(storage.join(url, name)) == storage.read_bytes(
+    assert storage.read_bytes(pathnames.join(url, name)) == storage.read_bytes(
         os.path.join(local, name)), name
 
 
@@ -405,7 +406,7 @@ def test_prepare_writes_into_a_bucket_and_a_failed_run_leaves_no_prepared_direct
   def fail_on_the_third(path, tokens):
     written.append(path)
     if len(written) == 3:
-      raise storage.StorageError(f"writing {path} failed: the store is down")
+      raise errors.StorageError(f"writing {path} failed: the store is down")
     real_write(path, tokens)
 
   monkeypatch.setattr(prepare, "write_token_file", fail_on_the_third)
@@ -413,7 +414,7 @@ def test_prepare_writes_into_a_bucket_and_a_failed_run_leaves_no_prepared_direct
   err = capsys.readouterr().err  # the progress bar's lines, then the error's
   assert err.strip().splitlines()[-1] == f"error: writing {written[2]} failed: the store is down"
   assert "Traceback" not in err
-  assert not storage.filesystem(url).find(url)  # not the old files, nor the two new ones
+  assert not clients.filesystem(url).find(url)  # not the old files, nor the two new ones
   assert sources.prepared(url) is None
 
   assert prepare.main(_prepare_args(documents, "http://127.0.0.1:9/mine")) == 2
@@ -517,7 +518,7 @@ def test_a_server_without_range_requests_is_refused_at_the_first_request(served,
 
   with storage_servers.plain_http_server(served) as plain:
     url = f"{plain}/mine"
-    with pytest.raises(storage.StorageError, match=rf"^{url}/manifest.json: the server does not "
+    with pytest.raises(errors.StorageError, match=rf"^{url}/manifest.json: the server does not "
                        r"support HTTP Range requests .* \(python -m olmo3.data.serve DIR\)$"):
       RunPlan.build(_tiny_on(url), os.fspath(tmp_path / "run"))
 
@@ -544,13 +545,13 @@ threading.Thread(target=lambda: [held.append(server.accept()) for _ in iter(int,
                  daemon=True).start()  # accepts connections and never answers
 import os
 os.environ["TENSORSTORE_GCS_HTTP_URL"] = f"http://127.0.0.1:{server.getsockname()[1]}"
-from olmo3.io import storage
-storage.configure_clients()
+from olmo3.io import clients
+clients.configure_clients()
 import tensorstore as ts
 started = time.monotonic()
 try:
   ts.open({"driver": "zarr", "kvstore": "gs://stalled/array",
-           "context": storage.tensorstore_context({})}, open=True).result(timeout=30)
+           "context": clients.tensorstore_context({})}, open=True).result(timeout=30)
 except Exception as e:
   print(round(time.monotonic() - started), str(e).splitlines()[0])
 """
@@ -562,14 +563,14 @@ def test_tensorstore_timeouts_follow_this_process_budget_unless_the_user_set_the
   connect, low_speed = ("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS",
                         "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS")
   for key in (connect, low_speed, "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",
-              storage._DERIVED_ENV):  # pylint: disable=protected-access
+              clients._DERIVED_ENV):  # pylint: disable=protected-access
     monkeypatch.delenv(key, raising=False)
   monkeypatch.setenv(connect, "77")  # the user's
-  monkeypatch.setenv(storage.TIMEOUT_ENV, "30")
-  storage.configure_clients()  # the parent
+  monkeypatch.setenv(settings.TIMEOUT_ENV, "30")
+  clients.configure_clients()  # the parent
   assert (os.environ[connect], os.environ[low_speed]) == ("77", "30")
-  monkeypatch.setenv(storage.TIMEOUT_ENV, "2")
-  storage.configure_clients()  # a child, with the parent's environment and its own budget
+  monkeypatch.setenv(settings.TIMEOUT_ENV, "2")
+  clients.configure_clients()  # a child, with the parent's environment and its own budget
   assert (os.environ[connect], os.environ[low_speed]) == ("77", "2")
 
 
@@ -580,9 +581,9 @@ def test_a_stalled_store_fails_tensorstore_requests_within_the_budget():
   timeout (1 s here), retried within the budget (1 s), not after TensorStore's minutes."""
   # This process's configure_clients (earlier tests) derived TENSORSTORE_CURL_* from the
   # default timeout; the child inherits them and must derive its own from its 1 s.
-  storage.configure_clients()
+  clients.configure_clients()
   env = dict(os.environ, GOOGLE_AUTH_TOKEN_FOR_TESTING="test",
-             **{storage.TIMEOUT_ENV: "1", storage.RETRY_ENV: "1"})
+             **{settings.TIMEOUT_ENV: "1", settings.RETRY_ENV: "1"})
   done = subprocess.run([sys.executable, "-c", _STALLED_TENSORSTORE], capture_output=True,
                         text=True, cwd=ROOT, env=env, timeout=120)
   seconds, _, message = done.stdout.strip().partition(" ")
@@ -598,7 +599,7 @@ def test_tensorstore_retries_end_within_the_budget_and_a_timeout_when_every_atte
   up-to-1-s jitter per delay), the last retry of a stalled store starts within the budget; a
   store that refuses at once is still retried over about half the budget (or all the budget
   leaves after the attempts). Before, 30 s and 10 s gave 5 retries: 91 s."""
-  retries, first = storage.tensorstore_retries(budget, timeout)
+  retries, first = clients.tensorstore_retries(budget, timeout)
   delays = sum(first * 2 ** i for i in range(retries))
   assert retries >= 1
   assert retries * (timeout + 1) + delays <= max(budget, timeout + 1 + 0.5) + 1e-9
@@ -616,8 +617,8 @@ def test_refused_or_missing_credentials_are_no_access_naming_the_operation():
       {"Error": {"Code": "InvalidAccessKeyId", "Message": "no such key"}}, "GetObject")
   for error, says in ((exceptions.NoCredentialsError(), "no S3 credentials"),
                       (refused, "the store refused the S3 credentials (InvalidAccessKeyId")):
-    found = storage._credentials_problem(error, "reading s3://b/k")  # pylint: disable=protected-access
-    assert isinstance(found, storage.NoAccess), error
+    found = retry._credentials_problem(error, "reading s3://b/k")  # pylint: disable=protected-access
+    assert isinstance(found, errors.NoAccess), error
     assert str(found).startswith(f"reading s3://b/k failed: {says}"), str(found)
     assert "AWS_ACCESS_KEY_ID" in str(found)
-  assert storage._credentials_problem(FileNotFoundError("s3://b/k"), "x") is None  # pylint: disable=protected-access
+  assert retry._credentials_problem(FileNotFoundError("s3://b/k"), "x") is None  # pylint: disable=protected-access

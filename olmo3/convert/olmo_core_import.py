@@ -48,7 +48,7 @@ from olmo3 import model as model_lib
 from olmo3.config import ModelConfig
 from olmo3.convert import olmo_core
 from olmo3.convert.hf import ConversionError, memmap_allocator
-from olmo3.io import checkpoint, storage
+from olmo3.io import checkpoint, pathnames, storage
 from olmo3.io.olmo_core_checkpoints import METADATA, OlmoCoreCheckpoint, locate
 
 try:
@@ -116,7 +116,7 @@ class _StorageFiles:
     return os.fspath(path)
 
   def concat_path(self, path: str, suffix: str) -> str:
-    return storage.join(path, suffix)
+    return pathnames.join(path, suffix)
 
   @contextlib.contextmanager
   def create_stream(self, path: str, mode: str):
@@ -138,7 +138,7 @@ class _Reader(dcp_filesystem.FileSystemReader):
 
   def read_data(self, plan, planner):
     for group in self._groups(plan.items):
-      requests = [(storage.join(self.path, s.relative_path), s.offset, s.offset + s.length)
+      requests = [(pathnames.join(self.path, s.relative_path), s.offset, s.offset + s.length)
                   for s in (self.storage_data[item.storage_index] for item in group)]
       self._fetched = {(path, start): data for (path, start, _), data
                        in zip(requests, storage.read_ranges(requests))}
@@ -166,7 +166,7 @@ class _Reader(dcp_filesystem.FileSystemReader):
   def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
     del args, kwargs
     if self._metadata is None:
-      path = storage.join(self.path, METADATA)
+      path = pathnames.join(self.path, METADATA)
       try:
         metadata = _MetadataUnpickler(io.BytesIO(storage.read_bytes(path))).load()
       except (pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
@@ -361,7 +361,7 @@ def import_checkpoint(source: str, out: str, cfg: ModelConfig, staging: str | No
   found = facts(located, cfg)
   if check is not None:
     check(found)
-  if staging is None and not storage.is_url(out):
+  if staging is None and not pathnames.is_url(out):
     staging = os.path.dirname(os.path.abspath(out))
   if staging is not None:
     os.makedirs(staging, exist_ok=True)

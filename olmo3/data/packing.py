@@ -64,7 +64,7 @@ import numpy as np
 
 from olmo3.data import tokens as token_files
 from olmo3.data.tokens import TOKEN_DTYPE, DataError
-from olmo3.io import storage
+from olmo3.io import errors, file_sizes, pathnames, storage
 
 LONG_DOC_STRATEGIES = ("truncate", "fragment")
 PAD_SEGMENT = 0  # the segment id of padding; documents are 1, 2, ... in each row
@@ -201,7 +201,7 @@ class PackedIndex:
   def build(cls, paths: Sequence[str | os.PathLike], *, seq_len: int, eos_token_id: int,
             source_group_size: int = 1, source_permutation_seed: int | None = None,
             long_doc_strategy: str = "truncate",
-            size_cache: storage.SizeCache | None = None) -> PackedIndex:
+            size_cache: file_sizes.SizeCache | None = None) -> PackedIndex:
     """Scans the files for documents and packs each source group (see the module's recipe)."""
     if seq_len < 1:
       raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -269,7 +269,7 @@ def cached_index(paths: Sequence[str | os.PathLike], cache_dir: str | os.PathLik
                  seq_len: int, eos_token_id: int, source_group_size: int = 1,
                  source_permutation_seed: int | None = None,
                  long_doc_strategy: str = "truncate",
-                 size_cache: storage.SizeCache | None = None) -> PackedIndex:
+                 size_cache: file_sizes.SizeCache | None = None) -> PackedIndex:
   """`PackedIndex.build`'s index, kept in `cache_dir` under a name derived from its key (the
   files, their token counts and the settings): scanning a stage-3 mix for documents reads every
   token once, so a later launch over the same files loads it instead. A cached file whose key
@@ -278,7 +278,7 @@ def cached_index(paths: Sequence[str | os.PathLike], cache_dir: str | os.PathLik
   key = _key(texts, token_files.token_counts(texts, size_cache=size_cache), seq_len,
              eos_token_id, source_group_size, source_permutation_seed, long_doc_strategy)
   name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-  path = storage.join(os.fspath(cache_dir), f"packed-{name}.npz")
+  path = pathnames.join(os.fspath(cache_dir), f"packed-{name}.npz")
   index = PackedIndex.load(path, expected_key=key)
   if index is None:
     index = PackedIndex.build(texts, seq_len=seq_len, eos_token_id=eos_token_id,
@@ -358,7 +358,7 @@ class PackedInstances:
     try:
       chunks = storage.read_ranges([(paths[f], start * size, (start + n) * size)
                                     for f, start, n in flat])
-    except storage.ChangedSince as e:
+    except errors.ChangedSince as e:
       raise DataError(f"token file {e}: it changed after this launch counted its tokens. "
                       f"{token_files.CHANGED_REMEDY}") from None
     R, T = len(instances), self.seq_len

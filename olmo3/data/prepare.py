@@ -56,7 +56,7 @@ from tqdm import tqdm
 from olmo3 import platforms
 from olmo3.data import hub
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
-from olmo3.io import errors, storage
+from olmo3.io import clients, errors, pathnames, retry, storage
 
 SPLITS = ("train", "heldout")
 DEFAULT_HELDOUT_FRACTION = 0.01  # of the documents, held out unless --heldout_fraction 0
@@ -201,7 +201,7 @@ class _SplitWriter:
 
   def __init__(self, root: str, split: str):
     self.root = root
-    if not storage.is_url(root):
+    if not pathnames.is_url(root):
       os.makedirs(os.path.join(root, split), exist_ok=True)
     self.files: list[str] = []
     self.file_tokens: list[int] = []
@@ -221,7 +221,7 @@ class _SplitWriter:
     if not self.pending:
       return
     name = f"{self.split}/part-{len(self.files):05d}.npy"
-    write_token_file(storage.join(self.root, name), np.concatenate(self.pending))
+    write_token_file(pathnames.join(self.root, name), np.concatenate(self.pending))
     self.files.append(name)
     self.file_tokens.append(self.pending_tokens)
     self.pending, self.pending_tokens = [], 0
@@ -260,7 +260,7 @@ class Manifest:
   def load(cls, directory: str | os.PathLike) -> Manifest:
     """The manifest of `directory` (a local path or a URL, http(s):// included), its files
     checked."""
-    path = storage.join(storage.normalized(directory), MANIFEST_FILE)
+    path = pathnames.join(pathnames.normalized(directory), MANIFEST_FILE)
     if not storage.exists(path):
       raise DataError(f"{directory}: no {MANIFEST_FILE} (run python -m olmo3.data.prepare)")
     try:
@@ -281,7 +281,7 @@ class Manifest:
     are decoded, as often as they decode: an HTTP client decodes and normalises the URL it
     requests (aiohttp's yarl turns `d/%2e%2e/x` into `/x`), and a server may decode again."""
     root = os.fspath(directory)
-    local = not storage.is_url(root)
+    local = not pathnames.is_url(root)
     real_root = os.path.realpath(root) if local else None
     for split, info in self.splits.items():
       entries = info.get("files") if isinstance(info, dict) else None
@@ -319,8 +319,8 @@ class Manifest:
 
   def files(self, directory: str | os.PathLike, split: str) -> list[str]:
     """The paths (or URLs) of a split's token files."""
-    root = storage.normalized(directory)
-    return [storage.join(root, f) for f in self.splits[split]["files"]]
+    root = pathnames.normalized(directory)
+    return [pathnames.join(root, f) for f in self.splits[split]["files"]]
 
 
 def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
@@ -334,14 +334,14 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
   if heldout_min_documents < 0:
     raise DataError(f"--heldout_min_documents={heldout_min_documents}: must be >= 0")
   try:
-    storage.check_supported(out, writable=True, what="--out")
+    clients.check_supported(out, writable=True, what="--out")
   except ValueError as e:
     raise DataError(str(e)) from None
   files = expand_inputs(inputs)
   tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
   eos_token = eos_id(tok, eos)
   cut = heldout_cut(_documents(files), heldout_fraction, heldout_min_documents)
-  remote = storage.is_url(out)
+  remote = pathnames.is_url(out)
   if remote:  # no rename in a bucket: every file goes straight to its place (module docstring)
     _remove_output(out)
     root = out
@@ -381,7 +381,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
       raise DataError(f"{inputs}: no training tokens (all documents empty or held out)")
     # The tokenizer travels with its tokens: whoever reads DIR tokenizes tasks and compares
     # tokenizers with this very file, whatever the name it was loaded by points at later.
-    storage.write_bytes_atomic(storage.join(root, TOKENIZER_FILE), tok.to_str().encode())
+    storage.write_bytes_atomic(pathnames.join(root, TOKENIZER_FILE), tok.to_str().encode())
     if not remote:  # old manifest out first, then the files into place
       manifest_path = os.path.join(out, MANIFEST_FILE)
       if os.path.exists(manifest_path):
@@ -390,13 +390,13 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
         shutil.rmtree(os.path.join(out, split), ignore_errors=True)
         os.replace(os.path.join(root, split), os.path.join(out, split))
       os.replace(os.path.join(root, TOKENIZER_FILE), os.path.join(out, TOKENIZER_FILE))
-    storage.write_bytes_atomic(storage.join(out, MANIFEST_FILE), json.dumps(
+    storage.write_bytes_atomic(pathnames.join(out, MANIFEST_FILE), json.dumps(
         dataclasses.asdict(manifest), indent=2, sort_keys=True).encode())
     return manifest
   except BaseException as e:
     if remote:  # nothing of a failed run stays in the bucket
-      with storage.cleanup_after(e):
-        storage.quietly(f"removing what was written to {out}", lambda: _remove_output(out))
+      with retry.cleanup_after(e):
+        retry.quietly(f"removing what was written to {out}", lambda: _remove_output(out))
     raise
   finally:
     if not remote:
@@ -407,10 +407,10 @@ def _remove_output(out: str) -> None:
   """Removes what `prepare` writes to `out` in a bucket, the manifest first: from then on `out`
   is no prepared directory, whatever else is still there."""
   for name in (MANIFEST_FILE, TOKENIZER_FILE):
-    storage.remove(storage.join(out, name))
+    storage.remove(pathnames.join(out, name))
   for split in SPLITS:
-    path = storage.join(out, split)
-    storage.retried(lambda p=path: epath.Path(p).rmtree(missing_ok=True), path, "removing")
+    path = pathnames.join(out, split)
+    retry.retried(lambda p=path: epath.Path(p).rmtree(missing_ok=True), path, "removing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -439,12 +439,12 @@ def main(argv: list[str] | None = None) -> int:
   except (DataError, OSError) as e:  # OSError: the output's store (olmo3.io.storage)
     if errors.traceback_wanted():  # OLMO3_TRACEBACK=1
       raise
-    print(f"error: {storage.first_line(e)}", file=sys.stderr)
+    print(f"error: {errors.first_line(e)}", file=sys.stderr)
     return 2
   for split, info in manifest.splits.items():
     print(f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, "
           f"{len(info['files'])} files")
-  print(f"wrote {storage.join(args.out, MANIFEST_FILE)}; train on it with "
+  print(f"wrote {pathnames.join(args.out, MANIFEST_FILE)}; train on it with "
         f"--fdl_set=data.mix='\"{args.out}\"' (its held-out split and tokenizer come along)")
   return 0
 

@@ -19,7 +19,7 @@ import hashlib
 import os
 from typing import NamedTuple
 
-from olmo3.io import storage
+from olmo3.io import clients, file_sizes, pathnames, storage
 from olmo3.config import DataConfig, Experiment, ModelConfig
 from olmo3.data import embedded, mixes, packing, prepare
 from olmo3.data.tokens import UNLABELLED, DataError, TokenFiles
@@ -38,7 +38,7 @@ class MixFile(NamedTuple):
 class Prepared:
   """One split of a prepared directory named as a mix."""
 
-  directory: str  # storage.normalized: the spelling its token files' paths start with
+  directory: str  # pathnames.normalized: the spelling its token files' paths start with
   split: str
   label: str  # the source / held-out set name: the directory's name ("embedded" built in)
   manifest: prepare.Manifest
@@ -49,13 +49,13 @@ class Prepared:
     """What tasks load the tokenizer from: the copy `prepare` writes beside the tokens."""
     if self.builtin:
       return "embedded"
-    return storage.join(self.directory, prepare.TOKENIZER_FILE)
+    return pathnames.join(self.directory, prepare.TOKENIZER_FILE)
 
   def mix(self, split: str) -> str:
     """The mix name of a split of this directory."""
     if self.builtin:
       return {s: name for name, s in EMBEDDED.items()}[split]
-    return storage.join(self.directory, split)
+    return pathnames.join(self.directory, split)
 
 
 def prepared(mix: str, split: str = "train") -> Prepared | None:
@@ -63,25 +63,25 @@ def prepared(mix: str, split: str = "train") -> Prepared | None:
   directory means `split`; `DIR/<split>` names that split whatever `split` says."""
   builtin = mix in EMBEDDED
   if builtin:
-    directory, split = storage.normalized(embedded.corpus_dir()), EMBEDDED[mix]
+    directory, split = pathnames.normalized(embedded.corpus_dir()), EMBEDDED[mix]
     label = EMBEDDED_LABEL
   else:
     try:
-      storage.check_supported(mix, what="mix")
+      clients.check_supported(mix, what="mix")
     except ValueError as e:
       raise DataError(str(e)) from None
-    directory = storage.normalized(mix)
-    parent, name = storage.split(directory)
-    has_manifest = storage.exists(storage.join(directory, _MANIFEST))
+    directory = pathnames.normalized(mix)
+    parent, name = pathnames.split(directory)
+    has_manifest = storage.exists(pathnames.join(directory, _MANIFEST))
     if (name in prepare.SPLITS and not has_manifest
-        and storage.exists(storage.join(parent, _MANIFEST))):
+        and storage.exists(pathnames.join(parent, _MANIFEST))):
       directory, split = parent, name
     elif not has_manifest:
       return None
-    label = storage.split(directory)[1]
+    label = pathnames.split(directory)[1]
   manifest = prepare.Manifest.load(directory)
   if split not in manifest.splits:
-    raise DataError(f"{storage.join(directory, _MANIFEST)} has no {split!r} split")
+    raise DataError(f"{pathnames.join(directory, _MANIFEST)} has no {split!r} split")
   return Prepared(directory, split, label, manifest, builtin)
 
 
@@ -105,7 +105,7 @@ def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, fiel
     raise DataError(f"{field}={mix!r} is a directory without {_MANIFEST}: expected a directory "
                     "written by python -m olmo3.data.prepare (or a mix file)")
   if not storage.exists(mix):
-    if storage.is_url(mix):
+    if pathnames.is_url(mix):
       raise DataError(f"{field}={mix!r}: no such mix file or prepared directory")
     packaged = mixes.find(mix)  # a user's file of that name came first
     if packaged is None:
@@ -120,7 +120,7 @@ def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, fiel
   if text is None or "\0" in text:
     raise DataError(f"{field}={mix!r} is a binary file (a token file?): expected a mix file of "
                     "'label,path' lines or a directory written by python -m olmo3.data.prepare")
-  base = root if root else storage.split(mix_path)[0]  # a URL stays a URL (storage.join)
+  base = root if root else pathnames.split(mix_path)[0]  # a URL stays a URL (pathnames.join)
   paths = []
   for number, line in enumerate(text.splitlines(), start=1):
     line = line.strip()
@@ -131,7 +131,7 @@ def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, fiel
     label, rel = (part.strip() for part in line.split(","))
     if not label or not rel:
       raise DataError(f"{mix_path}:{number}: expected 'label,path', got {line!r}")
-    paths.append(MixFile(label, storage.join(base, rel.replace("{TOKENIZER}", tokenizer_id))))
+    paths.append(MixFile(label, pathnames.join(base, rel.replace("{TOKENIZER}", tokenizer_id))))
   if not paths:
     raise DataError(f"{mix_path}: the mix lists no token files")
   return paths
@@ -142,11 +142,11 @@ def training_files(cfg: DataConfig) -> list[MixFile]:
   (relative to `root` when given), which form one source (`tokens.UNLABELLED`)."""
   if cfg.mix:
     return read_mix(cfg.mix, cfg.root, cfg.tokenizer_id)
-  return [MixFile(UNLABELLED, storage.join(cfg.root, p) if cfg.root else p) for p in cfg.paths]
+  return [MixFile(UNLABELLED, pathnames.join(cfg.root, p) if cfg.root else p) for p in cfg.paths]
 
 
 def token_files(cfg: DataConfig, vocab_size: int | None,
-                size_cache: storage.SizeCache | None = None,
+                size_cache: file_sizes.SizeCache | None = None,
                 files: list[MixFile] | None = None,
                 model: ModelConfig | None = None) -> TokenFiles | packing.PackedInstances:
   """The training instances over the token files (`files`, as `training_files` lists them:
@@ -184,7 +184,7 @@ def tokenizer_file(name: str) -> str:
   name (a tokenizer.json path or a Hugging Face hub name) is itself."""
   if name == "embedded":
     return os.fspath(embedded.corpus_dir() / prepare.TOKENIZER_FILE)
-  if storage.is_url(name):  # tokenizers opens local files only: a copy in the cache
+  if pathnames.is_url(name):  # tokenizers opens local files only: a copy in the cache
     return _remote_copy(name)
   return name
 
@@ -267,7 +267,7 @@ class Resolved:
   no_heldout: str | None = None
 
 
-def resolve(exp: Experiment, sizes: storage.SizeCache | None = None) -> Resolved:
+def resolve(exp: Experiment, sizes: file_sizes.SizeCache | None = None) -> Resolved:
   """The experiment a run executes and its files: `eval.heldout=None` becomes the held-out
   split of the training data (`data.mix` a prepared directory; `()` when it has none or the
   data is no prepared directory), a prepared directory named in `eval.heldout` becomes its
@@ -383,7 +383,7 @@ def _check_root(exp: Experiment, found: list[Prepared | None]) -> None:
   if not root:
     return
   # An HTTP root is a prefix, not a directory anything can check: its files are checked.
-  if storage.scheme(root) not in storage.READ_ONLY_SCHEMES and not storage.exists(root):
+  if pathnames.scheme(root) not in pathnames.READ_ONLY_SCHEMES and not storage.exists(root):
     raise DataError(f"DataConfig.root={root!r} does not exist: give the directory (or URL) the "
                     "token files are under")
   if not exp.data.paths and all(p is not None for p in found):
@@ -396,7 +396,7 @@ def _check_model(split: Prepared, model) -> None:
   """A prepared directory's tokens fit the model: its EOS ends the model's documents (held-out
   sets are cut at it) and its vocabulary fits the embedding."""
   m = split.manifest
-  where = storage.join(split.directory, _MANIFEST)
+  where = pathnames.join(split.directory, _MANIFEST)
   if m.eos_id != model.eos_token_id:
     raise DataError(f"{where}: its documents end with EOS id {m.eos_id} ({split.tokenizer}), "
                     f"but ModelConfig.eos_token_id={model.eos_token_id}")

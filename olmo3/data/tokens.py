@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from olmo3.io import storage
+from olmo3.io import clients, errors, file_sizes, pathnames, storage
 
 TOKEN_DTYPE = np.dtype("<u4")
 _SCAN_TOKENS = 1 << 24  # tokens per chunk when validating a file
@@ -30,7 +30,7 @@ class DataError(ValueError):
 
 
 def is_local(path: str | os.PathLike) -> bool:
-  return not storage.is_url(path)
+  return not pathnames.is_url(path)
 
 
 def _count(path: str, size: int | None, kind: str) -> int:
@@ -50,19 +50,19 @@ CHANGED_REMEDY = ("Restore the file; or continue deliberately on the data as it 
 
 
 def token_counts(paths: Sequence[str | os.PathLike], kind: str = "token file",
-                 size_cache: storage.SizeCache | None = None) -> list[int]:
+                 size_cache: file_sizes.SizeCache | None = None) -> list[int]:
   """The tokens each raw uint32 token file holds (remote sizes looked up concurrently, through
   `size_cache` when given), or DataError naming the first file (`kind` says what the files are
   for) that is missing, empty or not a whole number of tokens."""
   texts = [os.fspath(p) for p in paths]
   for text in texts:
     try:
-      storage.check_supported(text, what=kind)
+      clients.check_supported(text, what=kind)
     except ValueError as e:
       raise DataError(str(e)) from None
   try:
     found = (size_cache.sizes if size_cache else storage.sizes)(texts)
-  except storage.ChangedSince as e:
+  except errors.ChangedSince as e:
     raise DataError(f"{kind} {e}. {CHANGED_REMEDY}") from None
   return [_count(t, n, kind) for t, n in zip(texts, found)]
 
@@ -78,7 +78,7 @@ class TokenFiles:
   def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int,
                vocab_size: int | None = None, validate_tokens: bool = False,
                labels: Sequence[str] | None = None,
-               size_cache: storage.SizeCache | None = None, chunk: int = 1):
+               size_cache: file_sizes.SizeCache | None = None, chunk: int = 1):
     if not paths:
       raise DataError("no token files given")
     if labels is not None and len(labels) != len(paths):
@@ -136,7 +136,7 @@ class TokenFiles:
     try:
       chunks = storage.read_ranges([(self.paths[spans[i][0]], spans[i][1] * size,
                                      (spans[i][1] + spans[i][2]) * size) for i in remote])
-    except storage.ChangedSince as e:
+    except errors.ChangedSince as e:
       raise DataError(f"token file {e}: it changed after this launch counted its tokens. "
                       f"{CHANGED_REMEDY}") from None
     for i, chunk in zip(remote, chunks):
@@ -197,7 +197,7 @@ def write_token_file(path: str | os.PathLike, tokens: np.ndarray) -> None:
   """Writes raw little-endian uint32 tokens atomically: a local file through a temporary file
   and a rename, an object (gs://, s3://) with one upload."""
   path = os.fspath(path)
-  if storage.is_url(path):
+  if pathnames.is_url(path):
     storage.write_bytes_atomic(path, np.ascontiguousarray(tokens, TOKEN_DTYPE).tobytes())
     return
   tmp = f"{path}.tmp-{os.getpid()}"

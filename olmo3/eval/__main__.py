@@ -25,7 +25,7 @@ import sys
 from etils import epath
 
 from olmo3 import platforms
-from olmo3.io import storage
+from olmo3.io import pathnames
 from olmo3.config import Experiment, MeshConfig
 from olmo3.run import record
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
       evaluators[key] = Evaluator(exp, ShardedModel.for_experiment(exp))
     return evaluators[key]
 
-  report = {"workdir": os.fspath(storage.absolute(args.workdir)), "steps": {}}
+  report = {"workdir": os.fspath(pathnames.absolute(args.workdir)), "steps": {}}
   for step in steps:
     evaluator = evaluator_for(step)
     if not evaluator.exp.eval.heldout and not evaluator.tasks:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
       if bands:
         print(f"  {name} CE by position: {bands}")
   # Scored like another run: a report of its own beside the run's own report.
-  default = (f"eval_report.like-{storage.split(storage.absolute(args.like))[1]}.json"
+  default = (f"eval_report.like-{pathnames.split(pathnames.absolute(args.like))[1]}.json"
              if args.like else "eval_report.json")
   out = epath.Path(args.out) if args.out else workdir / default
   tmp = out.parent / f"{out.name}.tmp"  # whole or not at all

@@ -17,6 +17,15 @@ mismatch (saved .., read ..)` or `unreadable (<first line of the library's error
 The checksum is a function of the global array (each element's bits and position, summed
 modulo 2^32 in two lanes), so it is computed where the arrays live, in one pass on their
 devices, and verifies a checkpoint restored onto any mesh.
+
+Which checkpoint module does what (open this one first):
+- here: a checkpoint directory's items, their records and verification, in and out;
+- olmo3.io.orbax_s3: Orbax on S3 (its conditional writes and a failed save seen at once);
+- olmo3.io.olmo_core_checkpoints: finding AI2's OLMo-core checkpoints (a save folder, a step);
+- olmo3.convert.olmo_core_import: converting an OLMo-core checkpoint into this layout;
+- olmo3.train.run_checkpoints: a run's numbered steps (save async, keep, quarantine the damaged);
+- olmo3.train.state: which checkpoint a run starts from (resume, fall back, init_from) and what
+  a save records (step, data position, skip statistics, the layout it was written on).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from olmo3.io import orbax_s3, storage
+from olmo3.io import orbax_s3, pathnames
 
 PARAMS, META = "params", "meta"
 # Adam's count and moments ({"count", "mu", "nu"}, optax's names) in a checkpoint imported from
@@ -206,7 +215,7 @@ def save_model(path: str | os.PathLike, cfg: Any, params: Any,
   """Saves a parameter tree (nested dict of arrays), other `items` beside it (name -> tree,
   e.g. ADAM) and its model config (a dataclass: a ModelConfig, recorded as
   meta["model_config"]); refuses to overwrite."""
-  path = storage.absolute(path)
+  path = pathnames.absolute(path)
   if path.exists():
     raise CheckpointError(f"{path} already exists; refusing to overwrite")
   trees = {PARAMS: params, **(items or {})}
@@ -268,7 +277,7 @@ def _item_name(item: str) -> str:
 
 def load_meta(path: str | os.PathLike) -> dict[str, Any]:
   """A checkpoint's meta, its digest checked (CheckpointDamaged when it does not match)."""
-  path = storage.absolute(path)
+  path = pathnames.absolute(path)
   if not (path / META).exists():
     raise CheckpointError(f"{path}: not a model checkpoint (no '{META}' item)")
   checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
@@ -290,7 +299,7 @@ def check_run_step(path: str | os.PathLike) -> None:
   """A committed step of a run's own checkpoints holds its meta (Orbax committed the step with
   every item in it): a step without it (emptied, or partly deleted) is damage, to be set aside
   like any other, where a directory given as a model checkpoint is merely not one."""
-  path = storage.absolute(path)
+  path = pathnames.absolute(path)
   if not (path / META).exists():
     raise _damaged(path, [(META, _item_name(META))], "missing (the step was committed with it: "
                    "emptied or partly deleted since)")
@@ -367,7 +376,7 @@ def restore_items(path: str | os.PathLike, targets: dict[str, Any]
   """(items, meta): each item of `targets` restored onto its target (a tree of
   jax.ShapeDtypeStruct with the shardings wanted; any mesh: Orbax reshards), checked and
   verified as the module docstring says."""
-  path = storage.absolute(path)
+  path = pathnames.absolute(path)
   meta = load_meta(path)
   records = meta.get(ARRAYS, {})
   for item, target in targets.items():
@@ -428,25 +437,25 @@ def run_steps(directory: str | os.PathLike) -> list[int]:
   """The committed steps of a run's checkpoints directory, oldest first (on disks Orbax names a
   step's directory by its number only once it is complete; on object stores it names it at once
   and commits it with a file written last)."""
-  directory = storage.absolute(directory)
+  directory = pathnames.absolute(directory)
   if not directory.exists():
     return []
   steps = [p for p in directory.glob("*") if p.name.isdigit()]
-  if storage.is_url(os.fspath(directory)):  # named before complete there: the commit file says
+  if pathnames.is_url(os.fspath(directory)):  # named before complete there: the commit file says
     steps = [p for p in steps if orbax_s3.is_committed(p)]
   return sorted(int(p.name) for p in steps)
 
 
 def steps_directory(path: str | os.PathLike) -> epath.Path:
   """The directory of numbered steps a run's workdir or its checkpoints directory names."""
-  path = storage.absolute(path)
+  path = pathnames.absolute(path)
   return path / "checkpoints" if (path / "checkpoints").exists() else path
 
 
 def resolve_step_dir(path: str | os.PathLike) -> epath.Path:
   """A checkpoint step directory from a step directory, a run's checkpoints directory or a run
   workdir (their latest step)."""
-  path = storage.absolute(path)
+  path = pathnames.absolute(path)
   if (path / PARAMS).exists():
     return path
   directory = steps_directory(path)

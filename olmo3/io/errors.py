@@ -1,5 +1,6 @@
-"""How a program's failure reaches its user: one `error:` line that names the file, URL or field
-and what failed; the traceback only on request (absl's `-v 1`, or OLMO3_TRACEBACK=1 for any
+"""Errors: what the storage raises (`StorageError` and its kinds, each naming the URL), and how
+a program's failure reaches its user: one `error:` line that names the file, URL or field and
+what failed; the traceback only on request (absl's `-v 1`, or OLMO3_TRACEBACK=1 for any
 program). The programs (launch/main.py, `python -m olmo3.eval`) say which errors are theirs to
 report this way: their own (config, data, checkpoint, lease) and the storage's (OSError:
 a missing file, a store that stayed down past the retry budget).
@@ -18,6 +19,30 @@ from typing import Any
 TRACEBACK_ENV = "OLMO3_TRACEBACK"
 # How long a program that has ended waits for background threads still running at its end.
 EXIT_GRACE_S = 10.0
+
+
+class StorageError(OSError):
+  """A remote read or write failed for good (after retries). The message names the URL."""
+
+
+class ChangedSince(StorageError):
+  """A remote file is not what a run found it to be: shorter than a read of it needs, or of
+  another size or version than the run's size cache records. The message names the file."""
+
+
+class PreconditionFailed(StorageError):
+  """A conditional write found the file changed (or present) since it was read."""
+
+
+class NoAccess(StorageError):
+  """The store refused, or the client could not find, the credentials a request needs. The
+  message names the operation and URL and what to set."""
+
+
+def first_line(error: BaseException) -> str:
+  """An error's message, its first line only (libraries append request dumps)."""
+  lines = str(error).strip().splitlines()
+  return lines[0][:300] if lines else ""
 
 
 def traceback_wanted(verbosity: int = 0) -> bool:

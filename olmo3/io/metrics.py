@@ -25,7 +25,7 @@ import google_crc32c
 import numpy as np
 from absl import logging
 
-from olmo3.io import storage
+from olmo3.io import pathnames, storage
 
 METRICS_JSONL = "metrics.jsonl"
 TENSORBOARD = "tensorboard"  # the event files' directory
@@ -216,16 +216,16 @@ def create_writer(workdir: str | os.PathLike, is_main_process: bool, resumed_at:
   if not is_main_process:
     return LogWriter()
   workdir = os.fspath(workdir)
-  local = tempfile.mkdtemp(prefix="olmo3-metrics-") if storage.is_url(workdir) else workdir
-  if local != workdir and storage.exists(storage.join(workdir, METRICS_JSONL)):
+  local = tempfile.mkdtemp(prefix="olmo3-metrics-") if pathnames.is_url(workdir) else workdir
+  if local != workdir and storage.exists(pathnames.join(workdir, METRICS_JSONL)):
     with open(os.path.join(local, METRICS_JSONL), "wb") as f:  # continued, then uploaded whole
-      f.write(storage.read_bytes(storage.join(workdir, METRICS_JSONL)))
-  if local != workdir and storage.exists(storage.join(workdir, METRICS_JSONL + SET_ASIDE)):
+      f.write(storage.read_bytes(pathnames.join(workdir, METRICS_JSONL)))
+  if local != workdir and storage.exists(pathnames.join(workdir, METRICS_JSONL + SET_ASIDE)):
     with open(os.path.join(local, METRICS_JSONL + SET_ASIDE), "wb") as f:  # kept, added to
-      f.write(storage.read_bytes(storage.join(workdir, METRICS_JSONL + SET_ASIDE)))
+      f.write(storage.read_bytes(pathnames.join(workdir, METRICS_JSONL + SET_ASIDE)))
   writer = MultiWriter([LogWriter(), TensorBoardWriter(os.path.join(local, TENSORBOARD)),
                         JsonlWriter(os.path.join(local, METRICS_JSONL), resumed_at,
-                                    storage.join(workdir, METRICS_JSONL))])
+                                    pathnames.join(workdir, METRICS_JSONL))])
   return writer if local == workdir else MirroredWriter(writer, local, workdir)
 
 
@@ -259,7 +259,7 @@ class MirroredWriter(MetricWriter):
         stat = os.stat(path)
         if self._uploaded.get(rel) != (stat.st_size, stat.st_mtime_ns):
           with open(path, "rb") as f:
-            storage.write_bytes_atomic(storage.join(self.remote, *rel.split(os.sep)), f.read())
+            storage.write_bytes_atomic(pathnames.join(self.remote, *rel.split(os.sep)), f.read())
           self._uploaded[rel] = (stat.st_size, stat.st_mtime_ns)
 
 

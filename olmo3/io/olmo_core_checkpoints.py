@@ -28,7 +28,7 @@ import io
 import os
 import pathlib
 
-from olmo3.io import storage
+from olmo3.io import pathnames, storage
 
 MODEL_DIR, METADATA, TRAINER_STATE = "model_and_optim", ".metadata", "train/rank0.pt"
 _OFFICIAL_CSV = pathlib.Path(__file__).with_name("OLMo-3-1025-7B.csv")
@@ -73,12 +73,12 @@ def locate(source: str | os.PathLike) -> OlmoCoreCheckpoint | None:
   text = os.fspath(source).rstrip("/")
   if text in official():
     root = official()[text].url
-    return OlmoCoreCheckpoint(root, storage.join(root, MODEL_DIR),
-                              storage.join(root, TRAINER_STATE))
-  if storage.exists(storage.join(text, MODEL_DIR, METADATA)):
-    trainer = storage.join(text, TRAINER_STATE)
-    return OlmoCoreCheckpoint(text, storage.join(text, MODEL_DIR),
+    return OlmoCoreCheckpoint(root, pathnames.join(root, MODEL_DIR),
+                              pathnames.join(root, TRAINER_STATE))
+  if storage.exists(pathnames.join(text, MODEL_DIR, METADATA)):
+    trainer = pathnames.join(text, TRAINER_STATE)
+    return OlmoCoreCheckpoint(text, pathnames.join(text, MODEL_DIR),
                               trainer if storage.exists(trainer) else None)
-  if storage.exists(storage.join(text, METADATA)):
+  if storage.exists(pathnames.join(text, METADATA)):
     return OlmoCoreCheckpoint(text, text, None)
   return None

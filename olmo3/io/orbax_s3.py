@@ -21,8 +21,8 @@ tests/test_storage.py saves, lists and restores through a real S3 server (moto).
 `install()` also bounds TensorStore's own retries on GCS and S3 (Orbax builds every
 TensorStore context from two module dicts): by default TensorStore retries a request 32 times
 up to 32 s apart, so a save into a store that went down would outlast the storage retry budget
-(`OLMO3_STORAGE_RETRY_S`, olmo3.io.storage) by a quarter of an hour. The retries are counted
-with their request timeouts (`storage.tensorstore_retries`): a store that stalls (accepts
+(`OLMO3_STORAGE_RETRY_S`, olmo3.io.settings) by a quarter of an hour. The retries are counted
+with their request timeouts (`clients.tensorstore_retries`): a store that stalls (accepts
 connections, never answers) fails a save's requests within the budget plus one timeout.
 """
 
@@ -37,7 +37,7 @@ from orbax.checkpoint._src.checkpointers import async_checkpointer
 from orbax.checkpoint._src.path import atomicity, gcs_utils, step as step_lib
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
-from olmo3.io import storage
+from olmo3.io import clients, pathnames
 
 _S3 = "s3://"
 _FAILED = "olmo3_failed"  # where `install` keeps a failed commit's error (`failed_save`)
@@ -83,7 +83,7 @@ def install() -> None:
   gcs_utils.get_kvstore_for_gcs = get_kvstore_for_gcs
   for name in ("_BASE_TS_CONTEXT", "_DEFAULT_OCDBT_TS_CONTEXT"):  # deep-copied at each use
     base = getattr(tensorstore_utils, name)
-    setattr(tensorstore_utils, name, storage.tensorstore_context(base))
+    setattr(tensorstore_utils, name, clients.tensorstore_context(base))
   _keep_commit_failures()
 
 
@@ -91,9 +91,9 @@ def temporary_path_class(directory: str | os.PathLike):
   """How a save into `directory` is committed: a `commit_success.txt` on object stores, a
   rename on local disks (None: Orbax's default, which is that)."""
   install()
-  if not storage.is_url(os.fspath(directory)):
+  if not pathnames.is_url(os.fspath(directory)):
     return None
-  storage.configure_clients()  # Orbax's own file operations (through etils) are budgeted too
+  clients.configure_clients()  # Orbax's own file operations (through etils) are budgeted too
   return atomicity.CommitFileTemporaryPath
 
 

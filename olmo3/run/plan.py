@@ -32,7 +32,7 @@ from typing import Any
 
 from absl import logging
 
-from olmo3.io import checkpoint, olmo_core_checkpoints, storage
+from olmo3.io import checkpoint, file_sizes, olmo_core_checkpoints, pathnames
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import pipeline, sources
 from olmo3.data.tokens import TokenFiles, token_counts
@@ -101,7 +101,7 @@ def init_from_step(init_from: str) -> str:
   plan). A raised train.steps makes the extended end the stage's end once it is reached; a run
   recorded without stage ends (trained without the launcher) means its newest checkpoint.
   CheckpointError when there is no checkpoint; InitFromError when none ends a stage."""
-  path = storage.absolute(init_from)
+  path = pathnames.absolute(init_from)
   if (path / checkpoint.PARAMS).exists():
     return os.fspath(path)
   directory = checkpoint.steps_directory(path)
@@ -147,9 +147,9 @@ def decide_start(workdir: Workdir, init_from: str | None, end: int) -> Resume:
 def _trained_tokenizer(step_dir: str) -> str | None:
   """The tokenizer the run that wrote checkpoint `step_dir` (WORKDIR/checkpoints/STEP) trained
   with: its experiment file's eval.tokenizer; None where no launcher record says."""
-  checkpoints, step = storage.split(storage.normalized(step_dir))
+  checkpoints, step = pathnames.split(pathnames.normalized(step_dir))
   try:
-    path = record.experiment_file(storage.split(checkpoints)[0], int(step))
+    path = record.experiment_file(pathnames.split(checkpoints)[0], int(step))
     return json.loads(path.read_text())["eval"]["tokenizer"]
   except (record.RecordError, OSError, ValueError, KeyError, TypeError):
     return None
@@ -184,7 +184,7 @@ class RunPlan:
   steps_per_epoch: int
   end: int  # the step the stage ends at
   resume: Resume
-  size_cache: storage.SizeCache  # the workdir's remote sizes: the trainer saves what was found
+  size_cache: file_sizes.SizeCache  # the workdir's remote sizes: the trainer saves what was found
   # Why the generalization-gap alarm cannot fire (no held-out set is evaluated), or None:
   # the trainer's startup warning, one line.
   alarm_off: str | None = None
@@ -194,19 +194,19 @@ class RunPlan:
   @classmethod
   def build(cls, exp: Experiment, workdir: str, name: str = "") -> RunPlan:
     """Raises DataError (data) or CheckpointError (init_from) naming the field or file."""
-    cache = storage.SizeCache(Workdir(workdir).file_sizes,
-                              accept_changes=exp.data.allow_changed_data)
+    cache = file_sizes.SizeCache(Workdir(workdir).file_sizes,
+                                 accept_changes=exp.data.allow_changed_data)
     return cls.from_resolved(sources.resolve(exp, cache), workdir, name, cache)
 
   @classmethod
   def from_resolved(cls, resolved: sources.Resolved, workdir: str, name: str = "",
-                    cache: storage.SizeCache | None = None) -> RunPlan:
+                    cache: file_sizes.SizeCache | None = None) -> RunPlan:
     """`build`, the experiment's data already resolved (a dry run prints the resolution even
     where the files cannot be sized); `cache`: the one the resolution sized files through."""
     where = Workdir(workdir)
     exp = resolved.exp
-    cache = cache or storage.SizeCache(where.file_sizes,
-                                       accept_changes=exp.data.allow_changed_data)
+    cache = cache or file_sizes.SizeCache(where.file_sizes,
+                                          accept_changes=exp.data.allow_changed_data)
     train_files = resolved.train_files or sources.token_files(
         exp.data, exp.model.vocab_size, cache, files=list(resolved.train), model=exp.model)
     evaluates = bool(exp.train.eval_every)
@@ -254,7 +254,8 @@ class RunPlan:
     return None
 
   def describe(self) -> list[str]:
-    """What --dry_run prints of the plan (the config and its numbers come before it)."""
+    """What --dry_run prints of the plan (olmo3.run.dry_run: the config's numbers come before
+    it, what is evaluated after it)."""
     exp, data = self.exp, self.exp.data
     split = sources.prepared(data.mix) if data.mix else None
     if split is not None:
@@ -273,13 +274,8 @@ class RunPlan:
              Start.RESUME: f"resumes from step {resume.step:,} of {self.workdir.checkpoints}"
                            + (f"; {self.stage_change}" if self.stage_change else ""),
              Start.COMPLETE: f"complete at step {resume.step:,}: nothing to train"}
-    lines = [f"training data       {where}",
-             f"task tokenizer      {'none' if exp.eval.tokenizer is None else exp.eval.tokenizer}",
-             f"epoch               {len(self.train_files):,} instances = "
-             f"{self.steps_per_epoch:,} steps{stop}",
-             f"start               {start[resume.start]}"]
-    lines += [f"held-out set        {s.name}: {len(s.paths)} files, {sum(s.tokens):,} tokens"
-              for s in self.heldout]
-    if self.alarm_off:
-      lines.append(f"held-out set        none: {self.alarm_off}")
-    return lines
+    return [f"training data       {where}",
+            f"task tokenizer      {'none' if exp.eval.tokenizer is None else exp.eval.tokenizer}",
+            f"epoch               {len(self.train_files):,} instances = "
+            f"{self.steps_per_epoch:,} steps{stop}",
+            f"start               {start[resume.start]}"]

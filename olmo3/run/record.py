@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from etils import epath
 
-from olmo3.io import storage
+from olmo3.io import pathnames
 
 RUNS = "runs"  # where a run's workdir goes by default (relative to the working directory)
 OLMO_CORE_IMPORT = "olmo_core_import"  # in a workdir: the converted OLMo-core init_from
@@ -70,13 +70,13 @@ class Workdir:
   def olmo_core_import(self) -> str:
     """Where an OLMo-core checkpoint that checkpoint.init_from names is converted, once: a
     launch that finds it there reads it (olmo3.train.state)."""
-    return storage.join(self.root, OLMO_CORE_IMPORT)
+    return pathnames.join(self.root, OLMO_CORE_IMPORT)
 
   @property
   def file_sizes(self) -> str:
     """The remote token files' sizes and versions the run trained on, checked again at every
-    launch (olmo3.io.storage.SizeCache)."""
-    return storage.join(self.root, "file_sizes.json")
+    launch (olmo3.io.file_sizes.SizeCache)."""
+    return pathnames.join(self.root, "file_sizes.json")
 
   @property
   def history(self) -> epath.Path:

@@ -21,7 +21,7 @@ from etils import epath
 
 from olmo3 import platforms
 from olmo3.eval.__main__ import load_experiment
-from olmo3.io import storage
+from olmo3.io import pathnames
 from olmo3.run import record
 
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                         decode.Sampling(args.temperature, args.top_p), args.seed)
   stop = "eos" if ids[-1] == cfg.eos_token_id else "max_new_tokens"
   if args.json:
-    print(json.dumps({"workdir": os.fspath(storage.absolute(args.workdir)), "step": step,
+    print(json.dumps({"workdir": os.fspath(pathnames.absolute(args.workdir)), "step": step,
                       "prompt_ids": prompt_ids, "ids": ids, "text": tokenizer.decode(ids),
                       "stop": stop}))
   else:

@@ -6,7 +6,7 @@ it: `generate` sends the prompt through once, then each new token alone, so no s
 the prefix, and after the prompt's compile every step runs one compiled program (the cache's
 shape never changes). It is the training forward with attention's keys and values taken from
 the cache: the same projections, QK-norm and RoPE (`Attention.qkv`, with the RoPE tables read
-at the tokens' absolute positions), the same attention (`model.masked_attention`), the same
+at the tokens' absolute positions), the same attention (`attention.masked_attention`), the same
 reordered norms, and each layer's window as in training. tests/test_sample.py checks its
 logits against the full forward at every position, and greedy text against transformers'
 `generate` on the exported checkpoint.
@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 
 from olmo3.config import ModelConfig
-from olmo3.model import Attention, Transformer, check_token_ids, layer_ropes, masked_attention
+from olmo3.attention import layer_ropes, masked_attention
+from olmo3.model import Attention, Transformer, check_token_ids
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +73,7 @@ def extend(model: Transformer, cache: KVCache, tokens_BT: jax.Array, start: jax.
   scaled_L = jnp.array([cfg.layer_rope_scaled(i) for i in range(cfg.n_layers)])
   query_T1 = (start + jnp.arange(t))[:, None]
   key_1S = jnp.arange(s)[None, :]
-  # model.attention_mask's rule at absolute positions: a sliding layer's query sees the
+  # attention.attention_mask's rule at absolute positions: a sliding layer's query sees the
   # `window` keys ending at its own; a global layer's window is the whole cache (all earlier).
   windows_L = jnp.array([cfg.layer_window(i) or s for i in range(cfg.n_layers)], jnp.int32)
   graphdef, stacked = nnx.split(model.layers)

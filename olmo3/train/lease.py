@@ -60,7 +60,7 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from olmo3.io import storage
+from olmo3.io import conditional, errors, pathnames, retry, settings, storage
 from olmo3.run.record import Workdir
 
 TAKEOVER_ENV = "OLMO3_LEASE_TAKEOVER_S"
@@ -91,7 +91,7 @@ class _Verdict(enum.Enum):
 
 
 def takeover_s() -> float:
-  return storage.seconds_setting(TAKEOVER_ENV, DEFAULT_TAKEOVER_S)
+  return settings.seconds_setting(TAKEOVER_ENV, DEFAULT_TAKEOVER_S)
 
 
 def _clock_shift_s() -> float:
@@ -101,7 +101,7 @@ def _clock_shift_s() -> float:
   except ValueError:
     shift = math.nan
   if not math.isfinite(shift):
-    raise storage.StorageError(f"{CLOCK_SHIFT_ENV}={value!r}: expected a number of seconds")
+    raise errors.StorageError(f"{CLOCK_SHIFT_ENV}={value!r}: expected a number of seconds")
   return shift
 
 
@@ -183,13 +183,13 @@ class Lease:
     # The lease as first seen (its bytes and version) and until when (monotonic) it is watched.
     watched: tuple[tuple[bytes, str], float] | None = None
     for attempt in itertools.count():
-      current = storage.read_versioned(self.url)
+      current = conditional.read_versioned(self.url)
       if current is None:
         sent = time.monotonic()
         try:
-          self._version = storage.create_exclusive(self.url, self._encode())
+          self._version = conditional.create_exclusive(self.url, self._encode())
           break
-        except storage.PreconditionFailed:
+        except errors.PreconditionFailed:
           if self._holds():  # our own create, its answer lost, retried
             break
           if attempt >= 2:
@@ -216,12 +216,12 @@ class Lease:
       logging.warning("taking over the workdir lease %s: %s", self.url, why)
       sent = time.monotonic()
       try:
-        self._version = storage.replace_if(self.url, self._encode(), current)
+        self._version = conditional.replace_if(self.url, self._encode(), current)
         break
-      except storage.PreconditionFailed:
+      except errors.PreconditionFailed:
         if self._holds():  # our own takeover, its answer lost, retried
           break
-        now = storage.read_versioned(self.url)
+        now = conditional.read_versioned(self.url)
         holder = _parse(now.data) if now is not None else None
         raise LeaseHeld(self._held(holder) if holder else self._race()) from None
     self._renewed = sent
@@ -273,7 +273,7 @@ class Lease:
                        "heartbeat": time.time() + self._clock_shift}).encode()
 
   def _holds(self) -> bool:
-    current = storage.read_versioned(self.url)
+    current = conditional.read_versioned(self.url)
     holder = _parse(current.data) if current is not None else None
     if holder is not None and holder["token"] == self.record["token"]:
       self._version = current.version
@@ -283,13 +283,13 @@ class Lease:
   # --- keeping it --------------------------------------------------------------------------
 
   def _renew(self) -> None:
-    if storage.is_url(self.url):
+    if pathnames.is_url(self.url):
       try:
-        self._version = storage.replace_if(
-            self.url, self._encode(), storage.Versioned(b"", self._version, 0.0))
+        self._version = conditional.replace_if(
+            self.url, self._encode(), conditional.Versioned(b"", self._version, 0.0))
         return
-      except storage.PreconditionFailed:
-        current = storage.read_versioned(self.url)
+      except errors.PreconditionFailed:
+        current = conditional.read_versioned(self.url)
       holder = _parse(current.data) if current is not None else None
       if holder is not None and holder["token"] == self.record["token"]:
         # Our own write: this renewal's, landed though its answer was lost and then retried
@@ -298,7 +298,7 @@ class Lease:
         self._version = current.version
         return
     else:  # a local file is replaced in one rename: no moment without a lease
-      current = storage.read_versioned(self.url)
+      current = conditional.read_versioned(self.url)
       holder = _parse(current.data) if current is not None else None
       if holder is not None and holder["token"] == self.record["token"]:
         if not self._stop.is_set():
@@ -335,7 +335,7 @@ class Lease:
     if silent <= self.takeover_s / 2:
       return None
     error = self._error
-    cause = f" (last error: {type(error).__name__}: {storage.first_line(error)})" if error else ""
+    cause = f" (last error: {type(error).__name__}: {errors.first_line(error)})" if error else ""
     return (f"the workdir lease {self.url} could not be renewed for {_ago(silent)}{cause}; "
             f"at {self.takeover_s:g} s ({TAKEOVER_ENV}) another launch could take the workdir "
             "over, so this run stops")
@@ -349,8 +349,8 @@ class Lease:
     try:
       # One attempt: a store that is down would answer no better within the retry budget,
       # and the save after this look has its own.
-      with storage.attempts_once():
-        current = storage.read_versioned(self.url)
+      with retry.attempts_once():
+        current = conditional.read_versioned(self.url)
     except Exception:  # pylint: disable=broad-except  # cannot tell: the caller's save decides
       return None
     holder = _parse(current.data) if current is not None else None
@@ -379,7 +379,7 @@ class Lease:
     except Exception as e:  # pylint: disable=broad-except  # see the docstring
       logging.warning("could not release the workdir lease %s (%s: %s); the next launch takes "
                       "it over once it has not changed for %g s", self.url, type(e).__name__,
-                      storage.first_line(e), self.takeover_s)
+                      errors.first_line(e), self.takeover_s)
 
 
 # The lease `hold` took for this process's job (held by process 0), which `stop_without_lease`
@@ -426,6 +426,6 @@ def stop_without_lease(reason: str | None, step: int, save: Callable[[], None]) 
     save()
   except Exception as e:  # pylint: disable=broad-except  # the lease is the reason to stop
     raise LeaseLost(f"{why}; saving step {step} failed too ({type(e).__name__}: "
-                    f"{storage.first_line(e)})") from e
+                    f"{errors.first_line(e)})") from e
   raise LeaseLost(f"{why}. Saved step {step}; rerun the same command to resume once the "
                   "workdir is free")

@@ -38,7 +38,7 @@ from etils import epath
 
 from olmo3.data import pipeline
 from olmo3.io import metrics as metrics_lib
-from olmo3.io import storage
+from olmo3.io import retry
 from olmo3.run import record
 from olmo3.run.plan import RunPlan
 from olmo3.sharded_model import ShardedModel
@@ -74,8 +74,8 @@ def train(plan: RunPlan, model: ShardedModel | None = None,
   SIGINT from its own start; `progress`, when given, is filled in as the run goes."""
   preemption = preemption or Preemption()
   progress = progress if progress is not None else Progress()
-  storage.retried(lambda: epath.Path(plan.workdir.root).mkdir(parents=True, exist_ok=True),
-                  plan.workdir.root, "creating the workdir")
+  retry.retried(lambda: epath.Path(plan.workdir.root).mkdir(parents=True, exist_ok=True),
+                plan.workdir.root, "creating the workdir")
   lease = Lease(plan.workdir.root)
   hold(lease)
   try:
@@ -84,7 +84,7 @@ def train(plan: RunPlan, model: ShardedModel | None = None,
   except BaseException as e:
     preemption.restore()
     if jax.process_index() == 0:
-      with storage.cleanup_after(e):
+      with retry.cleanup_after(e):
         lease.release()  # never raises
     raise
   preemption.restore()
@@ -252,10 +252,10 @@ def _cleanup_on_failure(checkpoints: RunCheckpoints,
   try:
     yield
   except BaseException as e:
-    with storage.cleanup_after(e):
-      storage.quietly("finishing the last checkpoint save", checkpoints.wait)
+    with retry.cleanup_after(e):
+      retry.quietly("finishing the last checkpoint save", checkpoints.wait)
       # A run whose lease another launch took writes nothing more into the workdir: its
       # metrics would land in (in a bucket: replace) the new holder's metrics.jsonl.
       if not (isinstance(e, LeaseLost) and e.taken):
-        storage.quietly("writing the metrics", writer.flush)
+        retry.quietly("writing the metrics", writer.flush)
     raise

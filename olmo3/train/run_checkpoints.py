@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from olmo3.io import orbax_s3, storage
+from olmo3.io import orbax_s3, pathnames
 from olmo3.io.checkpoint import (ARRAYS, META, PARAMS, CheckpointError, array_records,
                               restore_items, sealed)
 
@@ -47,7 +47,7 @@ class _KeepVerified:
 
 class RunCheckpoints:
   def __init__(self, directory: str | os.PathLike, keep: int, async_save: bool):
-    self.directory = storage.absolute(directory)
+    self.directory = pathnames.absolute(directory)
     self._verified = _KeepVerified()
     self._saving: int | None = None  # the step of an async save not yet known to have landed
     policies = ocp.checkpoint_managers

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from absl import logging
 
-from olmo3.io import checkpoint, storage
+from olmo3.io import checkpoint, pathnames, storage
 from olmo3.io.checkpoint import CheckpointDamaged, CheckpointError, check_run_step
 from olmo3.config import Experiment, InitMode
 from olmo3.data.tokens import DataError
@@ -269,7 +269,7 @@ def _convert_once(resume: Resume, plan: RunPlan) -> None:
   located = locate(source)
   if located is None:  # gone since the plan found it
     raise CheckpointError(f"checkpoint.init_from={source!r}: no OLMo-core checkpoint there now")
-  if storage.exists(storage.join(path, checkpoint.PARAMS)):
+  if storage.exists(pathnames.join(path, checkpoint.PARAMS)):
     converted = checkpoint.load_meta(path).get("source")
     if converted != located.root:
       raise CheckpointError(f"{path} holds the conversion of {converted}, not of "

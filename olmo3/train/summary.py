@@ -5,7 +5,7 @@ Everything comes from the workdir (metrics.jsonl, history.jsonl, the committed c
 so the summary of a run is the same whichever launch prints it: the last training loss, the
 last evaluation's held-out CE per set and each task's headline metric, the generalization-gap
 alarm's state, the tokens trained on, the time spent, where the files are, and the commands a
-user runs next (the launcher supplies those: it knows the experiment's name and its stages).
+user runs next (olmo3.train.closing supplies those, from the stages the launcher found).
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import dataclasses
 from olmo3.config import Experiment
 from olmo3.eval.alarm import METRIC as ALARM
 from olmo3.eval.tasks import headline_of
-from olmo3.io import checkpoint, metrics, storage
+from olmo3.io import checkpoint, metrics, pathnames
 from olmo3.run.record import Workdir, read_history
 from olmo3.train.logs import duration
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +62,7 @@ class RunSummary:
         tasks=(scored[-1]["step"], _headlines(scored[-1])) if scored else None,
         evaluations=sum(ALARM in r for r in rows), alarm_fired=fired[0] if fired else None,
         tokens=step * exp.tokens_per_step, step_seconds=step_seconds,
-        checkpoint=(storage.join(str(files.checkpoints), str(committed[-1]))
+        checkpoint=(pathnames.join(str(files.checkpoints), str(committed[-1]))
                     if committed else None))
 
   def lines(self, *, launch_seconds: float | None = None,
@@ -111,7 +110,7 @@ class RunSummary:
     out.append(f"  checkpoint      {self.checkpoint or 'none committed'}")
     files = Workdir(self.workdir)
     out.append(f"  metrics         {files.metrics} (TensorBoard: "
-               f"{storage.join(self.workdir, metrics.TENSORBOARD)})")
+               f"{pathnames.join(self.workdir, metrics.TENSORBOARD)})")
     if next_commands:
       out.append("next:")
       width = max(len(what) for what, _ in next_commands)
