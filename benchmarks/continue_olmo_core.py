@@ -231,7 +231,7 @@ def olmo3_run(exp, workdir: str) -> list[dict]:
 
   from olmo3.data import pipeline
   from olmo3.run.plan import RunPlan
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
   from olmo3.train.run_checkpoints import RunCheckpoints
   from olmo3.train.state import StateLayout, restore_or_init
   from olmo3.train.step import jit_train_step

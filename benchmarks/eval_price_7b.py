@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{eval_s:,.1f} s (before: {old_s:,.1f} s) vs a train step's {train_s:.2f} s: "
         f"{result['fraction_of_10k_steps']:.4%} of the {STEPS_BETWEEN:,} steps between two.")
   if args.compile:
-    from olmo3.sharded_model import ShardedModel
+    from olmo3.placement import ShardedModel
     from olmo3.train import aot
 
     model = ShardedModel.for_experiment(exp, aot.topology_devices(args.compile))

@@ -102,7 +102,7 @@ class Ours:
     import jax
 
     from olmo3.eval.evaluator import Evaluator
-    from olmo3.sharded_model import ShardedModel
+    from olmo3.placement import ShardedModel
 
     model = ShardedModel.for_experiment(exp, devices=jax.devices()[:1])
     self.params = model.init_params(exp.train.seed)

@@ -66,7 +66,7 @@ def bare_step(exp) -> Callable[[], float]:
   import jax
 
   from olmo3.data import pipeline, sources
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
   from olmo3 import flops as flops_lib
   from olmo3.config import (AttentionKernel, DataConfig, DType, Experiment, OptimizerConfig,
                             TrainConfig)
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 

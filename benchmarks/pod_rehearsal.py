@@ -22,7 +22,7 @@ stage 2. On 2 cores an 8-device step of the tiny model costs about twice a 4-dev
 and compiles on the same cores: the full job's shape is measured here, not in every suite run.
 
 The run is the tiny recipe (experiments.olmo3_tiny:stage1, with the half-length instances the
-reliability tests use). Every job is the sbatch script `launch/jobs.py` renders for its nodes
+reliability tests use). Every job is the sbatch script `launch/slurm.py` renders for its nodes
 (a process of 2 devices each), run by bash with tests/slurm_standin/srun first on PATH (as
 tests/test_reliability.py runs its SLURM jobs): JAX's SLURM detection joins the tasks. The
 workdir is in a bucket of fake-gcs-server (its filesystem backend, so its objects outlive the
@@ -112,7 +112,7 @@ FULL = Plan(processes=4, resized_devices=DEVICES, term_task=2, kill_task=1, step
             tasks=("arc_easy_rc_0shot", "boolq_rc_0shot", "hellaswag_rc_0shot", "piqa_rc_0shot"),
             task_limit=20, max_documents=32)
 # The test's: every fault (a-d) and its checks on a 2 x 2 job, resized to 1 x 1, fewer steps,
-# no audit and no stage 2 (e), which tests/test_data_audit.py and tests/test_reliability.py's
+# no audit and no stage 2 (e), which tests/test_data_exactly_once.py and tests/test_reliability.py's
 # 2-process evaluation cover in part.
 QUICK = Plan(processes=2, resized_devices=1, term_task=1, kill_task=1, steps=12, job_steps=10,
              every=2, stage2_steps=0, tasks=(), task_limit=0, max_documents=0, faults_only=True)
@@ -176,7 +176,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 class Job:
-  """A SLURM job of the launcher: the sbatch script launch/jobs.py renders for `nodes` nodes of
+  """A SLURM job of the launcher: the sbatch script launch/slurm.py renders for `nodes` nodes of
   `devices` CPU devices (one task each), run by bash with the srun stand-in first on PATH. Its
   lines (each task's prefixed with its rank) are collected as they come and kept in a log."""
 
@@ -184,17 +184,17 @@ class Job:
                env: dict[str, str], logdir: str):
     import fiddle as fdl
 
-    from launch import jobs, refs
+    from launch import jobs, refs, slurm
 
     command = jobs.command_from_args(args, python=sys.executable)
     exp = fdl.build(refs.resolve(command.fdl_config, command.fdl_sets, command.fiddlers))
-    job = jobs.SlurmJob(f"rehearsal-{name}", nodes=nodes, gpus_per_node=devices,
-                        processes=jobs.Processes.PER_NODE, command=command,
-                        env=jobs.job_env(exp))
+    job = slurm.SlurmJob(f"rehearsal-{name}", nodes=nodes, gpus_per_node=devices,
+                         processes=jobs.Processes.PER_NODE, command=command,
+                         env=jobs.job_env(exp))
     jobs.check_experiment(exp, jobs.Target.SLURM, job.devices, 1)
     script = os.path.join(logdir, f"{name}.sbatch")
     with open(script, "w") as f:
-      f.write(jobs.slurm_script(job))
+      f.write(slurm.slurm_script(job))
     self.name, self.log = name, os.path.join(logdir, f"{name}.log")
     self.lines: list[str] = []
     env = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
@@ -340,7 +340,7 @@ class Rehearsal:
 
   def env(self) -> dict[str, str]:
     from olmo3.io import settings
-    from olmo3.train import lease
+    from olmo3.run import lease
 
     from launch import main as launcher
 
@@ -693,7 +693,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
       "mode": "quick" if args.quick else "full",
       "job": {"devices_per_process": DEVICES,
-              "started_as": "launch/jobs.py's sbatch script, tests/slurm_standin/srun",
+              "started_as": "launch/slurm.py's sbatch script, tests/slurm_standin/srun",
               "recipe": "experiments.olmo3_tiny:stage1 (+ stage2), 8 x 128 tokens per step",
               **dataclasses.asdict(plan)},
       "budgets_s": {"heartbeat": HEARTBEAT_S, "storage_retry": RETRY_S,

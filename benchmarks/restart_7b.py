@@ -18,8 +18,9 @@ Measured here, each in a process of its own as a restarted host would run it:
   machine's 8 simulated devices as one tpu7x host's 8): saved through the run's checkpointer
   (async, as training saves) and restored through its verified restore, on local disk and in
   the GCS emulator;
-- the first batch after a restart: benchmarks/startup_7b.py (run here unless --startup_json
-  gives its JSON).
+- the first batch: benchmarks/startup_7b.py (run here unless --startup_json gives its JSON);
+  the lost host's replacement starts with an empty cache, so it computes the epoch's order
+  (startup's cold figure) while the surviving hosts read theirs (its restart figures).
 What this machine cannot measure is assumed and named in the output (`assumed`): the step time
 (the analytic FLOPs at the TPU reproduction's 44.5% MFU), a lost host's replacement (JobSet
 recreating the pods), loading the compiled program from the persistent cache, and that every
@@ -104,7 +105,7 @@ def phase_lower(topology: str) -> dict:
   import fiddle as fdl
 
   from launch import refs
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
   from olmo3.train import aot
   from olmo3.train.state import StateLayout
   from olmo3.train.step import abstract_inputs, jit_train_step
@@ -129,7 +130,7 @@ def _host_share():
   from jax.sharding import NamedSharding, PartitionSpec
 
   from launch import refs
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
 
   exp = fdl.build(refs.resolve("experiments.olmo3_7b:stage1"))
   shapes = ShardedModel.for_experiment(exp, jax.devices()[:1]).param_shapes
@@ -315,7 +316,7 @@ def main() -> None:
                           capture_output=True, text=True, check=True)
     startup = json.loads(done.stdout.strip().splitlines()[-1])
   else:
-    startup = {"first_batch_restart_s": {"step_0": float("nan")}}
+    startup = {"first_batch_cold_s": float("nan")}
   result = price(measured, startup, args.preemptions_per_day)
   print(markdown(result))
   print(json.dumps(result))
@@ -356,13 +357,15 @@ def _upload_empty_objects(server, bucket: str, n: int) -> None:
 
 
 def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
-  from olmo3.train import lease
+  from olmo3.run import lease
 
   step_s, tflop = step_seconds()
   gcs = measured["checkpoint_gcs"]
   state_gb = gcs["gb"] * HOSTS
-  first_batch = startup["first_batch_restart_s"]
-  first_batch = max(first_batch.values()) if isinstance(first_batch, dict) else first_batch
+  # The host that replaced the lost one starts with an empty cache: it computes the epoch's
+  # order (the surviving hosts read theirs: startup's first_batch_restart_s), and every host
+  # waits for it at the first step.
+  first_batch = startup["first_batch_cold_s"]
   phases = {
       "detection: a lost host's peers stop at the heartbeat timeout (assumed: TPU collectives "
       "wait for it)": HEARTBEAT_S,
@@ -380,7 +383,8 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
           gcs["restore_s"] - gcs["checksums_s"]),
       "the restore's verification (checksums; on the TPU at HBM speed, here "
       f"{gcs['checksums_s']:.1f} s on the CPU)": 0.0,
-      "the first batch (startup_7b.py, a restart)": first_batch,
+      "the first batch: the new host computes the epoch's order (startup_7b.py, cold)":
+          first_batch,
   }
   restart_s = sum(v for v in phases.values() if not math.isnan(v))
   mtbf = 86_400 / preemptions_per_day

@@ -214,7 +214,7 @@ def ours(exp, theirs: list[dict[str, Any]]) -> tuple[dict, list[dict], dict]:
 
   from olmo3.config import DType
   from olmo3.data import packing, pipeline
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 

@@ -106,7 +106,7 @@ def ours(exp, tokens: np.ndarray) -> tuple[dict, list[dict]]:
 
   from olmo3.config import DType
   from olmo3.loss import IGNORE
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 

@@ -32,7 +32,7 @@ def ours(exp, tokens, steps):
   import jax
 
   from olmo3.data import pipeline
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
   from olmo3.train.state import StateLayout
   from olmo3.train.step import jit_train_step
 

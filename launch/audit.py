@@ -1,4 +1,4 @@
-r"""Audit an experiment's own input pipeline for exactly-once reading (olmo3.data.audit).
+r"""Audit an experiment's own input pipeline for exactly-once reading (olmo3.data.exactly_once).
 
   python launch/audit.py --fdl_config=experiments.olmo3_tiny:stage1 --processes 4 \
       --devices_per_process 2 --steps 200 [--start_step K] [--dump DIR] [--fdl_set=...]
@@ -17,7 +17,7 @@ from absl import app, flags
 
 from launch import refs
 from olmo3 import platforms
-from olmo3.data import audit
+from olmo3.data import exactly_once
 
 CONFIG = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function", required=True)
@@ -32,7 +32,7 @@ DUMP = flags.DEFINE_string("dump", None, "directory for the rows each process ho
 
 
 def audit_argv() -> list[str]:
-  """olmo3.data.audit's own command line (it parses with argparse) for these flags."""
+  """olmo3.data.exactly_once's own command line (it parses with argparse) for these flags."""
   argv = ["--processes", str(PROCESSES.value), "--devices_per_process", str(DEVICES.value),
           "--steps", str(STEPS.value), "--start_step", str(START_STEP.value)]
   return argv + (["--dump", DUMP.value] if DUMP.value else [])
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     exp = fdl.build(refs.resolve(CONFIG.value, SETS.value))
   except (refs.ConfigRefError, ValueError, TypeError) as e:  # one line, not the usage text
     sys.exit(f"error: {refs.message(e)}\nRun 'python launch/audit.py --help' for the flags.")
-  return audit.main(audit_argv(), data=exp.data)
+  return exactly_once.main(audit_argv(), data=exp.data)
 
 
 if __name__ == "__main__":

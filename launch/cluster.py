@@ -27,7 +27,7 @@ import sys
 import fiddle as fdl
 from absl import app, flags
 
-from launch import jobs, refs
+from launch import gke, jobs, refs, slurm
 from olmo3 import platforms
 from olmo3.config import Experiment
 
@@ -53,10 +53,10 @@ IMAGE = flags.DEFINE_string("image", None, "container image holding this reposit
 WORKING_DIR = flags.DEFINE_string("working_dir", None,
                                   "the repository's directory in the image (default: its WORKDIR)")
 MAX_RESTARTS = flags.DEFINE_integer(
-    "max_restarts", jobs.DEFAULT_MAX_RESTARTS, "restarts of the whole job after a failure "
+    "max_restarts", gke.DEFAULT_MAX_RESTARTS, "restarts of the whole job after a failure "
     "(each resumes from the last checkpoint; 0: a failure ends the job)", lower_bound=0)
 SHM_SIZE = flags.DEFINE_string(
-    "shm_size", jobs.DEFAULT_SHM_SIZE, "each pod's /dev/shm (memory-backed; Grain's worker "
+    "shm_size", gke.DEFAULT_SHM_SIZE, "each pod's /dev/shm (memory-backed; Grain's worker "
     "processes pass batches through it), a Kubernetes quantity (gke)")
 GRACE = flags.DEFINE_integer(
     "termination_grace_period_s", 600, "seconds a pod has after SIGTERM (it saves a checkpoint "
@@ -96,10 +96,10 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
   env = jobs.job_env(exp)
   if target is jobs.Target.SLURM:
     _require(NODES, "with --target=slurm")
-    jobs.check_slurm(NODES.value, GPUS_PER_NODE.value)
+    slurm.check_slurm(NODES.value, GPUS_PER_NODE.value)
     jobs.check_experiment(exp, target, NODES.value * GPUS_PER_NODE.value, 1)
     mesh = jobs.mesh_description(exp, NODES.value * GPUS_PER_NODE.value, 1)
-    script = jobs.slurm_script(jobs.SlurmJob(name, NODES.value, GPUS_PER_NODE.value,
+    script = slurm.slurm_script(slurm.SlurmJob(name, NODES.value, GPUS_PER_NODE.value,
                                              PROCESSES.value, command, env, PARTITION.value,
                                              ACCOUNT.value, TIME.value, mesh))
     return script, ["sbatch"], script
@@ -108,15 +108,15 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
   _require(WORKDIR, f"with --target={target.value} (a pod's own disk does not outlive it)")
   slices = jobs.tpu_slices(ACCELERATOR.value, TOPOLOGY.value, NUM_SLICES.value)
   jobs.check_experiment(exp, target, slices.devices, slices.num_slices)
-  shm = jobs.check_quantity(SHM_SIZE.value, SHM_SIZE.name)
+  shm = gke.check_quantity(SHM_SIZE.value, SHM_SIZE.name)
   mesh = jobs.mesh_description(exp, slices.devices, slices.num_slices)
-  job = jobs.PodJob(name, slices, IMAGE.value, command, env, MAX_RESTARTS.value, shm,
+  job = gke.PodJob(name, slices, IMAGE.value, command, env, MAX_RESTARTS.value, shm,
                     GRACE.value, WORKING_DIR.value, QUEUE.value, mesh)
   if target is jobs.Target.GKE:
-    manifest = jobs.render_jobset(job)
+    manifest = gke.render_jobset(job)
     return manifest, ["kubectl", "apply", "-f", "-"], manifest
   _require(CLUSTER, "with --target=xpk")
-  argv = jobs.xpk_command(job, CLUSTER.value, PROJECT.value, ZONE.value)
+  argv = gke.xpk_command(job, CLUSTER.value, PROJECT.value, ZONE.value)
   return f"# {slices.describe()}\n# {mesh}\n{shlex.join(argv)}\n", argv, None
 
 

@@ -22,7 +22,7 @@ from fiddle.experimental import serialization
 
 # `olmo3` is imported before any launch script calls make_cwd_importable, so the installed
 # package is the one a config.json's references resolve in.
-from launch import diffs
+from launch import config_changes
 from launch.refs import ConfigRefError, load, split_ref
 from olmo3.run import record
 
@@ -110,7 +110,7 @@ def revision(previous: fdl.Config | None, cfg: fdl.Config) -> dict[str, str] | N
   """The files of a new config revision for olmo3.run.record.RunRecord.begin ({"json": Fiddle's
   JSON, "text": the flattened printout}), or None when `cfg` equals the latest revision's
   config (`previous`)."""
-  if previous is not None and not diffs.diff(previous, cfg):
+  if previous is not None and not config_changes.diff(previous, cfg):
     return None
   return {"json": dump(cfg), "text": printing.as_str_flattened(cfg)}
 

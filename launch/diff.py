@@ -7,7 +7,7 @@
 Each side is an experiment reference (module:function) or a run workdir: the config revision
 that produced its newest checkpoint, or with `WORKDIR@STEP` the one that produced checkpoint
 STEP (a run resumed with a resumable change holds several; olmo3/run/record.py has the
-rule). Programmatic use: `launch.diffs.diff(config_files.load_any(a), config_files.load_any(b))`.
+rule). Programmatic use: `launch.config_changes.diff(config_files.load_any(a), config_files.load_any(b))`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import sys
 
 from absl import app, flags
 
-from launch import config_files, diffs, refs
+from launch import config_changes, config_files, refs
 from olmo3 import platforms
 
 JSON = flags.DEFINE_bool("json", False, "print a JSON list of changes")
 
 
-def format_table(changes: list[diffs.Change], a: str, b: str) -> str:
+def format_table(changes: list[config_changes.Change], a: str, b: str) -> str:
   if not changes:
     return "no differences"
   width = max(len(c.path) for c in changes)
@@ -38,10 +38,10 @@ def main(argv: list[str]) -> None:
   a, b = argv[1:]
   refs.make_cwd_importable()
   try:
-    changes = diffs.diff(config_files.load_any(a), config_files.load_any(b))
+    changes = config_changes.diff(config_files.load_any(a), config_files.load_any(b))
   except refs.ConfigRefError as e:  # one line, not the usage text
     sys.exit(f"error: {e}")
-  print(diffs.diff_json(changes) if JSON.value else format_table(changes, a, b))
+  print(config_changes.diff_json(changes) if JSON.value else format_table(changes, a, b))
 
 
 if __name__ == "__main__":

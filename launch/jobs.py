@@ -1,6 +1,8 @@
-"""Cluster jobs for an experiment: a GKE JobSet manifest or the equivalent xpk command for TPU
-pod slices, and a SLURM batch script for GPU nodes. Rendering only (no I/O, no submission):
-`launch/cluster.py` is the command line. docs/launch.md describes the jobs.
+"""What every cluster job of an experiment shares: the TPU slices and their mesh, the launcher
+command, the environment, the name and the hosts' installs. The jobs themselves are rendered by
+launch/gke.py (a GKE JobSet or xpk command for TPU pod slices) and launch/slurm.py (a SLURM batch
+script for GPU nodes); rendering only (no I/O, no submission): `launch/cluster.py` is the
+command line. docs/launch.md describes the jobs.
 
 Every job runs the launcher exactly as a user would (`python launch/main.py --fdl_config=...
 --workdir=... --fdl_set=...`) with the experiment's compiler flag set in its environment
@@ -23,10 +25,7 @@ import os
 import re
 import shlex
 import tomllib
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-import yaml
+from collections.abc import Sequence
 
 from launch import refs
 from olmo3.config import AttentionKernel, Experiment, MeshConfig
@@ -35,31 +34,10 @@ from olmo3.data.tokens import DataError
 from olmo3.io import pathnames
 from olmo3.sharding import MESH_AXES
 
-JOBSET_API = "jobset.x-k8s.io/v1alpha2"
-ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
-TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
-TPU_RESOURCE = "google.com/tpu"
-# JobSet's exclusive placement: one slice (child Job) per node pool, so no slice's hosts are
-# split across node pools (ICI links only exist within one).
-EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
-NODE_POOL_LABEL = "cloud.google.com/gke-nodepool"
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-CONTAINER = "olmo3"
-REPLICATED_JOB = "slice"
 # Pod hostnames are <name>-slice-<slice>-<host> and must stay a DNS label (63 characters);
 # xpk caps workload names at 40 for the same reason.
 MAX_NAME = 40
 CHIPS_PER_HOST = 4  # every multi-host slice of these kinds: 4 chips per TPU VM
-# A SLURM job with a time limit has its tasks sent SIGTERM this long before it (sbatch
-# --signal), time for the step in flight and a checkpoint save.
-SIGNAL_BEFORE_LIMIT_S = 600
-# A failed host restarts the whole JobSet this many times (each restart resumes from the last
-# checkpoint): a weeks-long run outlives many host failures.
-DEFAULT_MAX_RESTARTS = 20
-# /dev/shm of each pod: Grain's reader processes (data.num_workers) hand batches to the
-# launcher through shared memory, and a container's default (64 MiB) cannot hold a step's.
-DEFAULT_SHM_SIZE = "16Gi"
-SHM_VOLUME = "dshm"
 # The olmo3 extras each kind of host installs, as the documented installs do: the image the
 # repository's Dockerfile builds (its EXTRAS build argument's default; tests/test_docker.py
 # checks the two agree) and the SLURM environment of the README (pip install -e '.[gpu,eval]').
@@ -205,7 +183,7 @@ def filled_mesh(mesh: MeshConfig, devices_per_slice: int, slices: int) -> dict[s
           * dcn.get(axis, 1) for axis in MESH_AXES}
 
 
-def _mesh_comment(mesh: str | None) -> str:
+def mesh_comment(mesh: str | None) -> str:
   return f"# {mesh}\n" if mesh else ""
 
 
@@ -346,243 +324,6 @@ def check_name(name: str) -> str:
     raise LaunchError(f"--name={name!r}: must be a DNS label of at most {MAX_NAME} characters "
                       "(lowercase letters, digits and '-', starting with a letter)")
   return name
-
-
-# --- TPU pod slices: GKE JobSet and xpk ----------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PodJob:
-  name: str
-  slices: TpuSlices
-  image: str
-  command: Command
-  env: Mapping[str, str]
-  max_restarts: int = DEFAULT_MAX_RESTARTS  # restarts of every slice; each resumes
-  shm_size: str = DEFAULT_SHM_SIZE  # /dev/shm (memory-backed) for Grain's worker processes
-  # SIGTERM is honoured at the next step boundary, which then saves a checkpoint: give it time.
-  grace_period_s: int = 600
-  working_dir: str | None = None  # the repository in the image (None: the image's WORKDIR)
-  queue: str | None = None  # a Kueue LocalQueue
-  mesh: str | None = None  # `mesh_description`: a comment under the devices' one
-
-
-def check_quantity(value: str, flag: str) -> str:
-  """A Kubernetes memory quantity (16Gi, 512Mi, 8G), or LaunchError naming the flag."""
-  if not re.fullmatch(r"[1-9]\d*(\.\d+)?(Ki|Mi|Gi|Ti|k|M|G|T)?", value):
-    raise LaunchError(f"--{flag}={value!r}: expected a Kubernetes quantity such as 16Gi")
-  return value
-
-
-def jobset(job: PodJob) -> dict[str, Any]:
-  """The JobSet: one replicated job per slice, one pod per host, every pod the launcher."""
-  s = job.slices
-  container: dict[str, Any] = {
-      "name": CONTAINER, "image": job.image, "command": job.command.argv(),
-      "env": [{"name": k, "value": v} for k, v in job.env.items()],
-      # 8471: the TPU runtime between hosts and slices; 8080: the TPU metrics endpoint.
-      "ports": [{"containerPort": 8471}, {"containerPort": 8080}],
-      "resources": {"limits": {TPU_RESOURCE: s.chips_per_host}},
-      "volumeMounts": [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
-  }
-  if job.working_dir:
-    container["workingDir"] = job.working_dir
-  metadata: dict[str, Any] = {"name": job.name,
-                              "annotations": {EXCLUSIVE_TOPOLOGY: NODE_POOL_LABEL}}
-  if job.queue:
-    metadata["labels"] = {QUEUE_LABEL: job.queue}
-  pod = {
-      "restartPolicy": "Never",
-      "nodeSelector": {ACCELERATOR_LABEL: s.kind.gke_accelerator, TOPOLOGY_LABEL: s.topology},
-      # As xpk runs TPU jobs: the host's network for DCN traffic between slices.
-      "hostNetwork": True,
-      "dnsPolicy": "ClusterFirstWithHostNet",
-      "terminationGracePeriodSeconds": job.grace_period_s,
-      "containers": [container],
-      "volumes": [{"name": SHM_VOLUME,
-                   "emptyDir": {"medium": "Memory", "sizeLimit": job.shm_size}}],
-  }
-  return {
-      "apiVersion": JOBSET_API,
-      "kind": "JobSet",
-      "metadata": metadata,
-      "spec": {
-          # Any failure (a host lost, an OOM, a launcher that exits non-zero) recreates every
-          # pod; the restarted launchers resume from the last checkpoint (docs/launch.md).
-          "failurePolicy": {"maxRestarts": job.max_restarts},
-          # Stable pod hostnames: GKE builds TPU_WORKER_HOSTNAMES from them.
-          "network": {"enableDNSHostnames": True},
-          "replicatedJobs": [{
-              "name": REPLICATED_JOB,
-              "replicas": s.num_slices,
-              "template": {"spec": {
-                  "parallelism": s.hosts, "completions": s.hosts,
-                  # One failed host fails its slice; JobSet's failurePolicy restarts the set.
-                  "backoffLimit": 0,
-                  "template": {"spec": pod},
-              }},
-          }],
-      },
-  }
-
-
-def render_jobset(job: PodJob) -> str:
-  body = yaml.safe_dump(jobset(job), sort_keys=False, width=1 << 16)  # flags on one line
-  text = f"# {job.slices.describe()}\n{_mesh_comment(job.mesh)}{body}"
-  validate_jobset(text, job)
-  return text
-
-
-def _get(node: Any, *path: str | int) -> Any:
-  for key in path:
-    try:
-      node = node[key]
-    except (KeyError, IndexError, TypeError):
-      raise LaunchError("manifest: missing " + ".".join(map(str, path))) from None
-  return node
-
-
-def validate_jobset(text: str, job: PodJob) -> dict[str, Any]:
-  """Parses a rendered manifest as YAML and checks every field the job depends on against
-  `job`: a manifest that would schedule other hosts, chips or flags is refused here."""
-  try:
-    doc = yaml.safe_load(text)
-  except yaml.YAMLError as e:
-    raise LaunchError(f"manifest: not YAML ({str(e).splitlines()[0]})") from None
-  s = job.slices
-  rjobs = _get(doc, "spec", "replicatedJobs")
-  pod = _get(rjobs, 0, "template", "spec", "template", "spec")
-  containers = _get(pod, "containers")
-  expected: list[tuple[tuple[Any, ...], Any]] = [
-      (("apiVersion",), JOBSET_API), (("kind",), "JobSet"), (("metadata", "name"), job.name),
-      (("metadata", "annotations", EXCLUSIVE_TOPOLOGY), NODE_POOL_LABEL),
-      (("spec", "replicatedJobs", 0, "replicas"), s.num_slices),
-      (("spec", "replicatedJobs", 0, "template", "spec", "parallelism"), s.hosts),
-      (("spec", "replicatedJobs", 0, "template", "spec", "completions"), s.hosts),
-      (("spec", "failurePolicy", "maxRestarts"), job.max_restarts),
-  ]
-  for path, want in expected:
-    got = _get(doc, *path)
-    if got != want:
-      raise LaunchError(f"manifest: {'.'.join(map(str, path))} is {got!r}, not {want!r}")
-  if not isinstance(rjobs, list) or len(rjobs) != 1:
-    raise LaunchError("manifest: spec.replicatedJobs must hold one job (the slices)")
-  selector = _get(pod, "nodeSelector")
-  for label, want in ((ACCELERATOR_LABEL, s.kind.gke_accelerator), (TOPOLOGY_LABEL, s.topology)):
-    if selector.get(label) != want:
-      raise LaunchError(f"manifest: nodeSelector {label} is {selector.get(label)!r}, "
-                        f"not {want!r}")
-  if not isinstance(containers, list) or len(containers) != 1:
-    raise LaunchError("manifest: the pod must run one container (the launcher)")
-  container = containers[0]
-  chips = _get(container, "resources", "limits", TPU_RESOURCE)
-  if chips != s.chips_per_host:
-    raise LaunchError(f"manifest: {TPU_RESOURCE} limit is {chips!r}, not the "
-                      f"{s.chips_per_host} chips per host")
-  if not _get(container, "image"):
-    raise LaunchError("manifest: the container has no image")
-  env = {e.get("name"): e.get("value") for e in _get(container, "env") or []}
-  for var, value in job.env.items():
-    if env.get(var) != value:
-      raise LaunchError(f"manifest: env {var} is {env.get(var)!r}, not {value!r}")
-  if _get(container, "command") != job.command.argv():
-    raise LaunchError(f"manifest: the command is not {job.command.shell()!r}")
-  shm = [v for v in _get(pod, "volumes") or [] if v.get("name") == SHM_VOLUME]
-  mounts = [m for m in _get(container, "volumeMounts") or [] if m.get("name") == SHM_VOLUME]
-  if (len(shm) != 1 or shm[0].get("emptyDir") != {"medium": "Memory", "sizeLimit": job.shm_size}
-      or [m.get("mountPath") for m in mounts] != ["/dev/shm"]):
-    raise LaunchError(f"manifest: /dev/shm is not a {job.shm_size} memory volume")
-  return doc
-
-
-def xpk_command(job: PodJob, cluster: str, project: str | None = None,
-                zone: str | None = None) -> list[str]:
-  """`xpk workload create` for the same job (xpk writes and applies the JobSet itself)."""
-  if not cluster:
-    raise LaunchError("--cluster: xpk needs the GKE cluster's name")
-  run = job.command.shell()
-  if job.working_dir:
-    run = f"cd {shlex.quote(job.working_dir)} && {run}"
-  argv = ["xpk", "workload", "create", f"--cluster={cluster}", f"--workload={job.name}",
-          f"--tpu-type={job.slices.xpk_type}", f"--num-slices={job.slices.num_slices}",
-          f"--docker-image={job.image}", f"--max-restarts={job.max_restarts}",
-          f"--termination-grace-period-seconds={job.grace_period_s}"]
-  argv += [f"--{name}={value}" for name, value in (("project", project), ("zone", zone)) if value]
-  argv += [f"--env={k}={v}" for k, v in job.env.items()]
-  return argv + [f"--command={run}"]
-
-
-# --- SLURM GPU clusters ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SlurmJob:
-  name: str
-  nodes: int
-  gpus_per_node: int
-  processes: Processes
-  command: Command
-  env: Mapping[str, str]
-  partition: str | None = None
-  account: str | None = None
-  time: str | None = None  # sbatch --time, e.g. 7-00:00:00
-  mesh: str | None = None  # `mesh_description`: a comment under the devices' one
-
-  @property
-  def tasks_per_node(self) -> int:
-    return self.gpus_per_node if self.processes is Processes.PER_GPU else 1
-
-  @property
-  def devices(self) -> int:
-    return self.nodes * self.gpus_per_node
-
-  def describe(self) -> str:
-    return (f"{self.nodes} node(s) x {self.gpus_per_node} GPUs, {self.tasks_per_node} "
-            f"process(es) per node ({self.processes.value}), {self.devices} devices in all")
-
-
-def check_slurm(nodes: int, gpus_per_node: int) -> None:
-  if nodes < 1:
-    raise LaunchError(f"--nodes={nodes}: must be >= 1")
-  if gpus_per_node < 1:
-    raise LaunchError(f"--gpus_per_node={gpus_per_node}: must be >= 1")
-
-
-def _export(var: str, value: str) -> str:
-  if var == "XLA_FLAGS":  # appended, as the launcher appends: flags set outside the job stay
-    return f'export XLA_FLAGS="${{XLA_FLAGS:+$XLA_FLAGS }}"{shlex.quote(value)}'
-  return f"export {var}={shlex.quote(value)}"
-
-
-def slurm_script(job: SlurmJob) -> str:
-  """An sbatch script: `srun` starts the tasks on the allocated nodes, each task the launcher;
-  JAX's SLURM detection joins them (the coordinator is the first node of SLURM_STEP_NODELIST,
-  its port derived from SLURM_JOB_ID)."""
-  check_slurm(job.nodes, job.gpus_per_node)
-  # --requeue: a preempted (or failed-node) job goes back in the queue and, when it runs again,
-  # resumes from its checkpoint; --open-mode=append keeps the earlier runs' output.
-  header = [f"--job-name={job.name}", f"--nodes={job.nodes}",
-            f"--ntasks-per-node={job.tasks_per_node}", f"--gpus-per-node={job.gpus_per_node}",
-            "--exclusive", f"--output={job.name}-%j.out", "--open-mode=append", "--requeue"]
-  header += [f"--{k}={v}" for k, v in (("partition", job.partition), ("account", job.account),
-                                        ("time", job.time)) if v]
-  if job.time:  # SIGTERM to the tasks before the limit: the run saves a step and exits 0
-    header.append(f"--signal=TERM@{SIGNAL_BEFORE_LIMIT_S}")
-  lines = ["#!/bin/bash", f"# {job.describe()}", *_mesh_comment(job.mesh).splitlines(),
-           *(f"#SBATCH {h}" for h in header),
-           "set -euo pipefail", *(_export(k, v) for k, v in job.env.items())]
-  if job.processes is Processes.PER_NODE:
-    # JAX's SLURM detection would give each process the one GPU of its SLURM_LOCALID (0 for
-    # every node's only task): name all of the node's GPUs instead.
-    ids = ",".join(map(str, range(job.gpus_per_node)))
-    lines.append(f"export JAX_LOCAL_DEVICE_IDS={ids}")
-  # Every task sees all of its node's GPUs (no per-task GPU binding): JAX picks each task's.
-  # --kill-on-bad-exit: a task that dies stops the step instead of leaving the others waiting
-  # in a collective; --label prefixes each output line with its task's rank.
-  srun = ["srun", f"--nodes={job.nodes}", f"--ntasks={job.nodes * job.tasks_per_node}",
-          f"--ntasks-per-node={job.tasks_per_node}", "--kill-on-bad-exit=1", "--label"]
-  lines.append(shlex.join(srun) + " " + job.command.shell())
-  return "\n".join(lines) + "\n"
 
 
 def command_from_args(args: Sequence[str], python: str = "python") -> Command:

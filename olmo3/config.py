@@ -13,9 +13,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-# Unused here since the checker moved to olmo3.config_checks; tests/test_launch.py names
-# `olmo3.config` + `os.popen` in a config.json to show that what this module imports is refused.
-import os  # noqa: F401
 from typing import Any
 
 from olmo3.config_checks import (RESUMABLE, ConfigError, Validated, bounded, fail, nonempty,

@@ -21,7 +21,7 @@ from olmo3.io import metrics as metrics_lib
 from olmo3.io.checkpoint import CheckpointDamaged, CheckpointError
 from olmo3.data.order import GlobalOrder
 from olmo3.data.tokens import DataError
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import state as state_lib
 from olmo3.train.run_checkpoints import OPT_STATE, RunCheckpoints
 from olmo3.run.plan import RunPlan

@@ -1,7 +1,7 @@
-"""Cluster jobs (launch/jobs.py, launch/cluster.py): the GKE JobSet, the xpk command and the
-SLURM script, rendered in-process; the command line through real processes. The SLURM script
-running end to end (srun stand-in, jax.distributed): tests/test_reliability.py's 2-process
-runs are launched that way."""
+"""Cluster jobs (launch/jobs.py, gke.py, slurm.py, cluster.py): the GKE JobSet, the xpk command
+and the SLURM script, rendered in-process; the command line through real processes. The SLURM
+script running end to end (srun stand-in, jax.distributed): tests/test_reliability.py's
+2-process runs are launched that way."""
 
 import os
 import re
@@ -15,7 +15,7 @@ import jax
 import pytest
 import yaml
 
-from launch import jobs, refs
+from launch import gke, jobs, refs, slurm
 from olmo3 import sharding
 from olmo3.config import MeshConfig
 from olmo3.xla_flags import FLAG_SETS
@@ -38,13 +38,13 @@ def _pod_job(topology="4x4x8", num_slices=2):
   exp = _exp()
   slices = jobs.tpu_slices("tpu7x", topology, num_slices)
   jobs.check_experiment(exp, jobs.Target.GKE, slices.devices, slices.num_slices)
-  return jobs.PodJob("olmo3-7b-stage1", slices, "img:1", _command(), jobs.job_env(exp),
+  return gke.PodJob("olmo3-7b-stage1", slices, "img:1", _command(), jobs.job_env(exp),
                      max_restarts=2, queue="multislice-queue")
 
 
 def test_jobset_manifest_for_a_multislice_tpu7x_job():
   job = _pod_job()
-  doc = yaml.safe_load(jobs.render_jobset(job))
+  doc = yaml.safe_load(gke.render_jobset(job))
   assert (doc["apiVersion"], doc["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
   assert doc["metadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "multislice-queue"}
   assert doc["spec"]["failurePolicy"] == {"maxRestarts": 2}
@@ -80,15 +80,15 @@ def test_jobset_manifest_for_a_multislice_tpu7x_job():
 ])
 def test_a_manifest_that_would_run_another_job_is_refused(path, value, complaint):
   job = _pod_job()
-  doc = jobs.jobset(job)
+  doc = gke.jobset(job)
   node = doc
   for key in path[:-1]:
     node = node[key]
   node[path[-1]] = value
   with pytest.raises(jobs.LaunchError, match="manifest: .*" + re.escape(complaint)):
-    jobs.validate_jobset(yaml.safe_dump(doc), job)
+    gke.validate_jobset(yaml.safe_dump(doc), job)
   with pytest.raises(jobs.LaunchError, match="manifest: not YAML"):
-    jobs.validate_jobset("spec: [", job)
+    gke.validate_jobset("spec: [", job)
 
 
 def test_hosts_chips_and_devices_come_from_the_topology():
@@ -149,7 +149,7 @@ def test_the_experiment_must_fit_the_job():
   with pytest.raises(jobs.LaunchError, match="^--target=xpk: model.attention=cudnn needs GPUs"):
     jobs.check_experiment(_exp(fiddlers=["gpu"]), jobs.Target.XPK, 512, 1)
   with pytest.raises(jobs.LaunchError, match="^--nodes=0: must be >= 1"):
-    jobs.check_slurm(0, 8)
+    slurm.check_slurm(0, 8)
   with pytest.raises(jobs.LaunchError, match="^--name='Stage_1': must be a DNS label"):
     jobs.check_name("Stage_1")
   assert jobs.default_name("experiments.olmo3_7b:stage1") == "olmo3-7b-stage1"
@@ -175,7 +175,7 @@ def test_stage3_jobs_show_their_context_parallel_mesh_and_refuse_what_cannot_spl
 
 def test_xpk_command_runs_the_same_job():
   job = _pod_job()
-  argv = jobs.xpk_command(job, "my-cluster", zone="us-central1-c")
+  argv = gke.xpk_command(job, "my-cluster", zone="us-central1-c")
   assert argv[:3] == ["xpk", "workload", "create"]
   opts = dict(a.split("=", 1) for a in argv[3:-1] if not a.startswith("--env="))
   assert opts == {"--cluster": "my-cluster", "--workload": "olmo3-7b-stage1",
@@ -188,12 +188,12 @@ def test_xpk_command_runs_the_same_job():
   assert argv[-1].startswith("--command=")
   assert shlex.split(argv[-1].removeprefix("--command=")) == job.command.argv()
   with pytest.raises(jobs.LaunchError, match="^--cluster: xpk needs"):
-    jobs.xpk_command(job, "")
+    gke.xpk_command(job, "")
 
 
 def _slurm_job(processes, nodes=2):
   exp = _exp(fiddlers=["gpu"])
-  return jobs.SlurmJob("olmo3-7b-stage1", nodes, 8, processes, _command("gpu"),
+  return slurm.SlurmJob("olmo3-7b-stage1", nodes, 8, processes, _command("gpu"),
                        jobs.job_env(exp), partition="h100", time="7-00:00:00")
 
 
@@ -202,7 +202,7 @@ def test_slurm_script_one_task_per_gpu(tmp_path):
   """The script's #SBATCH header and srun line, and what each task receives: bash runs it with
   an `srun` that prints its arguments and the flag environment."""
   job = _slurm_job(jobs.Processes.PER_GPU)
-  script = jobs.slurm_script(job)
+  script = slurm.slurm_script(job)
   header = [line.removeprefix("#SBATCH ") for line in script.splitlines()
             if line.startswith("#SBATCH")]
   assert header == ["--job-name=olmo3-7b-stage1", "--nodes=2", "--ntasks-per-node=8",
@@ -228,7 +228,7 @@ def test_slurm_script_one_task_per_gpu(tmp_path):
 
 
 def test_slurm_script_one_task_per_node():
-  script = jobs.slurm_script(_slurm_job(jobs.Processes.PER_NODE, nodes=64))
+  script = slurm.slurm_script(_slurm_job(jobs.Processes.PER_NODE, nodes=64))
   assert "#SBATCH --ntasks-per-node=1\n" in script and "#SBATCH --gpus-per-node=8\n" in script
   assert "\nexport JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7\n" in script
   assert "\nsrun --nodes=64 --ntasks=64 --ntasks-per-node=1 " in script
@@ -259,8 +259,8 @@ def test_cli_dry_run_prints_a_valid_manifest():
                                 "devices in all\n# mesh data 1 x fsdp 512 x sequence 1 x tensor 1\n")
   slices = jobs.tpu_slices("tpu7x", "4x8x8", 1)
   command = jobs.Command(STAGE1, ("data.root='\"http://olmo-data.org\"'",), (), "gs://b/s1")
-  job = jobs.PodJob("olmo3-7b-stage1", slices, "img:1", command, jobs.job_env(_exp()))
-  jobs.validate_jobset(done.stdout, job)
+  job = gke.PodJob("olmo3-7b-stage1", slices, "img:1", command, jobs.job_env(_exp()))
+  gke.validate_jobset(done.stdout, job)
 
 
 @pytest.mark.slow(seconds=4)
@@ -275,11 +275,11 @@ def test_cli_submits_with_sbatch_and_names_a_missing_tool(tmp_path):
   args = ["--fiddler=gpu", "--target=slurm", "--nodes=64", "--workdir=/shared/s1"]
   done = _cluster(*args, path=f"{bin_dir}:{os.environ['PATH']}")
   assert done.returncode == 0 and done.stdout == "Submitted batch job 42\n", done.stderr[-3000:]
-  job = jobs.SlurmJob("olmo3-7b-stage1", 64, 8, jobs.Processes.PER_GPU,
+  job = slurm.SlurmJob("olmo3-7b-stage1", 64, 8, jobs.Processes.PER_GPU,
                       jobs.Command(STAGE1, (), ("gpu",), "/shared/s1"),
                       jobs.job_env(_exp(fiddlers=["gpu"])),
                       mesh="mesh data 1 x fsdp 512 x sequence 1 x tensor 1")
-  assert (tmp_path / "submitted").read_text() == jobs.slurm_script(job)
+  assert (tmp_path / "submitted").read_text() == slurm.slurm_script(job)
   done = _cluster("--target=gke", "--accelerator=tpu7x", "--topology=4x8x8", "--image=img:1",
                   "--workdir=gs://b/s1", path=os.path.dirname(sys.executable))
   assert done.returncode == 1
@@ -293,20 +293,20 @@ def test_cluster_jobs_restart_by_default_with_room_in_dev_shm():
   from the checkpoint; each pod's /dev/shm is a memory volume Grain's workers can fill; a
   preempted SLURM job is requeued."""
   slices = jobs.tpu_slices("tpu7x", "4x4x4", 1)
-  job = jobs.PodJob("olmo3-7b-stage1", slices, "img:1", _command(), jobs.job_env(_exp()))
-  doc = jobs.validate_jobset(jobs.render_jobset(job), job)
-  assert doc["spec"]["failurePolicy"] == {"maxRestarts": jobs.DEFAULT_MAX_RESTARTS} != {
+  job = gke.PodJob("olmo3-7b-stage1", slices, "img:1", _command(), jobs.job_env(_exp()))
+  doc = gke.validate_jobset(gke.render_jobset(job), job)
+  assert doc["spec"]["failurePolicy"] == {"maxRestarts": gke.DEFAULT_MAX_RESTARTS} != {
       "maxRestarts": 0}
   pod = doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
   assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory",
                                                           "sizeLimit": "16Gi"}}]
   assert pod["containers"][0]["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
-  no_shm = jobs.render_jobset(job).replace("mountPath: /dev/shm", "mountPath: /tmp/shm")
+  no_shm = gke.render_jobset(job).replace("mountPath: /dev/shm", "mountPath: /tmp/shm")
   with pytest.raises(jobs.LaunchError, match="/dev/shm is not a 16Gi memory volume"):
-    jobs.validate_jobset(no_shm, job)
+    gke.validate_jobset(no_shm, job)
   with pytest.raises(jobs.LaunchError, match="--shm_size='lots'"):
-    jobs.check_quantity("lots", "shm_size")
-  script = jobs.slurm_script(_slurm_job(jobs.Processes.PER_GPU))
+    gke.check_quantity("lots", "shm_size")
+  script = slurm.slurm_script(_slurm_job(jobs.Processes.PER_GPU))
   assert "#SBATCH --requeue\n" in script and "#SBATCH --open-mode=append\n" in script
 
 

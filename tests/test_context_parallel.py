@@ -14,7 +14,7 @@ import pytest
 from olmo3 import config, sharding
 from olmo3.config import Packing, RopePositions
 from olmo3.io import checkpoint
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import state as state_lib
 from tests import forked
 from tests.conftest import FAST_COMPILE_XLA_FLAGS

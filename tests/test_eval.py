@@ -11,7 +11,7 @@ from olmo3.data import embedded
 from olmo3.data import tokens as tokens_lib
 from olmo3.eval import tasks as tasks_lib
 from olmo3.eval.evaluator import Evaluator
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.eval.alarm import GapAlarm
 
 from conftest import random_params

@@ -6,7 +6,7 @@ import fiddle as fdl
 import pytest
 
 from experiments import olmo3_7b, olmo3_tiny
-from launch import diffs, refs
+from launch import config_changes, refs
 from olmo3 import config
 
 SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
@@ -30,7 +30,7 @@ def _field(path: str) -> str:
 
 @pytest.mark.parametrize("stage", ["stage1", "stage2", "stage3"])
 def test_tiny_differs_from_the_7b_only_in_size_data_and_machine(stage):
-  changes = diffs.diff(getattr(olmo3_7b, stage)(), getattr(olmo3_tiny, stage)())
+  changes = config_changes.diff(getattr(olmo3_7b, stage)(), getattr(olmo3_tiny, stage)())
   changed = {_field(c.path) for c in changes}
   assert changed - (SIZE | DATA | MACHINE) == set()
   # What it must change: the corpus, the shape, the steps; the recipe's numbers stay.
@@ -77,9 +77,9 @@ def test_resumable_fields_are_the_marked_ones():
       "data.device_prefetch", "wandb.mode", "wandb.project", "wandb.entity", "wandb.name"}
   old, new = olmo3_tiny.stage1(), olmo3_tiny.stage1()
   new.train.steps, new.mesh.shape = 200, (("data", 2), ("fsdp", -1))
-  assert diffs.unresumable_changes(old, new) == []
+  assert config_changes.unresumable_changes(old, new) == []
   new.optimizer.peak_lr = 1e-3
-  assert [c.path for c in diffs.unresumable_changes(old, new)] == ["optimizer.peak_lr"]
+  assert [c.path for c in config_changes.unresumable_changes(old, new)] == ["optimizer.peak_lr"]
 
 
 def test_laptop_size_keeps_the_7b_evaluation():
@@ -106,7 +106,7 @@ def test_head_shape_sweeps_change_the_heads_alone(module, shapes):
     cfg = module.stage1()
     for path, value in overrides.items():
       refs.set_field(cfg, path, value)
-    assert {c.path for c in diffs.diff(module.stage1(), cfg)} <= {
+    assert {c.path for c in config_changes.diff(module.stage1(), cfg)} <= {
         "model.n_heads", "model.n_kv_heads", "train.seed"}
     exp = fdl.build(cfg)  # validates
     model = exp.model
@@ -148,7 +148,7 @@ def test_the_context_parallel_sweep_builds_distinct_layouts_for_512_devices():
     cfg = olmo3_7b.stage3()
     for path, value in overrides.items():
       refs.set_field(cfg, path, value)
-    assert {c.path.split("[")[0] for c in diffs.diff(olmo3_7b.stage3(), cfg)} <= {
+    assert {c.path.split("[")[0] for c in config_changes.diff(olmo3_7b.stage3(), cfg)} <= {
         "mesh.shape", "model.remat", "model.splash_block"}
     exp = fdl.build(cfg)
     jobs.check_experiment(exp, jobs.Target.GKE, 512, 1)

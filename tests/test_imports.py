@@ -14,7 +14,7 @@ LAYERS = (
     ("olmo3.sharding", "olmo3.flops"),
     ("olmo3.attention",),
     ("olmo3.model", "olmo3.data"),
-    ("olmo3.sharded_model", "olmo3.convert", "olmo3.run"),
+    ("olmo3.placement", "olmo3.convert", "olmo3.run"),
     ("olmo3.eval",),
     ("olmo3.train", "olmo3.sample"),
 )

@@ -177,7 +177,7 @@ if __name__ == "__main__":
   import launch.config_files  # noqa: F401
   import olmo3.io.checkpoint  # noqa: F401
   import olmo3.data.sources  # noqa: F401
-  import olmo3.train.lease  # noqa: F401
+  import olmo3.run.lease  # noqa: F401
 
   with open(sys.argv[1]) as f:
     print(json.dumps(drive(json.load(f), sys.argv[2])))

@@ -1,4 +1,4 @@
-"""The workdir lease (olmo3.train.lease): who may take a workdir over and when, in process on a
+"""The workdir lease (olmo3.run.lease): who may take a workdir over and when, in process on a
 local disk (in a bucket: tests/test_storage.py), then through the real launcher: a restarted
 launcher takes over its own stale lease at once and another container's once it has watched
 it unchanged for the takeover age, a live holder whose clock lags is refused and never taken
@@ -22,8 +22,8 @@ import urllib.request
 import pytest
 
 from olmo3.io import settings
-from olmo3.train import lease as lease_lib
-from olmo3.train.lease import Lease, LeaseHeld, LeaseLost
+from olmo3.run import lease as lease_lib
+from olmo3.run.lease import Lease, LeaseHeld, LeaseLost
 from tests import forked, storage_servers
 from tests.background import Background
 from tests.test_reliability import MAIN, ROOT, TINY, _env, _losses

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from olmo3 import loss, sharding
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import step as step_lib
 from tests.conftest import random_params
 from tests.train_helpers import micro_experiment

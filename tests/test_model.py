@@ -8,7 +8,7 @@ from olmo3 import config, sharding
 from olmo3 import attention as attention_lib
 from olmo3 import model as model_lib
 from olmo3.config import AttentionKernel
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 
 from conftest import random_params
 

@@ -21,7 +21,7 @@ from olmo3.data.serve import RangeServer
 from olmo3.data.tokens import DataError
 from olmo3.io import checkpoint, olmo_core_checkpoints
 from olmo3.run.plan import RunPlan, data_identity
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import continuation
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.state import StateLayout, restore_or_init

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from olmo3.io import settings
-from olmo3.train import lease as lease_lib
+from olmo3.run import lease as lease_lib
 from tests import storage_servers
 from tests.background import Background
 from tests.test_reliability import MAIN, ROOT, TINY, _env, straight  # noqa: F401

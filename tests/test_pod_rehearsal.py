@@ -21,7 +21,7 @@ def test_a_pod_job_survives_its_faults_and_loses_nothing(tmp_path):
   uninterrupted job, a, b, b's relaunch where c happens, d), the first compiling and the others
   loading its programs from the compilation cache in every process (olmo3/compilation_cache.py).
   The full rehearsal (4 x 2, its data audit and stage 2's 4-process evaluation) is a benchmark
-  run, benchmarks/RESULTS.md; tests/test_data_audit.py audits 4-process loaders and
+  run, benchmarks/RESULTS.md; tests/test_data_exactly_once.py audits 4-process loaders and
   tests/test_reliability.py checks a 2-process evaluation against 1 process."""
   done = subprocess.run([sys.executable, "benchmarks/pod_rehearsal.py", "--quick",
                          f"--keep={tmp_path / 'rehearsal'}"], cwd=ROOT, capture_output=True,

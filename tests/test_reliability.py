@@ -14,7 +14,7 @@ import fiddle as fdl
 import numpy as np
 import pytest
 
-from launch import jobs, refs
+from launch import jobs, refs, slurm
 from olmo3.io import metrics as metrics_lib
 from tests import forked
 
@@ -51,11 +51,11 @@ def _run(workdir, steps, devices=1, processes=1, extra=()):
     return
   command = jobs.command_from_args(args, python=sys.executable)
   exp = fdl.build(refs.resolve(command.fdl_config, command.fdl_sets, command.fiddlers))
-  job = jobs.SlurmJob("reliability", nodes=processes, gpus_per_node=devices,
-                      processes=jobs.Processes.PER_NODE, command=command, env=jobs.job_env(exp))
+  job = slurm.SlurmJob("reliability", nodes=processes, gpus_per_node=devices,
+                       processes=jobs.Processes.PER_NODE, command=command, env=jobs.job_env(exp))
   jobs.check_experiment(exp, jobs.Target.SLURM, job.devices, 1)
   script = workdir.parent / f"{workdir.name}.{steps}.sbatch"
-  script.write_text(jobs.slurm_script(job))
+  script.write_text(slurm.slurm_script(job))
   env = dict(_env(devices), PATH=os.pathsep.join([SRUN_STANDIN, os.environ["PATH"]]))
   done = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)

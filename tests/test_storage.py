@@ -323,7 +323,7 @@ def test_object_store_leases_are_taken_and_replaced_only_under_a_precondition(s3
   """The workdir lease in a bucket: created only where none is, replaced only if unchanged
   since read (S3's If-None-Match / If-Match; GCS's ifGenerationMatch is exercised by the gs://
   runs above and in tests/test_outages.py, whose server is a process), renewed, released."""
-  from olmo3.train import lease as lease_lib  # pylint: disable=import-outside-toplevel
+  from olmo3.run import lease as lease_lib  # pylint: disable=import-outside-toplevel
 
   bucket = "s3://olmo3-lease"
   storage_servers.make_bucket(bucket)

@@ -11,7 +11,7 @@ import torch
 from olmo3.config import OptimizerConfig, Schedule
 from olmo3.io import metrics as metrics_lib
 from olmo3.train import optim
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import state as state_lib
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.run.plan import RunPlan

@@ -40,33 +40,12 @@ def epoch_permutation(n_instances: int, seed: int, epoch: int, chunk: int = 1) -
   return (runs[:, None] * np.uint32(chunk) + np.arange(chunk, dtype=np.uint32)).reshape(-1)
 
 
-_CHECKSUM_BLOCK = 1 << 26  # bytes per zlib.crc32 call (0.15 s per GB in all)
+_BLOCK_BYTES = 1 << 26  # a kept order is checked in blocks of 64 MiB (16M indices)
 
 
-def _crc32(path: Path) -> int:
-  crc = 0
-  with open(path, "rb") as f:
-    while block := f.read(_CHECKSUM_BLOCK):
-      crc = zlib.crc32(block, crc)
-  return crc
-
-
-def _verified(path: Path, meta_path: Path, key: dict) -> bool:
-  """Whether `path` holds the permutation `key` names, whole: its sidecar names the same key,
-  size and checksum as the file has. A missing, torn or foreign file is not."""
-  try:
-    meta = json.loads(meta_path.read_text())
-    return (meta.get("key") == key and path.stat().st_size == meta.get("bytes")
-            and _crc32(path) == meta.get("crc32"))
-  except (OSError, ValueError):
-    return False
-
-
-def _stamp(path: Path) -> tuple[int, int, int]:
-  """The file's identity: a kept order is only ever replaced whole (os.replace: a new inode),
-  so an unchanged (inode, size, mtime) is the file verified before."""
-  st = path.stat()
-  return st.st_ino, st.st_size, st.st_mtime_ns
+def _block_crcs(data: memoryview | np.ndarray) -> list[int]:
+  view = memoryview(data).cast("B")
+  return [zlib.crc32(view[i:i + _BLOCK_BYTES]) for i in range(0, len(view), _BLOCK_BYTES)]
 
 
 def order_path(n_instances: int, seed: int, epoch: int, chunk: int,
@@ -74,34 +53,78 @@ def order_path(n_instances: int, seed: int, epoch: int, chunk: int,
   return Path(cache_dir) / f"order-{n_instances}-{seed}-{epoch}-{chunk}.u32"
 
 
+class KeptOrder:
+  """An epoch's order kept in `cache_dir`, computed once per machine and memory-mapped, so every
+  process and loader worker of a job on that machine shares one copy in the page cache (AI2's
+  stage 1: 724M instances, 2.9 GB, about a minute to compute). Never trusted unchecked: its
+  sidecar (JSON) names the order's inputs, its size and a CRC-32 per 64 MiB block, and each
+  block is checked the first time this process reads it (`rows`), so a restart reads the blocks
+  it needs, not 2.9 GB. A missing or foreign file, a wrong size, or a block that does not match
+  its CRC is computed again (under a lock: one process computes, the others wait and read) and
+  replaced atomically."""
+
+  def __init__(self, n_instances: int, seed: int, epoch: int, chunk: int,
+               cache_dir: str | os.PathLike):
+    self.args = (n_instances, seed, epoch, chunk)
+    self.key = {"n_instances": n_instances, "seed": seed, "epoch": epoch, "chunk": chunk}
+    self.path = order_path(n_instances, seed, epoch, chunk, cache_dir)
+    self.meta_path = self.path.with_suffix(".json")
+    self._open(recompute=False)
+
+  def _blocks_recorded(self) -> list[int] | None:
+    """The sidecar's block CRCs when it names this order and the file has its size."""
+    try:
+      meta = json.loads(self.meta_path.read_text())
+      blocks = meta.get("block_crc32")
+      expected = -(-4 * self.args[0] // _BLOCK_BYTES)
+      if (meta.get("key") == self.key and self.path.stat().st_size == meta.get("bytes")
+          and isinstance(blocks, list) and len(blocks) == expected):
+        return blocks
+    except (OSError, ValueError):
+      pass
+    return None
+
+  def _open(self, recompute: bool, seen: int | None = None) -> None:
+    """Maps the file, computing it first when it is missing, foreign or (`recompute`) found
+    damaged: unless another process replaced the file `seen` (an inode) meanwhile."""
+    blocks = None if recompute else self._blocks_recorded()
+    if blocks is None:
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      with open(self.path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, a crash included
+        blocks = self._blocks_recorded()
+        replaced = seen is not None and self.path.exists() and self.path.stat().st_ino != seen
+        if blocks is None or (recompute and not replaced):
+          order = epoch_permutation(*self.args)
+          blocks = _block_crcs(order)
+          _write_atomic(self.path, order.data)  # (no copy: the order alone is 2.9 GB for AI2's 7B)
+          _write_atomic(self.meta_path, json.dumps(
+              {"key": self.key, "bytes": order.nbytes, "block_crc32": blocks}).encode())
+    self.blocks, self.checked = blocks, set()
+    self.inode = self.path.stat().st_ino
+    self.array = (np.zeros(0, np.uint32) if self.args[0] == 0  # np.memmap refuses an empty file
+                  else np.memmap(self.path, dtype=np.uint32, mode="r"))
+
+  def rows(self, start: int, stop: int) -> np.ndarray:
+    """Indices [start, stop) of the order, their blocks checked (once per process)."""
+    per_block = _BLOCK_BYTES // 4
+    for block in range(start // per_block, -(-stop // per_block)):
+      if block in self.checked:
+        continue
+      data = self.array[block * per_block:(block + 1) * per_block]
+      if zlib.crc32(memoryview(data).cast("B")) != self.blocks[block]:
+        self._open(recompute=True, seen=self.inode)  # damaged: computed again, then re-read
+        return self.rows(start, stop)
+      self.checked.add(block)
+    return self.array[start:stop]
+
+
 def shared_epoch_permutation(n_instances: int, seed: int, epoch: int, chunk: int,
-                             cache_dir: str | os.PathLike,
-                             verified: tuple[int, int, int] | None = None) -> np.ndarray:
-  """`epoch_permutation`, computed once per machine and kept in `cache_dir`: read back
-  memory-mapped, so every process and loader worker of a job on that machine shares one copy
-  in the page cache (AI2's stage 1: 724M instances, 2.9 GB, 48 s to compute). The file is
-  checked against its sidecar's key, size and CRC-32 whenever it is opened; a missing, torn or
-  foreign file is computed again (under a lock: one process computes, the others wait and
-  read) and replaced atomically, never trusted. `verified`: the `_stamp` of the file as the
-  caller's launch checked it (a loader's workers, given their parent's): the same file is not
-  read through again."""
-  key = {"n_instances": n_instances, "seed": seed, "epoch": epoch, "chunk": chunk}
-  path = order_path(n_instances, seed, epoch, chunk, cache_dir)
-  directory, meta_path = path.parent, path.with_suffix(".json")
-  if verified is not None and path.exists() and _stamp(path) == verified:
-    pass  # checked by this launch already (the loader's parent process)
-  elif not _verified(path, meta_path, key):
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, a crash included
-      if not _verified(path, meta_path, key):
-        order = epoch_permutation(n_instances, seed, epoch, chunk)
-        _write_atomic(path, order.data)  # (no copy: the order alone is 2.9 GB for AI2's 7B)
-        meta = {"key": key, "bytes": order.nbytes, "crc32": zlib.crc32(order.data)}
-        _write_atomic(meta_path, json.dumps(meta).encode())
-  if n_instances == 0:
-    return np.zeros(0, np.uint32)  # np.memmap refuses an empty file
-  return np.memmap(path, dtype=np.uint32, mode="r")
+                             cache_dir: str | os.PathLike) -> np.ndarray:
+  """`epoch_permutation`, kept in `cache_dir` (`KeptOrder`) and read back memory-mapped, every
+  block checked."""
+  kept = KeptOrder(n_instances, seed, epoch, chunk, cache_dir)
+  return kept.rows(0, n_instances)
 
 
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
@@ -119,8 +142,7 @@ def _write_atomic(path: Path, data: bytes | memoryview) -> None:
 
 class GlobalOrder:
   """Which instances make up each global step's batch. With `cache_dir`, each epoch's order
-  is computed once per machine and shared (`shared_epoch_permutation`); without, computed in
-  this process."""
+  is kept once per machine and shared (`KeptOrder`); without, computed in this process."""
 
   def __init__(self, n_instances: int, global_batch_size: int, seed: int, chunk: int = 1,
                cache_dir: str | os.PathLike | None = None):
@@ -133,26 +155,18 @@ class GlobalOrder:
     self.chunk = chunk
     self.cache_dir = cache_dir
     self.batches_per_epoch = n_instances // global_batch_size
-    self._checked: dict[int, tuple[int, int, int]] = {}  # epoch -> the kept file's _stamp
 
-  def check_kept(self, epoch: int) -> None:
-    """Checks (or computes) `epoch`'s kept order here, once: a copy of this object sent to the
-    loader's workers then maps the same file without reading it through again (its CRC over
-    2.9 GB for AI2's 7B: once per launch, not once per process)."""
-    if self.cache_dir is not None and epoch not in self._checked:
-      shared_epoch_permutation(self.n_instances, self.seed, epoch, self.chunk, self.cache_dir)
-      self._checked[epoch] = _stamp(order_path(self.n_instances, self.seed, epoch, self.chunk,
-                                               self.cache_dir))
+  def prepare(self, epoch: int) -> None:
+    """Computes `epoch`'s kept order here when the machine has none yet (the loader's process,
+    before its workers start: they then only map it)."""
+    if self.cache_dir is not None:
+      self._epoch(epoch)
 
   @functools.lru_cache(maxsize=2)
-  def _epoch_batches(self, epoch: int) -> np.ndarray:
-    kept = self.batches_per_epoch * self.global_batch_size
+  def _epoch(self, epoch: int) -> np.ndarray | KeptOrder:
     if self.cache_dir is None:
-      order = epoch_permutation(self.n_instances, self.seed, epoch, self.chunk)
-    else:
-      order = shared_epoch_permutation(self.n_instances, self.seed, epoch, self.chunk,
-                                       self.cache_dir, self._checked.get(epoch))
-    return order[:kept].reshape(self.batches_per_epoch, self.global_batch_size)
+      return epoch_permutation(self.n_instances, self.seed, epoch, self.chunk)
+    return KeptOrder(self.n_instances, self.seed, epoch, self.chunk, self.cache_dir)
 
   def epoch_of(self, step: int) -> int:
     return step // self.batches_per_epoch + 1
@@ -161,4 +175,7 @@ class GlobalOrder:
     """Instance indices [global_batch_size] of global step `step` (from 0)."""
     if step < 0:
       raise ValueError(f"step must be >= 0, got {step}")
-    return self._epoch_batches(self.epoch_of(step))[step % self.batches_per_epoch]
+    order = self._epoch(self.epoch_of(step))
+    start = (step % self.batches_per_epoch) * self.global_batch_size
+    stop = start + self.global_batch_size
+    return order.rows(start, stop) if isinstance(order, KeptOrder) else order[start:stop]

@@ -150,7 +150,7 @@ class Loader:
     # shared memory-mapped (olmo3.data.order.shared_epoch_permutation).
     shared = embedded.cache_root() / "order" if n >= SHARED_ORDER_MIN_INSTANCES else None
     self.order = GlobalOrder(n, cfg.global_batch_size, cfg.seed, cfg.chunk_instances, shared)
-    self.order.check_kept(self.order.epoch_of(start_step))  # here, once, not in every worker
+    self.order.prepare(self.order.epoch_of(start_step))  # computed here, not raced by workers
     self.host_rows = HostRows.of(sharding, cfg.global_batch_size, cfg.seq_len)
     dataset = grain.MapDataset.range(start_step, start_step + num_steps).map(
         ReadStep(self.source, self.order, self.host_rows.rows, cfg.repetition_filter))

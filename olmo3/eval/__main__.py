@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
   from olmo3.io.checkpoint import restore_params, run_steps
   from olmo3.eval.evaluator import Evaluator
-  from olmo3.sharded_model import ShardedModel
+  from olmo3.placement import ShardedModel
 
   workdir = epath.Path(args.workdir)  # a local path or an object-store URL alike
   directory = record.Workdir(args.workdir).checkpoints

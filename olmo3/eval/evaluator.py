@@ -30,7 +30,7 @@ from olmo3.config import Experiment
 from olmo3.data import pipeline, sources
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.eval import tasks as tasks_lib
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 
 # Warnings already given by this process: a program that builds several evaluators (`python -m
 # olmo3.eval --all_steps` over checkpoints of several config revisions) says a thing once.

@@ -3,7 +3,7 @@
 writer got there first). A local file through a link (create) or a rename-aside (replace); GCS
 with an `ifGenerationMatch` precondition, S3 with `If-None-Match` / `If-Match` (both stores
 check them on the server). Remote ones are retried on transient errors within the retry budget
-(olmo3.io.retry). `olmo3.train.lease` uses them."""
+(olmo3.io.retry). `olmo3.run.lease` uses them."""
 
 from __future__ import annotations
 

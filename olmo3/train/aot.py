@@ -22,7 +22,7 @@ from olmo3 import flops as flops_lib
 from olmo3.config import AttentionKernel, Experiment
 from olmo3.data.pipeline import batch_only
 from olmo3.eval.evaluator import scoring_functions
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train.state import StateLayout
 from olmo3.train.step import abstract_inputs, jit_train_step
 

@@ -1,9 +1,9 @@
 """The training loop: `train(plan)` trains a RunPlan's experiment on the current devices to the
 stage's end, starting where the plan says (olmo3.train.state restores, verifies and falls
-back), writing metric rows (olmo3.train.rows), evaluating (olmo3.train.evaluation) and
+back), writing metric rows (olmo3.train.rows), evaluating (olmo3.train.loop_evaluation) and
 checkpointing on the configured cadences, and stopping cleanly at a step boundary on SIGTERM /
 SIGINT or past train.max_consecutive_skips (olmo3.train.skips). It holds the workdir's lease
-(olmo3.train.lease) while it runs, and reports what it got done in a `Progress`. A lease it
+(olmo3.run.lease) while it runs, and reports what it got done in a `Progress`. A lease it
 can no longer renew stops it at the next step boundary the processes agree on, saving that
 step when the storage allows, with LeaseLost. Whatever stops a run, the cleanup on the way out
 (the last async save, the metrics' upload, the lease's release) never replaces the error:
@@ -41,12 +41,12 @@ from olmo3.io import metrics as metrics_lib
 from olmo3.io import retry
 from olmo3.run import record
 from olmo3.run.plan import RunPlan
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import decisions, logs
 from olmo3.train import state as state_lib
 from olmo3.train.run_checkpoints import RunCheckpoints
-from olmo3.train.evaluation import LoopEvaluation
-from olmo3.train.lease import Lease, LeaseLost, hold, stop_without_lease
+from olmo3.train.loop_evaluation import LoopEvaluation
+from olmo3.run.lease import Lease, LeaseLost, hold, stop_without_lease
 from olmo3.train.preemption import Preemption
 from olmo3.train.rows import MetricRows, open_writer
 from olmo3.train.skips import SkipLimit

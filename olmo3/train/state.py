@@ -38,7 +38,7 @@ from olmo3.data.tokens import DataError
 from olmo3.io.olmo_core_checkpoints import locate
 from olmo3.run.plan import Resume, RunPlan, decide_start
 from olmo3 import sharding
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import continuation, optim
 from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
 

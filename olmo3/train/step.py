@@ -20,7 +20,7 @@ from olmo3 import sharding as sharding_lib
 from olmo3.config import Experiment
 from olmo3.data.pipeline import batch_only
 from olmo3.loss import PerToken, lm_loss
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import optim
 from olmo3.train.state import StateLayout, TrainState
 

@@ -15,7 +15,7 @@ from absl import logging
 from olmo3.eval.alarm import GapAlarm
 from olmo3.eval.evaluator import Evaluator, Stopped
 from olmo3.run.plan import RunPlan
-from olmo3.sharded_model import ShardedModel
+from olmo3.placement import ShardedModel
 from olmo3.train import logs
 from olmo3.train.rows import MetricRows
 

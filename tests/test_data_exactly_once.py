@@ -7,17 +7,18 @@ import sys
 import numpy as np
 import pytest
 
-from olmo3.data import audit
+from olmo3.data import exactly_once
 
 from data_helpers import write_files
 
 
 def _run(paths, processes, devices, steps, start=0, dump=None, workers=0):
-  args = audit.parse(["--paths", *paths, "--seq_len", "16", "--global_batch", "8", "--seed", "5",
-                      "--processes", str(processes), "--devices_per_process", str(devices),
-                      "--steps", str(steps), "--start_step", str(start), "--workers", str(workers)]
-                     + (["--dump", str(dump)] if dump else []))
-  return audit.launch(args, timeout=300)
+  args = exactly_once.parse(
+      ["--paths", *paths, "--seq_len", "16", "--global_batch", "8", "--seed", "5",
+       "--processes", str(processes), "--devices_per_process", str(devices),
+       "--steps", str(steps), "--start_step", str(start), "--workers", str(workers)]
+      + (["--dump", str(dump)] if dump else []))
+  return exactly_once.launch(args, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_grain_workers_inside_each_process(files, single):
 
 @pytest.mark.slow(seconds=7)
 def test_cli_prints_report_and_json(files):
-  out = subprocess.run([sys.executable, "-m", "olmo3.data.audit", "--paths", *files,
+  out = subprocess.run([sys.executable, "-m", "olmo3.data.exactly_once", "--paths", *files,
                         "--seq_len", "16", "--global_batch", "8", "--processes", "2",
                         "--devices_per_process", "1", "--steps", "3"],
                        capture_output=True, text=True, timeout=300)
@@ -97,9 +98,9 @@ def test_audit_catches_the_double_sharding_bug():
   Grain shard options, so it read every 2nd item of its slice (twice over)."""
   order = np.random.default_rng(0).permutation(16).reshape(4, 4)  # 4 steps of 4, 2 hosts
   good = [[list(order[s][:2]) for s in range(4)], [list(order[s][2:]) for s in range(4)]]
-  assert audit.analyze(_fake_results(good, 4, 4), 4)["ok"]
+  assert exactly_once.analyze(_fake_results(good, 4, 4), 4)["ok"]
   buggy = [[[order[s][0]] * 2 for s in range(4)], [[order[s][2]] * 2 for s in range(4)]]
-  report = audit.analyze(_fake_results(buggy, 4, 4), 4)
+  report = exactly_once.analyze(_fake_results(buggy, 4, 4), 4)
   assert not report["ok"]
   assert report["duplicates_within_epoch"] == 8 and report["never_read_in_complete_epochs"] == 8
 

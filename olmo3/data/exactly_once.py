@@ -1,6 +1,6 @@
-"""python -m olmo3.data.audit: prove the input pipeline reads every instance exactly once.
+"""python -m olmo3.data.exactly_once: prove the input pipeline reads every instance exactly once.
 
-  python -m olmo3.data.audit --paths FILE [FILE ...] --seq_len T --global_batch B --seed S \\
+  python -m olmo3.data.exactly_once --paths FILE [FILE ...] --seq_len T --global_batch B --seed S \\
       --processes P [--devices_per_process D] --steps N [--start_step K] [--dump DIR] \\
       [--max_target_seq_len M]
   python launch/audit.py --fdl_config=REF --processes P ... (an experiment's own pipeline)
@@ -163,7 +163,7 @@ def launch(args: argparse.Namespace, timeout: float = 600,
     flags.append(f"--xla_force_host_platform_device_count={args.devices_per_process}")
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
     coordinator = f"localhost:{_free_port()}"
-    base = [sys.executable, "-m", "olmo3.data.audit", "--_worker", "--_out", out,
+    base = [sys.executable, "-m", "olmo3.data.exactly_once", "--_worker", "--_out", out,
             "--_coordinator", coordinator, "--_data", json.dumps(dataclasses.asdict(data))
             ] + _forwarded(args)
     procs = [subprocess.Popen(base + ["--_process_id", str(i)], env=env,
@@ -203,7 +203,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m olmo3.data.audit", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m olmo3.data.exactly_once", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--paths", nargs="+", help="token files, in mix order")
   parser.add_argument("--seq_len", type=int)
