@@ -147,7 +147,7 @@ class Loader:
     n = instances(cfg, self.source)
     # A large order takes seconds to compute (AI2's stage 1, 724M instances: 48 s, 2.9 GB) in
     # every process and loader worker, at each launch: computed once per machine instead, and
-    # shared memory-mapped (olmo3.data.order.shared_epoch_permutation).
+    # shared memory-mapped (olmo3.data.order.KeptOrder).
     shared = embedded.cache_root() / "order" if n >= SHARED_ORDER_MIN_INSTANCES else None
     self.order = GlobalOrder(n, cfg.global_batch_size, cfg.seed, cfg.chunk_instances, shared)
     self.order.prepare(self.order.epoch_of(start_step))  # computed here, not raced by workers
