@@ -1,5 +1,6 @@
-"""Train an experiment: `python launch/main.py --fdl_config=experiments.olmo3_tiny:stage1`
-(--dry_run, --compile_only=KIND:AxBxC, --fdl_set, --fiddler, --workdir: docs/launch.md).
+"""Train an experiment.
+
+  python launch/main.py --fdl_config=experiments.olmo3_tiny:stage1   (flags: docs/launch.md)
 
 This file keeps the flags, JAX's start (jax.distributed for a job of several processes), and
 what a launch does when it fails: a mistake is one line found before anything is written

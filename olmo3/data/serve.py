@@ -235,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # the serving thread has started
     try:
       print("\n".join(announcement(directory, server.url)), flush=True)
-      threading.Event().wait()
+      # Waits in short slices: a signal taken by a thread a library started before the mask
+      # above still runs its Python handler here within half a second (an untimed wait would
+      # sleep on, as one suite run saw).
+      while True:
+        time.sleep(0.5)
     except KeyboardInterrupt:  # Ctrl-C: the way to stop it
       pass
   return 0

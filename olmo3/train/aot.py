@@ -34,6 +34,9 @@ def topology_devices(topology: str) -> list:
 
   # Compile-only holds no TPU; without this, libtpu refuses to load beside another process's.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # Nor is it on a TPU VM: libtpu's queries to the VM's metadata server would wait about 4 s
+  # for an answer that never comes.
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   name, _, slices = topology.partition("*")
   try:
     num_slices = int(slices) if slices else 1
