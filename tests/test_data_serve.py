@@ -18,11 +18,19 @@ from olmo3.data import serve
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _serving(directory, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+def _sigint_blocked_and_ignored() -> None:
+  """What a parent may hand down (a test worker did, and Ctrl-C then never stopped the server)."""
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _serving(directory, *flags: str, parent_blocks_sigint: bool = False
+             ) -> tuple[subprocess.Popen, list[str]]:
   """The server started, and what it printed before serving (its announcement)."""
   proc = subprocess.Popen([sys.executable, "-m", "olmo3.data.serve", str(directory), "--port",
                            "0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, cwd=ROOT)
+                          text=True, cwd=ROOT,
+                          preexec_fn=_sigint_blocked_and_ignored if parent_blocks_sigint else None)
   lines = [proc.stdout.readline().rstrip("\n")]
   lines.append(proc.stdout.readline().rstrip("\n"))  # the prepared directory's line
   return proc, lines
@@ -57,8 +65,9 @@ def test_serve_binds_this_machine_by_default_and_prints_the_address_it_binds(tmp
     assert not _reaches("127.0.0.2", parsed.port)
   finally:
     _stop(proc)
-  # --host 0.0.0.0: every interface, and the URL names this machine as others reach it.
-  proc, lines = _serving(tmp_path, "--host", "0.0.0.0")
+  # --host 0.0.0.0: every interface, and the URL names this machine as others reach it; and
+  # Ctrl-C stops it whatever SIGINT's state in the parent that started it.
+  proc, lines = _serving(tmp_path, "--host", "0.0.0.0", parent_blocks_sigint=True)
   try:
     parsed = urllib.parse.urlsplit(lines[0].split(" at ", 1)[1].split(" ", 1)[0])
     assert parsed.hostname == serve.public_name(), lines

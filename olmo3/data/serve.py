@@ -230,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
   # Ctrl-C must land in this thread: the kernel hands a process's signal to any thread that
   # does not block it, and one taken by the serving thread left this one waiting for good
   # (one stop in three hung). The server's threads inherit the mask they start with.
-  blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  # A parent may hand down SIGINT blocked or ignored (both survive exec): this program's way to
+  # stop is Ctrl-C, so it takes SIGINT whatever it was given.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
   with server:
-    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # the serving thread has started
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # the serving thread started
     try:
       print("\n".join(announcement(directory, server.url)), flush=True)
       # Waits in short slices: a signal taken by a thread a library started before the mask
