@@ -2,11 +2,10 @@
 
   python launch/main.py --fdl_config=experiments.olmo3_tiny:stage1   (flags: docs/launch.md)
 
-This file keeps the flags, JAX's start (jax.distributed for a job of several processes), and
-what a launch does when it fails: a mistake is one line found before anything is written
-(launch/preflight.py), a launch that stops before its first step takes back what it wrote, and
-a process of a job that dies or fails ends the others within the heartbeat timeout. Rerunning
-the same command resumes; SIGINT / SIGTERM save the step under way and exit 0.
+Here: the flags, JAX's start (jax.distributed for a job of several processes), and a failed
+launch: a mistake is one line found before anything is written (launch/preflight.py), a launch
+that stops before its first step takes back what it wrote, a process that dies ends the others
+within the heartbeat timeout. Rerunning resumes; SIGINT / SIGTERM save the step and exit 0.
 """
 
 from __future__ import annotations
