@@ -120,12 +120,12 @@ def phase_lower(topology: str) -> dict:
 
 
 def _host_share():
-  """(params, opt_state, targets): one tpu7x host's share of the 7B's train state on this
-  machine's 8 devices: each array of the 7B's parameter tree with its largest axis cut by
-  HOSTS, sharded over the devices along it; the moments (mu, nu) alike."""
+  """(params, opt_state, params_target, opt_target, bytes): one tpu7x host's share of the 7B's
+  train state on this machine's 8 devices: each array of the 7B's parameter tree with its
+  largest axis cut by HOSTS, sharded over the devices along it; the moments (mu, nu) alike; the
+  targets a restore reads them onto."""
   import fiddle as fdl
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
 
@@ -154,7 +154,6 @@ def _host_share():
   targets = [jax.tree.unflatten(treedef, [m[1] for m in kind]) for kind in made]
   nbytes = sum(x.nbytes for t in trees for x in jax.tree.leaves(t))
   jax.block_until_ready(trees)
-  del jnp
   return trees[0], {"mu": trees[1], "nu": trees[2]}, targets[0], {"mu": targets[1],
                                                                   "nu": targets[2]}, nbytes
 
@@ -373,7 +372,7 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
       "process start and imports": measured["imports"]["imports_s"],
       f"the plan: {MIX_FILES:,} remote sizes looked up": measured["plan"]["sizes_s"],
       "the workdir's lease: a recreated pod cannot prove the killed holder dead, so it waits "
-      f"until the lease has not changed for the takeover age (OLMO3_LEASE_TAKEOVER_S)":
+      "until the lease has not changed for the takeover age (OLMO3_LEASE_TAKEOVER_S)":
           lease.DEFAULT_TAKEOVER_S,
       "tracing and lowering the train step": measured.get("lower", {}).get(
           "trace_and_lower_s", float("nan")),

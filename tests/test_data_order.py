@@ -10,12 +10,17 @@ import numpy as np
 import pytest
 
 from olmo3.data import order as order_lib
-from olmo3.data.order import GlobalOrder, epoch_permutation, shared_epoch_permutation
+from olmo3.data.order import GlobalOrder, KeptOrder, epoch_permutation
+
+
+def _kept(n, seed, epoch, chunk, directory):
+  """The whole kept order, every block checked (as a launch reads it, all at once)."""
+  return KeptOrder(n, seed, epoch, chunk, directory).rows(0, n)
 
 
 @pytest.mark.parametrize("epoch, chunk", [(1, 1), (2, 1), (1, 4)])
 def test_the_shared_order_is_the_order(tmp_path, epoch, chunk):
-  np.testing.assert_array_equal(shared_epoch_permutation(10_000, 7, epoch, chunk, tmp_path),
+  np.testing.assert_array_equal(_kept(10_000, 7, epoch, chunk, tmp_path),
                                 epoch_permutation(10_000, 7, epoch, chunk))
   shared, own = GlobalOrder(10_000, 64, 7, chunk, tmp_path), GlobalOrder(10_000, 64, 7, chunk)
   for step in (0, 155, 156, 400):  # 156 batches an epoch: the second epoch too
@@ -27,9 +32,9 @@ def _refuse(*args):
 
 
 def test_a_kept_order_is_read_not_computed(tmp_path, monkeypatch):
-  expected = shared_epoch_permutation(10_000, 7, 1, 1, tmp_path)
+  expected = _kept(10_000, 7, 1, 1, tmp_path)
   monkeypatch.setattr(order_lib, "epoch_permutation", _refuse)
-  read = shared_epoch_permutation(10_000, 7, 1, 1, tmp_path)
+  read = _kept(10_000, 7, 1, 1, tmp_path)
   assert isinstance(read, np.memmap)
   np.testing.assert_array_equal(read, expected)
 
@@ -37,7 +42,7 @@ def test_a_kept_order_is_read_not_computed(tmp_path, monkeypatch):
 @pytest.mark.parametrize("damage", ["torn", "flipped", "foreign"])
 def test_a_torn_or_foreign_order_is_computed_again(tmp_path, damage):
   expected = epoch_permutation(10_000, 7, 1)
-  shared_epoch_permutation(10_000, 7, 1, 1, tmp_path)
+  _kept(10_000, 7, 1, 1, tmp_path)
   path = tmp_path / "order-10000-7-1-1.u32"
   data = path.read_bytes()
   if damage == "torn":  # a copy cut short
@@ -49,7 +54,7 @@ def test_a_torn_or_foreign_order_is_computed_again(tmp_path, damage):
     path.write_bytes(other)
     meta = path.with_suffix(".json")
     meta.write_text(meta.read_text().replace('"seed": 7', '"seed": 8'))
-  np.testing.assert_array_equal(shared_epoch_permutation(10_000, 7, 1, 1, tmp_path), expected)
+  np.testing.assert_array_equal(_kept(10_000, 7, 1, 1, tmp_path), expected)
   assert path.read_bytes() == expected.tobytes()
 
 
@@ -61,7 +66,7 @@ def _compute(directory, log):
     return epoch_permutation(*args)
 
   order_lib.epoch_permutation = counted
-  shared_epoch_permutation(10_000, 7, 1, 1, directory)
+  _kept(10_000, 7, 1, 1, directory)
 
 
 @pytest.mark.slow(seconds=2)
@@ -75,7 +80,7 @@ def test_processes_racing_for_the_order_compute_it_once(tmp_path):
     p.join(30)
   assert [p.exitcode for p in procs] == [0, 0, 0]
   assert len(log.read_text().split()) == 1
-  np.testing.assert_array_equal(shared_epoch_permutation(10_000, 7, 1, 1, tmp_path / "cache"),
+  np.testing.assert_array_equal(_kept(10_000, 7, 1, 1, tmp_path / "cache"),
                                 epoch_permutation(10_000, 7, 1))
 
 

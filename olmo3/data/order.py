@@ -119,14 +119,6 @@ class KeptOrder:
     return self.array[start:stop]
 
 
-def shared_epoch_permutation(n_instances: int, seed: int, epoch: int, chunk: int,
-                             cache_dir: str | os.PathLike) -> np.ndarray:
-  """`epoch_permutation`, kept in `cache_dir` (`KeptOrder`) and read back memory-mapped, every
-  block checked."""
-  kept = KeptOrder(n_instances, seed, epoch, chunk, cache_dir)
-  return kept.rows(0, n_instances)
-
-
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
   tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
   try:
