@@ -12,8 +12,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tokenizers import normalizers
 
-from olmo3.data import embedded, prepare, sources, tokens
+from olmo3.data import embedded, overlap, prepare, sources, tokens
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.loss import IGNORE
 from olmo3.run.plan import RunPlan
@@ -33,8 +34,18 @@ def tokenizer_file(tmp_path_factory):
   return str(path)
 
 
+def _texts(count: int, seed: int = 0) -> list[str]:
+  """Documents of made-up words: no two share a run of words by chance (so prepare finds no
+  held-out document in training)."""
+  rng = np.random.default_rng(seed)
+  letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+  word = lambda: "".join(rng.choice(letters, rng.integers(3, 8)))  # noqa: E731
+  return [f"document {i}: " + " ".join(word() for _ in range(5 + i % 7 * 3))
+          for i in range(count)]
+
+
 def _inputs(directory):
-  texts = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(60)]
+  texts = _texts(60)
   (directory / "a.txt").write_text(texts[0])
   with open(directory / "b.jsonl", "w") as f:
     for t in texts[1:20]:
@@ -69,6 +80,43 @@ def test_prepare_all_formats_split_by_document(tmp_path, tokenizer_file):
   assert sum(map(len, train)) == manifest.splits["train"]["tokens"]
   held_texts = {tok.decode(d[:-1].tolist()) for d in held}
   assert held_texts == {t for t in texts if prepare.is_heldout(t, 0.3)}
+  assert (manifest.overlap["checked"], manifest.overlap["moved"]) == (len(held), 0)
+
+
+def test_a_held_out_document_copied_into_training_is_moved_there_and_named(tmp_path,
+                                                                           tokenizer_file):
+  """Two held-out documents the training split holds: one copied there with a word changed
+  (another text, so split by its own hash), and a short one whose exact tokens a training
+  document has (the tokenizer lowercases: two texts, the same tokens). prepare moves both to
+  training, names them with their shares, and keeps the rest of the held-out split as hashed."""
+  texts = _texts(80)
+  held = [t for t in texts if prepare.is_heldout(t, 0.3)]
+  original = max(held, key=len)
+  words = original.split(" ")
+  middle = len(words) // 2
+  copy = next(c for c in (" ".join(words[:middle] + [f"changed{k}"] + words[middle + 1:])
+                          for k in range(100)) if not prepare.is_heldout(c, 0.3))
+  short = next(k for k in range(1000) if prepare.is_heldout(f"Note {k}", 0.3)
+               and not prepare.is_heldout(f"note {k}", 0.3))
+  docs = [*texts, copy, f"Note {short}", f"note {short}"]
+  (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+  tok = prepare.load_tokenizer(tokenizer_file)
+  tok.normalizer = normalizers.Lowercase()
+  manifest = prepare.prepare([str(tmp_path / "docs.jsonl")], tok, str(tmp_path / "out"), 0.3,
+                             progress=False)
+  record = manifest.overlap
+  assert (record["checked"], record["moved"]) == (len(held) + 1, 2)
+  line = {t: f"{tmp_path / 'docs.jsonl'}:{i}" for i, t in enumerate(docs, start=1)}
+  named = dict(record["moved_documents"])
+  assert list(named) == [line[f"Note {short}"], line[original]]  # the highest share first
+  assert named[line[f"Note {short}"]] == 1.0 and 0.5 <= named[line[original]] < 1.0
+  assert record["max_share_kept"] < overlap.THRESHOLD
+  train = _read_docs(tmp_path / "out", manifest, "train", 0)
+  kept = _read_docs(tmp_path / "out", manifest, "heldout", 0)
+  assert {tok.decode(d[:-1].tolist()) for d in kept} == set(held) - {original}
+  # Moved after the training documents, in their order.
+  assert [tok.decode(d[:-1].tolist()) for d in train[-2:]] == [original, f"note {short}"]
+  assert len(train) + len(kept) == len(docs)
 
 
 @pytest.mark.slow(seconds=3)
@@ -195,6 +243,7 @@ def test_prepare_cli_and_bad_input(tmp_path, tokenizer_file):
                         text=True, timeout=120)
   assert done.returncode == 0, done.stderr
   assert "train:" in done.stdout and "manifest.json" in done.stdout
+  assert "held-out check: none of the" in done.stdout  # its held-out documents are not in train
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"text": "ok"}\n{"title": "no text"}\n')
   with pytest.raises(DataError, match=r"bad\.jsonl:2: no string field 'text'"):
@@ -225,6 +274,13 @@ def test_embedded_corpus():
   assert manifest.vocab_size == 8192 and manifest.eos_id == 0
   assert manifest.splits["train"]["tokens"] > 2_000_000
   assert manifest.splits["heldout"]["documents"] > 10
+  # Its held-out split is disjoint from training (the standard library holds near-copies:
+  # codecs made from one template, the same text under two pydoc topics): what prepare moved
+  # is named, and what it kept is below the threshold (tests/test_data_overlap.py audits it).
+  record = manifest.overlap
+  assert record["checked"] == record["moved"] + manifest.splits["heldout"]["documents"]
+  assert len(record["moved_documents"]) == record["moved"]
+  assert record["max_share_kept"] < overlap.THRESHOLD
   assert embedded.corpus_dir() == out  # cached
   names = [n for n, _ in embedded.documents()]
   assert any(n.startswith("pydoc:") for n in names) and "json/decoder.py" in names

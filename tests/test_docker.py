@@ -64,7 +64,7 @@ def test_the_build_context_leaves_out_the_venv_runs_and_caches_and_keeps_the_sou
                "olmo3.egg-info/PKG-INFO", "sweeps/7b/results.csv", "curves.png",
                "data/mine/train/part-00000.npy", "my_docs", "my_docs/a.jsonl"):
     assert excluded(path), f"{path} would be sent to docker build"
-  for path in ("Dockerfile", "pyproject.toml", "README.md", "olmo3/config.py",
+  for path in ("Dockerfile", "pyproject.toml", "README.md", "olmo3/config/model.py",
                "olmo3/data/prepare.py", "olmo3/data/embedded.py", "launch/main.py",
                "experiments/olmo3_7b.py", "docs/launch.md",
                "benchmarks/sweeps/olmo3_7b_tpu7x_4x8x8/results.png", "docker/requirements.py",

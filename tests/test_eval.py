@@ -97,6 +97,8 @@ def test_heldout_loss_matches_a_direct_computation(tmp_path, tokenizer):
     count += len(doc) - 1
   got = evaluator.heldout_metrics(params)["docs"]
   assert got["tokens"] == count
+  # What compare needs to restate CE in OLMo-core's definition (ce_definitions.py).
+  assert (got["documents"], got["documents_left_out"]) == (5, 0)
   assert got["ce_loss"] == pytest.approx(total / count, rel=1e-5)
   assert got["ppl"] == pytest.approx(np.exp(total / count), rel=1e-4)
 
@@ -192,6 +194,7 @@ def test_heldout_loss_per_position_band_of_long_documents(tmp_path, tokenizer):
   got = banded.heldout_metrics(params)["docs"]
   kept = [np.append(d, MICRO.eos_token_id)[:64] for d in docs if len(d) + 1 >= 40][:3]
   assert len(kept) == 3 and len(banded.heldout["docs"]) == 3  # 63, 100, 40 tokens (+ EOS)
+  assert (got["documents"], got["documents_left_out"]) == (3, 3)  # of the file's 6
   model = model_lib.from_params(MICRO, random_params(MICRO, seed=5))
   padded = np.stack([np.pad(r, (0, 64 - len(r))) for r in kept])  # causal: padding is after
   logp_all = _log_softmax64(model(jnp.asarray(padded)))
@@ -245,6 +248,8 @@ def test_an_evaluation_compiled_ahead_compiles_nothing(tmp_path, tokenizer):
   assert len(kinds) == 2 and ahead == len(evaluator.shapes())
   assert len(lowered) == ahead, "the evaluation lowered programs compile_ahead had not"
   assert "eval/docs/ce_loss" in metrics
+  assert (metrics["eval/docs/documents"], metrics["eval/docs/documents_left_out"]) == (5, 0)
+  assert metrics["eval/docs/tokens"] == sum(min(n + 1, 64) - 1 for n in (10, 64, 100, 3, 40))
 
 
 @pytest.mark.seconds(5)

@@ -1,6 +1,7 @@
 """`python -m olmo3.eval.compare`: a run against AI2's in-loop numbers (CSV / JSONL in OLMo-core's
-names, W&B exports) or another run, the ±tolerance verdict, exit codes, the plot, and the name
-table against OLMo-core's own."""
+names, W&B exports) or another run, the ±tolerance verdict, exit codes, the plot, the name
+table against OLMo-core's own, held-out CE in OLMo-core's definition against its own evaluator,
+and the spikes of a run."""
 
 import csv
 import json
@@ -9,14 +10,19 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from olmo3.eval import compare, metric_sources
+from olmo3.eval import compare, metric_sources, spikes
+
+from conftest import benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = "arc_easy_rc_5shot"
 SET = "c4_en-validation"
 EVAL_STEPS = (100, 200, 300)
+# Our held-out set's counts: OLMo-core's batches of 8 documents keep all 40.
+TOKENS, DOCUMENTS, OLMO_CORE_BATCH = 10_000.0, 40.0, ("--ai2_eval_batch_size", "8")
 
 
 def _ours(step: int) -> dict[str, float]:
@@ -24,15 +30,20 @@ def _ours(step: int) -> dict[str, float]:
   row = {"ce_loss": 3.0 - step / 1000, "loss": 3.0 - step / 1000, "lr": 1e-4}
   if step in EVAL_STEPS:
     row.update({f"eval/{SET}/ce_loss": 3.2 - step / 1000, f"eval/{SET}/ppl": 25.0,
+                f"eval/{SET}/tokens": TOKENS, f"eval/{SET}/documents": DOCUMENTS,
+                f"eval/{SET}/documents_left_out": 0.0,
                 f"downstream/{TASK}/acc_v1": 0.3 + step / 1000,
                 f"downstream/{TASK}/len_norm_v2": 0.35 + step / 1000})
   return row
 
 
 def _ai2(step: int, offset: dict[str, float] | None = None) -> dict[str, float]:
-  """The same numbers in AI2's names, each shifted by 0.001 (within ±0.005) plus `offset`."""
+  """The same numbers in AI2's names and OLMo-core's definitions (held-out CE: ours x tokens /
+  (tokens + documents)), each shifted by 0.001 (within ±0.005) plus `offset`."""
   offset = offset or {}
   ours = _ours(step)
+  if step in EVAL_STEPS:
+    ours[f"eval/{SET}/ce_loss"] *= TOKENS / (TOKENS + DOCUMENTS)
   names = {"ce_loss": "train/CE loss", f"eval/{SET}/ce_loss": f"eval/lm/{SET}/CE loss",
            f"downstream/{TASK}/acc_v1": f"eval/downstream/{TASK} (accuracy)",
            f"downstream/{TASK}/len_norm_v2":
@@ -79,8 +90,8 @@ def test_ai2_csv_within_tolerance(tmp_path):
   run = _write_run(tmp_path / "run")
   # Training CE every 10 steps, evaluations every 100: empty cells elsewhere.
   ref = _write_csv(tmp_path / "ai2.csv", {s: _ai2(s) for s in range(10, 301, 10)})
-  done = subprocess.run([sys.executable, "-m", "olmo3.eval.compare", str(run), str(ref)],
-                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+  done = subprocess.run([sys.executable, "-m", "olmo3.eval.compare", str(run), str(ref),
+                         *OLMO_CORE_BATCH], capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert done.returncode == 0, done.stdout + done.stderr
   out = done.stdout
   # Steps 50..300 every 50 compared; the reference's other 24 steps are counted, not dropped.
@@ -90,6 +101,10 @@ def test_ai2_csv_within_tolerance(tmp_path):
                  f"downstream/{TASK}/len_norm_v2"):
     assert _line(out, metric).endswith("within ±0.005")
   assert f"eval/{SET}/ppl " not in out and "throughput" not in out
+  assert f"eval/{SET}/tokens " not in out and f"eval/{SET}/documents " not in out
+  assert f"  eval/{SET}/ce_loss: ours × tokens / (tokens + documents), exact: OLMo-core left " \
+         "out none of this set's documents (its 40 documents of 1 set in batches of 8, " \
+         "shuffle epoch 1)" in out
   assert f"not in ours (1): eval/downstream/{TASK} (Brier score)" in out
   assert out.splitlines()[-1] == ("0 of 4 metrics outside ±0.005 (0 of 15 comparisons differ "
                                   "by more than 0.005)")
@@ -99,15 +114,17 @@ def test_one_metric_outside_is_named_and_exits_1(tmp_path, capsys):
   run = _write_run(tmp_path / "run")
   rows = {s: _ai2(s) for s in range(50, 301, 50)}
   rows[200] = _ai2(200, {f"eval/downstream/{TASK} (accuracy)": 0.02})
-  code, out, _ = _run(capsys, run / "metrics.jsonl", _write_csv(tmp_path / "ai2.csv", rows))
+  code, out, _ = _run(capsys, run / "metrics.jsonl", _write_csv(tmp_path / "ai2.csv", rows),
+                      *OLMO_CORE_BATCH)
   assert code == 1
   line = _line(out, f"downstream/{TASK}/acc_v1").split()
   assert line[1:6] == ["3", "0", "0", "0.0210", "200"] and line[-2:] == ["OUTSIDE", "±0.005"]
   assert _line(out, "ce_loss").endswith("within ±0.005")
   assert out.splitlines()[-1].startswith("1 of 4 metrics outside ±0.005 (1 of 15 comparisons")
   # A looser tolerance passes it; --metrics leaves it out.
-  assert _run(capsys, run, tmp_path / "ai2.csv", "--tolerance", "0.05")[0] == 0
-  code, out, _ = _run(capsys, run, tmp_path / "ai2.csv", "--metrics", "ce_loss$")
+  assert _run(capsys, run, tmp_path / "ai2.csv", "--tolerance", "0.05", *OLMO_CORE_BATCH)[0] == 0
+  code, out, _ = _run(capsys, run, tmp_path / "ai2.csv", "--metrics", "ce_loss$",
+                      *OLMO_CORE_BATCH)
   assert code == 0 and "downstream/" not in out and _line(out, f"eval/{SET}/ce_loss")
 
 
@@ -119,7 +136,7 @@ def test_jsonl_reference_in_ai2_and_our_names(tmp_path, capsys):
       row[f"downstream/{TASK}/len_norm_v2"] = row.pop(
           f"eval/downstream/{TASK} (length-normalized accuracy v2)")  # ours: passes through
       f.write(json.dumps({"step": step, **row}) + "\n")
-  code, out, _ = _run(capsys, run, tmp_path / "ref.jsonl", "--json")
+  code, out, _ = _run(capsys, run, tmp_path / "ref.jsonl", "--json", *OLMO_CORE_BATCH)
   assert code == 0
   report = json.loads(out)  # the whole of stdout is one document
   assert report["reference"] == str(tmp_path / "ref.jsonl")
@@ -298,7 +315,8 @@ def test_json_is_one_document_with_the_summary(tmp_path, capsys):
   document = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
   assert document["summary"] == {"metrics": 2, "metrics_outside": 1, "comparisons": 6,
                                  "comparisons_outside": 3, "alarms": 1, "alarms_differ": 1,
-                                 "ok": False}
+                                 "not_comparable": 0, "ok": False}
+  assert document["spikes"] == []
   held_out = next(r for r in document["metrics"] if r["metric"] == "eval/embedded/ce_loss")
   assert held_out["max_abs_delta"] == "nan" and held_out["step"] == 30
   assert held_out["points"][2] == [30, 7.3, "nan"]
@@ -349,3 +367,226 @@ def test_names_match_olmo_core():
   assert metric_sources.to_ours(f"eval/lm/{SET}/PPL") == f"eval/{SET}/ppl"
   assert metric_sources.to_ours(f"downstream/{TASK}/acc_v1") == f"downstream/{TASK}/acc_v1"
   assert metric_sources.to_ours("optim/LR (group 0)") == "optim/LR (group 0)"
+
+
+# Held-out CE in two definitions (olmo3/eval/ce_definitions.py), against OLMo-core's own
+# evaluator: two sets in one LMEvaluator, as AI2's v3-small sets are.
+A, B = "a-validation", "b-validation"
+SIZES = {A: 13, B: 12}  # 25 documents: batches of 5 keep all, of 8 leave one out
+
+
+@pytest.fixture(scope="module")
+def same_losses(tmp_path_factory):
+  """(what olmo3 logs of two held-out sets, {(batch, epoch): ({set: CE}, {set: documents
+  scored}) of OLMo-core's LMEvaluator}), both from the same per-token losses. The documents
+  draw their tokens from ranges of their own (each its own mean loss, as real documents), some
+  are longer than the sequence (cut), one is a lone EOS (no token predicted)."""
+  from olmo3.data.tokens import write_token_file
+
+  heldout = benchmark("heldout_ce_olmo_core")
+  vocab, seq_len, eos = 512, 32, 0
+  rng = np.random.default_rng(0)
+  directory, sets = tmp_path_factory.mktemp("heldout"), {}
+  for name, count in SIZES.items():
+    docs = []
+    for i in range(count):
+      length = 0 if (name, i) == (B, 3) else int(rng.integers(1, 60))
+      low = int(rng.integers(1, vocab - 64))
+      docs.append(np.append(rng.integers(low, low + 64, length), eos))
+    write_token_file(directory / f"{name}.npy", np.concatenate(docs))
+    sets[name] = [str(directory / f"{name}.npy")]
+  loss_V = rng.uniform(0.5, 9.0, vocab)
+  theirs = {(batch, epoch): heldout.olmo_core_heldout(sets, seq_len, eos, vocab, loss_V, batch,
+                                                      epoch, str(directory))
+            for batch, epoch in ((5, 1), (8, 1), (8, 2))}
+  return heldout.olmo3_heldout(sets, seq_len, eos, loss_V), theirs
+
+
+def _heldout_run(workdir, ours: dict[str, dict[str, float]], keys=None):
+  """A run that logged `ours` ({set: {metric: value}}, its `keys` only) at two evaluations."""
+  workdir.mkdir()
+  row = {f"eval/{name}/{k}": v for name, result in ours.items() for k, v in result.items()
+         if keys is None or k in keys}
+  row.update({f"eval/{name}/ppl": math.exp(r["ce_loss"]) for name, r in ours.items()})
+  (workdir / "metrics.jsonl").write_text(
+      "".join(json.dumps({"step": step, **row}) + "\n" for step in (100, 200)))
+  return workdir
+
+
+def _olmo_core_csv(path, ce: dict[str, float]):
+  """OLMo-core's held-out CE and PPL per set, at both evaluations, in AI2's names."""
+  return _write_csv(path, {step: {**{f"eval/lm/{n}/CE loss": v for n, v in ce.items()},
+                                  **{f"eval/lm/{n}/PPL": math.exp(v) for n, v in ce.items()}}
+                           for step in (100, 200)})
+
+
+def _held_out(capsys, run, ref, *args) -> tuple[int, dict[str, dict]]:
+  code, out, _ = _run(capsys, run, ref, "--json", *args)
+  return code, {r["metric"]: r for r in json.loads(out)["metrics"]}
+
+
+@pytest.mark.seconds(6)
+def test_heldout_ce_restated_exactly_where_olmo_core_kept_every_document(tmp_path, capsys,
+                                                                          same_losses):
+  """Ours x tokens / (tokens + documents) is OLMo-core's CE (to its float32 sums) for every set
+  its batches kept whole; a set its last partial batch cut is not comparable, and compare
+  names how many documents it lost: the number OLMo-core's own loader left out."""
+  ours, theirs = same_losses
+  run = _heldout_run(tmp_path / "run", ours)
+  for batch, cut in ((5, []), (8, [B])):
+    ce, scored = theirs[(batch, 1)]
+    assert [n for n in SIZES if scored[n] < SIZES[n]] == cut  # what OLMo-core's loader did
+    ref = _olmo_core_csv(tmp_path / f"ai2-{batch}.csv", ce)
+    code, results = _held_out(capsys, run, ref, "--tolerance", "1e-5", "--metrics", "ce_loss$",
+                              "--ai2_eval_batch_size", str(batch))
+    assert code == 0
+    for name, size in SIZES.items():
+      result = results[f"eval/{name}/ce_loss"]
+      # The direct comparison this replaced: the definitions alone put them far apart.
+      assert abs(ours[name]["ce_loss"] - ce[name]) > 0.05
+      if name in cut:
+        assert (result["comparable"], result["within"]) == (False, None)
+        assert result["note"].startswith(f"OLMo-core left out {size - scored[name]} of this "
+                                         f"set's {size} documents (the last partial batch of "
+                                         f"its 25 documents of 2 sets in batches of {batch}")
+      else:
+        assert (result["comparable"], result["within"]) == (True, True), result
+        assert result["max_abs_delta"] < 1e-6 and "exact" in result["note"]
+  # PPL alike (exp of the restated CE; OLMo-core's float32 CE moves it by ~1e-5).
+  code, results = _held_out(capsys, run, _olmo_core_csv(tmp_path / "ai2-5.csv", theirs[5, 1][0]),
+                            "--tolerance", "1e-3", "--metrics", "/ppl$",
+                            "--ai2_eval_batch_size", "5")
+  assert code == 0 and all(results[f"eval/{n}/ppl"]["within"] for n in SIZES)
+
+
+@pytest.mark.seconds(6)
+def test_heldout_ce_shuffle_epoch(tmp_path, capsys, same_losses):
+  """OLMo-core before 2.6 reshuffled at each evaluation of a job: its second evaluation cut
+  another set. --ai2_eval_epoch 2 says which, as OLMo-core's loader does; epoch 1 would call
+  that set exact and find it 0.02 off."""
+  ours, theirs = same_losses
+  ce, scored = theirs[(8, 2)]
+  assert {n: SIZES[n] - scored[n] for n in SIZES} == {A: 1, B: 0}
+  run, ref = _heldout_run(tmp_path / "run", ours), _olmo_core_csv(tmp_path / "ai2.csv", ce)
+  flags = ("--tolerance", "1e-5", "--metrics", "ce_loss$", "--ai2_eval_batch_size", "8")
+  _, results = _held_out(capsys, run, ref, *flags, "--ai2_eval_epoch", "2")
+  assert results[f"eval/{A}/ce_loss"]["comparable"] is False
+  assert results[f"eval/{B}/ce_loss"]["within"] is True
+  code, results = _held_out(capsys, run, ref, *flags)
+  assert code == 1 and results[f"eval/{A}/ce_loss"]["within"] is False
+  assert results[f"eval/{A}/ce_loss"]["max_abs_delta"] > 0.01
+
+
+def test_heldout_ce_not_comparable_says_why(tmp_path, capsys):
+  """Without OLMo-core's batch size, with a set ours scored in part, without our counts (an
+  older run) or with a set only OLMo-core scored: not comparable, each saying why; shown, not
+  judged (exit 0), and counted on the summary line."""
+  ours = {A: {"ce_loss": 4.0, "tokens": 300.0, "documents": 13.0, "documents_left_out": 0.0},
+          B: {"ce_loss": 5.0, "tokens": 200.0, "documents": 10.0, "documents_left_out": 2.0}}
+  ref = _olmo_core_csv(tmp_path / "ai2.csv", {A: 3.9, B: 4.8, "c-validation": 3.0})
+  run = _heldout_run(tmp_path / "run", ours)
+  code, out, _ = _run(capsys, run, ref)
+  assert code == 0 and _line(out, f"eval/{A}/ce_loss").endswith("NOT COMPARABLE")
+  assert out.splitlines()[-1].endswith("; 2 not comparable (not judged)")
+  assert (f"  eval/{A}/ce_loss: not comparable: OLMo-core scores whole evaluation batches "
+          "only, leaving out the last partial one of its shuffled documents, so its CE "
+          "depends on its evaluation batch size: give --ai2_eval_batch_size; |Δ| is of ours × "
+          "tokens / (tokens + documents), as if nothing were left out") in out
+  assert (f"  eval/{B}/ce_loss: not comparable: ours scored 10 of the set's 12 documents "
+          "(eval.max_documents, eval.min_document_tokens or train.eval_batches); OLMo-core "
+          "scores them all") in out
+  _, results = _held_out(capsys, run, ref, "--ai2_eval_batch_size", "1")
+  assert results[f"eval/{A}/ce_loss"]["note"].startswith(
+      "which documents OLMo-core left out depends on every set of its evaluation, and ours did "
+      "not score c-validation")
+  old = _heldout_run(tmp_path / "old", ours, keys=("ce_loss",))
+  _, results = _held_out(capsys, old, ref, "--ai2_eval_batch_size", "1")
+  assert results[f"eval/{A}/ce_loss"]["note"] == (
+      f"ours logs no eval/{A}/tokens, documents and documents_left_out (runs before olmo3 "
+      "logged them): OLMo-core divides by one more token per document, which cannot be "
+      "restated without them; |Δ| is of the values as logged")
+  assert results[f"eval/{A}/ce_loss"]["max_abs_delta"] == pytest.approx(0.1)
+
+
+def test_heldout_ce_in_one_definition_is_compared_as_logged(tmp_path, capsys):
+  """Two olmo3 runs (or two OLMo-core logs) define held-out CE alike: compared as logged. With
+  the roles swapped (AI2's log as OURS), the olmo3 side, the reference, is the one restated."""
+  ours = {A: {"ce_loss": 4.0, "tokens": 300.0, "documents": 20.0, "documents_left_out": 0.0}}
+  run = _heldout_run(tmp_path / "run", ours)
+  other = _heldout_run(tmp_path / "other", {A: {**ours[A], "ce_loss": 4.002}})
+  code, results = _held_out(capsys, run, other)
+  assert code == 0 and results[f"eval/{A}/ce_loss"]["note"] == ""
+  assert results[f"eval/{A}/ce_loss"]["max_abs_delta"] == pytest.approx(0.002)
+  ref = _olmo_core_csv(tmp_path / "ai2.csv", {A: 4.0 * 300 / 320})
+  code, results = _held_out(capsys, ref, run, "--ai2_eval_batch_size", "4")
+  assert code == 0 and results[f"eval/{A}/ce_loss"]["within"]
+  assert results[f"eval/{A}/ce_loss"]["note"].startswith(
+      "the reference × tokens / (tokens + documents), exact")
+
+
+def _spiky_run(workdir, values: dict[str, list[float]]):
+  workdir.mkdir()
+  steps = len(next(iter(values.values())))
+  (workdir / "metrics.jsonl").write_text("".join(
+      json.dumps({"step": s + 1, **{k: v[s] for k, v in values.items()}}) + "\n"
+      for s in range(steps)))
+  return workdir
+
+
+def test_spikes_are_the_optimizers_skips(tmp_path):
+  """spikes.find over the logged values flags exactly the steps the optimizer's own skip rule
+  (optim.should_skip over its window) skips, for the same settings."""
+  import jax
+  import jax.numpy as jnp
+
+  from olmo3.config import OptimizerConfig
+  from olmo3.train import optim
+
+  cfg = OptimizerConfig(spike_sigma=3.0, spike_window=8, spike_min_history=5)
+  rng = np.random.default_rng(3)
+  ce = [3.0, 3.01] * 2 + [4.0] + list(3.0 + 0.05 * rng.standard_normal(35))  # 5: a spike, just
+  # Eight norms of mean 1.05 and unbiased std 0.0535, then 1.205: 2.9 of those (3.1 of the
+  # biased std), not a spike.
+  norm = [1.0, 1.1] * 4 + [1.205] + list(1.0 + 0.1 * rng.standard_normal(31))
+  ce[15], norm[20], norm[21], ce[30], ce[35] = 3.6, 2.5, 2.6, math.nan, 3.6  # one of two, NaN
+  stats, skipped = jax.tree.map(jnp.asarray, optim.init_skip_stats(cfg)), []
+  for step, (c, g) in enumerate(zip(ce, norm), start=1):
+    skip = optim.should_skip(cfg, stats, jnp.float32(c), jnp.float32(g))
+    stats = optim.record(cfg, stats, jnp.float32(c), jnp.float32(g), skip)
+    if skip:
+      skipped.append(step)
+  # Values logged as float32, as the loop logs them.
+  series = {"ce_loss": {s + 1: float(np.float32(v)) for s, v in enumerate(ce)},
+            "grad_norm": {s + 1: float(np.float32(v)) for s, v in enumerate(norm)}}
+  found = spikes.find(series, "runs/x", sigma=3.0, window=8, min_history=5)
+  assert {5, 16, 21, 31, 36} <= set(skipped) and 9 not in skipped
+  assert sorted({s.step for s in found}) == skipped
+  assert found[0].command == (f"python -m olmo3.inspect --workdir runs/x --step {skipped[0]} "
+                              "--replay --top 5")
+
+
+def test_compare_points_at_the_spikes_of_ours(tmp_path, capsys):
+  """The text lists each spike of ours with the inspect command for its step; --json holds
+  them; a lower --spike_sigma finds smaller jumps; a source that is not a run gets no
+  command."""
+  ce = [3.0 + 0.01 * (i % 3) for i in range(100)]
+  ce[80] = 3.5
+  norm = [1.0 + 0.01 * (i % 5) for i in range(100)]
+  norm[90] = 1.06  # 2.8 standard deviations: a spike for --spike_sigma 2 only
+  run = _spiky_run(tmp_path / "run", {"ce_loss": ce, "grad_norm": norm})
+  code, out, _ = _run(capsys, run, run)
+  assert code == 0
+  lines = out.splitlines()
+  start = lines.index("spikes in ours (1 step: ce_loss or grad_norm more than 6σ above the "
+                      "mean of its previous 128 logged values):")
+  assert lines[start + 1].startswith("  step 81: ce_loss 3.5 (mean 3.01, +")
+  assert lines[start + 2] == (f"    python -m olmo3.inspect --workdir {run} --step 81 --replay "
+                              "--top 5")
+  code, out, _ = _run(capsys, run, run, "--json", "--spike_sigma", "2")
+  found = json.loads(out)["spikes"]
+  assert [(s["step"], s["metric"]) for s in found] == [(81, "ce_loss"), (91, "grad_norm")]
+  assert found[1]["command"].endswith("--step 91 --replay --top 5")
+  plain = tmp_path / "ours.jsonl"
+  plain.write_text((run / "metrics.jsonl").read_text())
+  code, out, _ = _run(capsys, plain, run, "--json")
+  assert [s["command"] for s in json.loads(out)["spikes"]] == [None]

@@ -74,9 +74,11 @@ def test_resumable_fields_are_the_marked_ones():
       "train.microbatches", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
       "data.num_workers", "data.prefetch", "mesh.shape", "mesh.dcn",
       "checkpoint.allow_restart_from_scratch", "data.allow_changed_data", "model.vocab_chunk", "model.splash_block",
-      "data.device_prefetch", "wandb.mode", "wandb.project", "wandb.entity", "wandb.name"}
+      "data.device_prefetch", "wandb.mode", "wandb.project", "wandb.entity", "wandb.name",
+      "optimizer.spike_window_on_restart"}
   old, new = olmo3_tiny.stage1(), olmo3_tiny.stage1()
   new.train.steps, new.mesh.shape = 200, (("data", 2), ("fsdp", -1))
+  new.optimizer.spike_window_on_restart = config.SpikeWindowOnRestart.EMPTY  # read at restarts
   assert config_changes.unresumable_changes(old, new) == []
   new.optimizer.peak_lr = 1e-3
   assert [c.path for c in config_changes.unresumable_changes(old, new)] == ["optimizer.peak_lr"]

@@ -435,14 +435,15 @@ def test_a_config_json_naming_other_code_is_refused_before_any_import(tmp_path, 
 
 
 @pytest.mark.parametrize("module, name", [("olmo3.io.metrics", "os.popen"),
-                                          ("olmo3.config", "math.exp"),
-                                          ("olmo3.config", "dataclasses.replace")])
+                                          ("olmo3.config", "model.math.exp"),
+                                          ("olmo3.config", "experiment.dataclasses.replace"),
+                                          ("olmo3.config", "ConfigError")])
 def test_a_config_json_reaching_other_code_through_an_allowed_module_is_refused(
     tmp_path, module, name):
   """Only olmo3.config and olmo3.remat may be named, and what Fiddle imports from them must be
-  a class or enum member defined there: olmo3.config imports math, so `math.exp` (any module it
-  imports, any function) is reachable through it, and a function (which building would call)
-  is never a config's."""
+  a class or enum member of theirs: olmo3.config's modules import math, so `math.exp` (any
+  module they import, any function) is reachable through it, a function (which building would
+  call) is never a config's, and a class it imports from elsewhere (ConfigError) is not one."""
   side = _evil_workdir(tmp_path, "plain")
   path = tmp_path / "wd" / "config.json"
   path.write_text(path.read_text().replace('"module": "subprocess"', f'"module": "{module}"')

@@ -3,6 +3,8 @@ over HTTP too), continuing them in AI2's two ways as OLMo-core continues them, a
 would not be AI2's, refused."""
 
 import dataclasses
+import json
+import logging
 import os
 import shutil
 
@@ -11,26 +13,36 @@ import numpy as np
 import pytest
 import torch
 
-from olmo3 import config
+from olmo3 import config, model as model_lib
 from olmo3.config import (CheckpointConfig, ConfigError, DataConfig, Experiment, InitMode,
                           OptimizerConfig, TrainConfig)
-from olmo3.convert import olmo_core, olmo_core_import
+from olmo3.convert import olmo_core, olmo_core_import, parity
 from olmo3.convert.__main__ import main as convert_main
 from olmo3.data import tokens
 from olmo3.data.serve import RangeServer
 from olmo3.data.tokens import DataError
 from olmo3.io import checkpoint, olmo_core_checkpoints
-from olmo3.run.plan import RunPlan, data_identity
+from olmo3.run.plan import InitFromError, RunPlan, data_identity
 from olmo3.placement import ShardedModel
 from olmo3.train import continuation
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.state import StateLayout, restore_or_init
 
-from conftest import benchmark
+import forked
+from conftest import benchmark, random_params
 
 MICRO = config.olmo3_micro()
 SEQ, BATCH, SEED, STEP = 32, 4, 5, 3  # the fixture's run: 3 steps of 4 instances of 32 tokens
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # tests/test_launch.py's
+# A model of no preset's shape: 5 layers, grouped-query attention (6 heads, 2 for keys and
+# values), windows of 8 with every third layer and the last full, RoPE theta 10,000 with YaRN on
+# the full-attention layers, norm eps 1e-5, and its own tokenizer (300 ids).
+OTHER = config.ModelConfig(
+    vocab_size=300, padded_vocab_size=384, d_model=48, n_layers=5, n_heads=6, n_kv_heads=2,
+    mlp_hidden=80, sliding_window=8, global_every=3, rope_theta=10_000.0,
+    rope_scaling=config.Yarn(factor=4.0, beta_fast=16.0, beta_slow=2.0, original_context=16),
+    norm_eps=1e-5, max_seq_len=64, eos_token_id=0, pad_token_id=1)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +70,7 @@ def ai2(tmp_path_factory):
       optim=SkipStepAdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                 group_overrides=[OptimGroupOverride(
                                     params=["embeddings.weight"], opts=dict(weight_decay=0.0))]),
-  ).build(olmo_core.transformer_config(MICRO).build(init_device="cpu"))
+  ).build(olmo_core_model.transformer_config(MICRO).build(init_device="cpu"))
   for _ in range(STEP):
     for p in module.model.parameters():
       p.grad = torch.randn_like(p)
@@ -246,3 +258,153 @@ def test_ai2s_stage3_checkpoints_import_as_the_long_context_model():
   machine = ("compute_dtype", "attention", "remat", "remat_custom")  # not the checkpoint's
   assert (PRESETS["olmo3_7b_long_context"]().replace(**{f: getattr(trained, f) for f in machine})
           == trained)
+
+
+def _other_shape_experiment(work):
+  """OLMo-core's train module of OTHER, built from OLMo-core's own description of it
+  (`llama_like`, `with_rope_scaling`: not from olmo3's mapping), and the experiment config its
+  trainer would write beside each checkpoint (ConfigSaverCallback: the parts AI2's scripts'
+  ExperimentConfig has that olmo3 reads)."""
+  from olmo_core.data import NumpyFSLDatasetConfig, TokenizerConfig
+  from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
+  from olmo_core.nn.feed_forward import FeedForwardConfig
+  from olmo_core.nn.rope import YaRNRoPEScalingConfig
+  from olmo_core.nn.transformer import TransformerBlockType, TransformerConfig
+  from olmo_core.optim import SkipStepAdamWConfig
+  from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+  model = TransformerConfig.llama_like(
+      d_model=48, vocab_size=384, n_layers=5, n_heads=6, n_kv_heads=2, qk_norm=True,
+      layer_norm_eps=1e-5, rope_theta=10_000, block_name=TransformerBlockType.reordered_norm,
+      sliding_window=SlidingWindowAttentionConfig(pattern=[8, 8, -1],
+                                                  force_full_attention_on_first_layer=False),
+      attn_backend=AttentionBackendName.torch,
+      feed_forward=FeedForwardConfig(hidden_size=80, bias=False),
+  ).with_rope_scaling(YaRNRoPEScalingConfig(factor=4.0, beta_fast=16, beta_slow=2,
+                                            old_context_len=16))
+  train = TransformerTrainModuleConfig(rank_microbatch_size=2 * 64, max_sequence_length=64,
+                                       optim=SkipStepAdamWConfig(lr=1e-3))
+  dataset = NumpyFSLDatasetConfig(
+      paths=[str(work / "part-0.npy")], sequence_length=64, work_dir=str(work),
+      tokenizer=TokenizerConfig(vocab_size=300, eos_token_id=0, pad_token_id=1))
+  torch.manual_seed(0)
+  module = train.build(model.build(init_device="cpu"))
+  experiment = {"run_name": "other", "model": model.as_config_dict(),
+                "dataset": dataset.as_config_dict(), "train_module": train.as_config_dict()}
+  return module, json.dumps(experiment)
+
+
+@pytest.mark.slow(seconds=10)
+def test_a_save_folder_of_another_shape_imports_through_the_cli(tmp_path):
+  """OLMo-core's Checkpointer saves a model of no preset's shape at steps 1 and 2 of a save
+  folder, each with its config.json as OLMo-core's trainer writes it; step 3 is cut short
+  (no .metadata.json yet). `python -m olmo3.convert import-olmo-core --src FOLDER` takes step 2
+  and says so, reads the model from its config.json, and the imported model computes
+  OLMo-core's logits at step 2's weights (wide ones, so a wrong window, RoPE or eps shows)."""
+  from olmo_core.train.checkpoint import Checkpointer
+  from olmo_core.train.utils import EnvRngStates
+
+  module, experiment = _other_shape_experiment(tmp_path)
+  module.model.load_state_dict(olmo_core_model.state_dict(OTHER, random_params(OTHER, seed=4)))
+  save, checkpointer = tmp_path / "save", Checkpointer(work_dir=tmp_path / "work")
+  for step in (1, 2):
+    for p in module.model.parameters():
+      p.grad = 1e-2 * torch.randn_like(p)
+    module.optim.latest_loss, module.optim.latest_grad_norm = torch.tensor(5.0), torch.tensor(1.0)
+    module.optim.step()
+    state = {"global_step": step, "global_train_tokens_seen": step * 128, "max_steps": 10,
+             "data_loader": {}, "epoch": 1, "world_size": 1,
+             "rng": EnvRngStates.current_state().as_dict(), "callbacks": {}}
+    checkpointer.save(save / f"step{step}", module, state)
+    checkpointer.write_file(save / f"step{step}", "config.json", experiment)
+  shutil.copytree(save / "step2", save / "step3")
+  os.remove(save / "step3" / ".metadata.json")
+  tokens = parity.random_tokens(OTHER, 2, parity.default_seq_len(OTHER))
+  module.model.eval()
+  with torch.no_grad():
+    theirs = module.model(torch.from_numpy(tokens.astype(np.int64))).float().numpy()
+
+  out = tmp_path / "imported"
+  done = forked.completed("olmo3.convert", ["import-olmo-core", "--src", str(save),
+                                            "--out", str(out)], ENV)
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = done.stdout.splitlines()
+  assert lines[0] == (f"{save} is an OLMo-core save folder: taking its newest complete step, "
+                      "step2; passed over, incomplete (OLMo-core had not finished writing them): "
+                      "step3 (no .metadata.json)")
+  assert lines[1].startswith("model: not a preset: vocab_size=300, padded_vocab_size=384, "
+                             "d_model=48, n_layers=5, n_heads=6, n_kv_heads=2, mlp_hidden=80, ")
+  assert lines[1].endswith(f"(from {save / 'step2' / 'config.json'})")
+  assert lines[2].startswith(f"imported {save / 'step2'} (its own model: ")
+  meta = checkpoint.load_meta(out)
+  cfg = config.ModelConfig(**meta["model_config"])
+  assert cfg == OTHER and meta["step"] == 2
+  params = checkpoint.restore_params(out, checkpoint.host_target(model_lib.param_shapes(cfg)))
+  ours, _ = parity.our_forward(cfg.replace(compute_dtype=config.DType.FLOAT32), params, tokens)
+  metrics = parity.compare_logits(theirs, ours)
+  assert metrics["ref_logit_std"] > 2.0
+  assert metrics["max_kl"] <= 1e-6 and metrics["top1_agreement"] == 1.0, metrics
+
+
+def test_init_from_a_save_folder_takes_its_newest_complete_step(ai2, tmp_path, caplog):
+  """checkpoint.init_from naming an OLMo-core save folder means its newest complete step, as
+  OLMo-core's load_path does: step3 here, passing over step7 (no .metadata.json: OLMo-core had
+  not finished writing it) and step9-tmp (where OLMo-core writes a step on a disk before naming
+  it); the launch says which, and converts that step. A folder with no complete step is
+  refused in one line naming what each lacks."""
+  step_dir, paths, _ = ai2
+  save = tmp_path / "save"
+  for name in ("step0", "step3", "step7", "step9-tmp"):
+    shutil.copytree(step_dir, save / name)
+  os.remove(save / "step7" / ".metadata.json")
+  exp = _experiment(paths, init_from=str(save))
+  with caplog.at_level(logging.WARNING):
+    plan = RunPlan.build(exp, str(tmp_path / "run"))
+  assert plan.resume.olmo_core == str(save / "step3")
+  assert (f"CheckpointConfig.init_from='{save}': {save} is an OLMo-core save folder: taking its "
+          "newest complete step, step3; passed over, incomplete (OLMo-core had not finished "
+          "writing them): step7 (no .metadata.json)") in caplog.text
+  assert f"initialised from {save / 'step3'} (checkpoint.init_mode=continue)" in "\n".join(
+      plan.describe())
+  state, position = _start(exp, tmp_path / "run")
+  assert int(state.step) == STEP and position.data_step(STEP) == STEP
+  assert checkpoint.load_meta(tmp_path / "run" / "olmo_core_import")["source"] == str(
+      save / "step3")
+  for name in ("step0", "step3"):
+    shutil.rmtree(save / name)
+  with pytest.raises(InitFromError) as refused:
+    RunPlan.build(exp, str(tmp_path / "other"))
+  assert str(refused.value) == (
+      f"CheckpointConfig.init_from='{save}': {save}: an OLMo-core save folder without a "
+      "complete step (OLMo-core's marker is .metadata.json, written last): step7 (no "
+      ".metadata.json)")
+
+
+def test_a_model_olmo3_cannot_express_is_refused_before_converting(ai2, tmp_path, capsys):
+  """A checkpoint whose config.json describes pre-norm blocks holds tensors of our names and
+  shapes: read as ours, it would run as another model. init_from refuses it, naming the field,
+  before any tensor is read; the CLI too, and --model must agree with a config.json."""
+  step_dir, paths, _ = ai2
+  source = tmp_path / "step3"
+  shutil.copytree(step_dir, source)
+  experiment = {"model": olmo_core_model.transformer_config(MICRO).as_config_dict(),
+                "train_module": {"max_sequence_length": SEQ}}
+  (source / "config.json").write_text(json.dumps(experiment))
+  assert convert_main(["import-olmo-core", "--src", str(source), "--out", str(tmp_path / "a"),
+                       "--model", "olmo3_micro"]) == 2
+  assert (f"error: --model olmo3_micro differs from {source / 'config.json'}: vocab_size=500 "
+          "(the checkpoint's: 512); max_seq_len=256 (the checkpoint's: 32); eos_token_id=0 "
+          "(the checkpoint's: None); pad_token_id=1 (the checkpoint's: None) (leave --model out "
+          "to take the checkpoint's own)\n") == capsys.readouterr().err
+  experiment["model"]["block"]["name"] = "default"
+  (source / "config.json").write_text(json.dumps(experiment))
+  refusal = (f"{source / 'config.json'}: model.block.name='default': olmo3's blocks normalise "
+             "each sublayer's output (OLMo 2 and 3's reordered_norm); olmo3's model cannot "
+             "express it")
+  with pytest.raises(checkpoint.CheckpointError) as refused:
+    _start(_experiment(paths, init_from=str(source)), tmp_path / "run")
+  assert str(refused.value) == f"checkpoint.init_from={str(source)!r}: {refusal}"
+  assert not os.path.exists(tmp_path / "run" / "olmo_core_import")
+  assert convert_main(["import-olmo-core", "--src", str(source), "--out",
+                       str(tmp_path / "b")]) == 2
+  assert capsys.readouterr().err == f"error: {refusal}\n"

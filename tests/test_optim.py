@@ -62,7 +62,8 @@ def _olmo_core_skips(losses, grad_norms, window):
   return decisions
 
 
-def _our_skips(cfg, losses, grad_norms):
+def _our_skips(cfg, losses, grad_norms, empty_at=None):
+  """Our decisions; the window emptied before step index `empty_at` (a restart, EMPTY)."""
   @jax.jit
   def step(stats, values):
     skip = optim.should_skip(cfg, stats, *values)
@@ -70,7 +71,9 @@ def _our_skips(cfg, losses, grad_norms):
 
   stats = optim.init_skip_stats(cfg)
   decisions = []
-  for values in zip(losses, grad_norms):
+  for i, values in enumerate(zip(losses, grad_norms)):
+    if i == empty_at:
+      stats = optim.empty_window(cfg, stats)
     stats, skip = step(stats, np.asarray(values, np.float32))
     decisions.append(bool(skip))
   return decisions
@@ -97,6 +100,29 @@ def test_skip_decisions_equal_skip_step_adamw(window):
   # new normal.
   assert not theirs[early] and theirs[loss_spike] and theirs[norm_spike] and theirs[shift]
   assert not all(theirs[shift:])
+
+
+def test_an_emptied_window_decides_as_the_skip_step_adamw_of_a_restarted_run():
+  """OLMo-core restarted builds a new SkipStepAdamW, whose window (lists on the object, in no
+  state dict) starts empty: nothing is skipped until 8 values (window 16) have been seen since
+  the restart. Emptied at the restart, ours decides as that new object: the spike 3 steps
+  after the restart is trained on, the one 22 steps after skipped; the run that never stopped
+  skips both."""
+  cfg = OptimizerConfig(spike_window=16, spike_min_history=8)
+  rng = np.random.default_rng(1)
+  losses = (3.0 - np.linspace(0, 0.3, 80) + 0.01 * rng.standard_normal(80)).astype(np.float32)
+  norms = (0.8 + 0.05 * rng.standard_normal(80)).astype(np.float32)
+  restart, early, late = 40, 43, 62  # (late: once the early spike has left the window)
+  losses[[20, early, late]] += 3.0
+  restarted = (_olmo_core_skips(losses[:restart], norms[:restart], 16) +
+               _olmo_core_skips(losses[restart:], norms[restart:], 16))
+  assert _our_skips(cfg, losses, norms, empty_at=restart) == restarted
+  assert [i for i, s in enumerate(restarted) if s] == [20, late]
+  assert [i for i, s in enumerate(_olmo_core_skips(losses, norms, 16)) if s] == [20, early, late]
+  stats = optim.SkipStats(np.ones((2, 16), np.float32), np.int32(50), np.int32(2), np.int32(5))
+  emptied = optim.empty_window(cfg, stats)
+  assert int(emptied.recorded) == 0 and not emptied.history.any()
+  assert (int(emptied.consecutive), int(emptied.skipped)) == (2, 5)  # the counters carry on
 
 
 def test_non_finite_steps_are_skipped_and_kept_out_of_the_window():

@@ -8,7 +8,7 @@ import torch
 from olmo_core.nn.transformer import TransformerConfig
 
 from olmo3 import config
-from olmo3.convert import olmo_core, parity
+from olmo3.convert import olmo_core_model, parity
 
 from conftest import benchmark, random_params
 
@@ -28,8 +28,8 @@ def test_7b_preset_matches_olmo_core():
                          ids=["gqa_6_layers", "mha_8_layers"])
 def test_float32_parity_with_olmo_core(cfg):
   params = random_params(cfg, seed=3)
-  reference = olmo_core.transformer_config(cfg).build(init_device="cpu")
-  reference.load_state_dict(olmo_core.state_dict(cfg, params))
+  reference = olmo_core_model.transformer_config(cfg).build(init_device="cpu")
+  reference.load_state_dict(olmo_core_model.state_dict(cfg, params))
   reference.eval()
   tokens = parity.random_tokens(cfg, 2, parity.default_seq_len(cfg))
   with torch.no_grad():
@@ -78,8 +78,8 @@ YARN = MICRO.replace(d_model=128, n_heads=4, n_kv_heads=2, n_layers=8, sliding_w
 
 
 def _olmo_core_logits(reference_cfg, params, tokens):
-  reference = olmo_core.transformer_config(reference_cfg).build(init_device="cpu")
-  reference.load_state_dict(olmo_core.state_dict(reference_cfg, params))
+  reference = olmo_core_model.transformer_config(reference_cfg).build(init_device="cpu")
+  reference.load_state_dict(olmo_core_model.state_dict(reference_cfg, params))
   reference.eval()
   with torch.no_grad():
     return reference(torch.from_numpy(tokens.astype(np.int64))).float().numpy()
@@ -144,3 +144,21 @@ def test_rope_positions_of_packed_documents_are_olmo_cores(positions, scaled):
                   else (per_instance, per_document))
   np.testing.assert_allclose(ours, right.numpy(), atol=2e-5)
   assert np.abs(ours - wrong.numpy()).max() > 0.5
+
+
+@pytest.mark.seconds(15)
+def test_restart_with_an_empty_window_is_olmo_cores_restart(tmp_path):
+  """OLMo-core's Trainer and our loop, each restarted from its own checkpoint at step 5 of 10.
+  SkipStepAdamW's window is in no checkpoint: restarted, it skips nothing until 8 values have
+  been seen again, so the odd batch at step 9 is trained on, where the run that never stopped
+  skips it. spike_window_on_restart=empty is the first (CE losses, skip decisions, final
+  parameters), keep the second."""
+  result = benchmark("restart_olmo_core").main(["--restart_at", "5", "--steps", "10",
+                                                "--spike_at", "9", "--workdir", str(tmp_path)])
+  assert result["skipped_steps"] == {"olmo3 keep": [9], "olmo3 empty": [],
+                                     "OLMo-core uninterrupted": [9], "OLMo-core restarted": []}
+  for mode in ("keep", "empty"):
+    assert result[mode]["skip_decisions_equal"] and result[mode]["max_abs_loss_diff"] < 1e-5
+    assert result[mode]["max_abs_param_diff"] < 1e-5, mode
+  assert result["restart_moves_params_by"] > 1e-4  # far beyond the parameters' tolerance
+  assert result["ok"]

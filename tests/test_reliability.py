@@ -193,6 +193,34 @@ def test_two_processes_train_save_and_resume_on_another_mesh(tmp_path, request):
   np.testing.assert_allclose([losses[s] for s in range(1, 10)],
                              [straight[s] for s in range(1, 10)], rtol=2e-4)
   _check_evaluated_as_one_process(tmp_path, 9, labels)
+  _check_replayed_as_logged(tmp_path)
+
+
+def _check_replayed_as_logged(workdir):
+  """`python -m olmo3.inspect --replay` in one process of 4 devices trains a step again as the
+  run logged it, bit for bit: step 5 from checkpoint 4, after the resume onto 4 devices in 2
+  processes; step 4 from the stage's start, on 1 device as launch 1 trained it (its layout
+  taken from the run's record, not from the devices in view)."""
+  for step, start, mesh in ((5, 4, {"fsdp": 4}), (4, 0, {})):
+    done = forked.completed("olmo3.inspect", [f"--workdir={workdir}", f"--step={step}",
+                                              "--replay", "--json"], _env(4))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert (out["replay"]["from_step"], out["replay"]["layout"]["mesh"]) == (start, mesh)
+    assert out["replay"]["matches_log"] == dict.fromkeys(
+        ("loss", "ce_loss", "grad_norm", "skipped"), True), out["replay"]
+    assert out["loss"] == out["replay"]["logged"]["loss"]
+    assert len(out["rows"]) == 8 and all(r["scored_tokens"] == 127 for r in out["rows"])
+    # the rows' losses make up the step's: summed over the batch's 8 x 127 scored tokens
+    assert sum(r["loss"] * r["scored_tokens"] for r in out["rows"]) / 1016 == pytest.approx(
+        out["ce_loss"], rel=1e-6)
+  # Steps 1..5 were trained on two meshes: a replay across the change is refused, in one line.
+  done = forked.completed("olmo3.inspect", [f"--workdir={workdir}", "--step=5", "--replay",
+                                            "--from_step=0"], _env(4))
+  assert (done.returncode, done.stderr.splitlines()[-1]) == (1, (
+      "error: steps 1..5 were trained by two launches (launch 1 and launch 2, which started at "
+      "step 4) on different configs or meshes: replay from step 4 or later (--from_step)")), (
+          done.stderr[-3000:])
 
 
 def _logged_steps(workdir):
@@ -331,8 +359,7 @@ def _check_evaluated_as_one_process(workdir, step, labels):
                                          f"--out={report}"], _env(2))
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(report.read_text())["steps"][str(step)]
-  again = {f"eval/{s}/{k}": v for s, r in result["heldout"].items() for k, v in r.items()
-           if k != "tokens"}
+  again = {f"eval/{s}/{k}": v for s, r in result["heldout"].items() for k, v in r.items()}
   again.update({f"downstream/{t}/{k}": v for t, r in result["tasks"].items() for k, v in r.items()
                 if k != "docs"})
   assert again.keys() == {k for k in logged if k.startswith(("eval/", "downstream/"))}

@@ -511,6 +511,26 @@ def test_a_prepared_directory_and_a_mix_file_over_http_are_read_as_from_disk(
       sources.read_mix(f"{server.url}/nope")
 
 
+def test_inspect_lists_a_step_of_data_behind_http_as_of_the_same_data_on_disk(
+    served, tmp_path, capsys, monkeypatch):
+  """`python -m olmo3.inspect` on a run whose prepared directory is served over HTTP lists
+  step 4's rows as on disk: the same instances at the same offsets (the URL for the path), the
+  same text, with the run's tokenizer read from the server."""
+  from tests.test_inspect import _workdir, inspect
+
+  monkeypatch.setenv("OLMO3_CACHE", os.fspath(tmp_path / "cache"))
+  local = _workdir(tmp_path, _tiny_on(served / "mine"), "local")
+  with RangeServer(os.fspath(served)) as server:
+    remote = _workdir(tmp_path, _tiny_on(f"{server.url}/mine/"), "remote")
+    rows = [inspect(plan.workdir.root, "--step", "4", capsys=capsys,
+                    monkeypatch=monkeypatch)["rows"] for plan in (remote, local)]
+  url, path = remote.train_files.paths[0], local.train_files.paths[0]
+  assert url.startswith("http://") and len(rows[0]) == 8
+  for row in rows[0]:
+    row["spans"] = [dict(s, file=s["file"].replace(url, path)) for s in row["spans"]]
+  assert rows[0] == rows[1]
+
+
 def test_a_server_without_range_requests_is_refused_at_the_first_request(served, tmp_path):
   """`python -m http.server` ignores Range requests: a launch's plan on a prepared directory
   it serves stops at its first request (the manifest), saying so."""

@@ -4,8 +4,10 @@
   import-olmo-core --src SRC --out CKPT [--model PRESET]
                                              AI2's OLMo-core checkpoint (weights, Adam's state,
                                              trainer state) -> Orbax checkpoint; SRC: a step
-                                             directory (local, gs://, s3://, https://) or a
-                                             name --list shows (olmo3-7b/stage2/step10000)
+                                             directory (local, gs://, s3://, https://), a save
+                                             folder (its newest complete step) or a name --list
+                                             shows (olmo3-7b/stage2/step10000); the model is
+                                             the checkpoint's own (its config.json)
   import-olmo-core --list                    AI2's published OLMo-3-1025-7B checkpoints
   export-hf --ckpt CKPT --out DIR [--dtype]  Orbax checkpoint -> directory transformers loads
                                              (CKPT: a step directory, or a run's workdir:
@@ -26,8 +28,8 @@ from etils import epath
 
 from olmo3 import model as model_lib, platforms
 from olmo3.config import PRESETS, ModelConfig
-from olmo3.convert import hf, parity
-from olmo3.io import checkpoint
+from olmo3.convert import hf, olmo_core_config, parity
+from olmo3.io import checkpoint, olmo_core_checkpoints
 
 
 def _restore_host(ckpt: str):
@@ -52,8 +54,6 @@ def import_hf(args: argparse.Namespace) -> int:
 
 
 def import_olmo_core(args: argparse.Namespace) -> int:
-  from olmo3.io import olmo_core_checkpoints  # pylint: disable=import-outside-toplevel
-
   if args.list:
     for official in olmo_core_checkpoints.official().values():
       print(f"{official.name:32} {official.tokens:>17,} tokens  {official.url}")
@@ -64,17 +64,42 @@ def import_olmo_core(args: argparse.Namespace) -> int:
     raise checkpoint.CheckpointError(f"{args.out} already exists; refusing to overwrite")
   from olmo3.convert import olmo_core_import  # pylint: disable=import-outside-toplevel
 
-  preset = args.model or default_preset(args.src)
-  cfg = PRESETS[preset]()
-  meta = olmo_core_import.import_checkpoint(args.src, args.out, cfg, staging=args.staging)
-  print(f"imported {meta['source']} ({preset}: {cfg.param_count:,} parameters; "
+  located = olmo_core_import.located_or_refused(args.src)
+  if located.folder is not None:
+    print(located.picked())
+  cfg, name, how = olmo_core_model(located, args.model, default_preset(args.src))
+  print(f"model: {how}")
+  meta = olmo_core_import.import_checkpoint(located.root, args.out, cfg, staging=args.staging)
+  print(f"imported {meta['source']} ({name}: {cfg.param_count:,} parameters; "
         f"{olmo_core_import.describe(meta)}) -> {args.out}")
   return 0
 
 
+def olmo_core_model(located: olmo_core_checkpoints.OlmoCoreCheckpoint, preset: str | None,
+                    default: str) -> tuple[ModelConfig, str, str]:
+  """The model config of the OLMo-core checkpoint `located`, its name (a preset's, or "its own
+  model") and how it was found: the checkpoint's config.json (`preset`, when given, must agree
+  with it), else `preset`, else `default`."""
+  own, where = olmo_core_config.read(located), olmo_core_config.config_file(located)
+  if own is None:
+    chosen = preset or default
+    return PRESETS[chosen](), chosen, f"{chosen} (no {where}" + (
+        ")" if preset else "; --model names another)")
+  if preset is not None:
+    differ = olmo_core_config.differences(PRESETS[preset](), own)
+    if differ:
+      raise hf.ConversionError(f"--model {preset} differs from {where}: {'; '.join(differ)} "
+                               "(leave --model out to take the checkpoint's own)")
+    return PRESETS[preset](), preset, f"{preset} (as {where} says)"
+  described = olmo_core_config.describe(own, PRESETS)
+  name = described if described in PRESETS else "its own model"
+  return own, name, f"{described} (from {where})"
+
+
 def default_preset(src: str) -> str:
-  """The model an OLMo-core checkpoint holds when --model does not say: AI2's stage-3
-  checkpoints hold the long-context model (YaRN), every other one OLMo 3 7B as stages 1-2."""
+  """The model an OLMo-core checkpoint holds when neither --model nor its config.json says:
+  AI2's stage-3 checkpoints hold the long-context model (YaRN), every other one OLMo 3 7B as
+  stages 1-2."""
   # AI2's names and URLs alike: olmo3-7b/stage3/step11921, .../Olmo-3-1025-7B/stage3/step1000
   return "olmo3_7b_long_context" if "/stage3/" in f"/{src.rstrip('/')}/" else "olmo3_7b"
 
@@ -145,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
   p = sub.add_parser("import-olmo-core",
                      help="AI2's OLMo-core checkpoint -> Orbax checkpoint (weights, optimizer "
                           "and trainer state)")
-  p.add_argument("--src", help="a step directory (local, gs://, s3://, https://) or a name "
+  p.add_argument("--src", help="a step directory (local, gs://, s3://, https://), an "
+                               "OLMo-core save folder (its newest complete step) or a name "
                                "--list shows")
   p.add_argument("--out")
   p.add_argument("--model", choices=sorted(PRESETS),
-                 help="the model config the checkpoint holds (a preset of olmo3.config; "
-                      "default: olmo3_7b_long_context for AI2's stage-3 checkpoints, else "
-                      "olmo3_7b)")
+                 help="the model config the checkpoint holds (a preset of olmo3.config). "
+                      "Default: the checkpoint's own config.json (OLMo-core's trainer writes "
+                      "one into each step); without one, olmo3_7b_long_context for AI2's "
+                      "stage-3 checkpoints, else olmo3_7b. Given with a config.json, it must "
+                      "agree with it")
   p.add_argument("--staging", help="where the float32 arrays are staged before they are "
                                    "written (default: beside a local --out, else the temporary "
                                    "directory); about 3x the model's float32 size")

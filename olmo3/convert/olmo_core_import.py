@@ -10,7 +10,7 @@ memory-mapped float32 arrays in a staging directory: host memory holds one chunk
 never the model, let alone its moments.
 
 What is imported (olmo3.io.olmo_core_checkpoints says where OLMo-core keeps it):
-- the weights, `model.<name>` (olmo3.convert.olmo_core maps the names; linear weights are
+- the weights, `model.<name>` (olmo3.convert.olmo_core_model maps the names; linear weights are
   transposed, layers stacked);
 - SkipStepAdamW's moments, `optim.state.<name>.exp_avg` / `exp_avg_sq`, as Adam's mu / nu, and
   its per-parameter `step` as Adam's count. SkipStepAdamW counts only the updates it did not
@@ -46,7 +46,7 @@ import numpy as np
 
 from olmo3 import model as model_lib
 from olmo3.config import ModelConfig
-from olmo3.convert import olmo_core
+from olmo3.convert import olmo_core, olmo_core_config
 from olmo3.convert.hf import ConversionError, memmap_allocator
 from olmo3.io import checkpoint, pathnames, storage
 from olmo3.io.olmo_core_checkpoints import METADATA, OlmoCoreCheckpoint, locate
@@ -350,14 +350,15 @@ def _read_arrays(reader: _Reader, cfg: ModelConfig, alloc) -> dict[str, dict[str
 def import_checkpoint(source: str, out: str, cfg: ModelConfig, staging: str | None = None,
                       check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
   """Writes the olmo3 checkpoint of the OLMo-core checkpoint `source` (olmo3.io.
-  olmo_core_checkpoints.locate: a directory, URL or official name) to `out`; returns its meta.
-  `check(facts)` runs before any tensor is read (a run refuses a mismatch there). The float32
-  arrays are staged under `staging` (default: beside a local `out`, else the system's temporary
-  directory) until written. ConversionError names what does not fit."""
-  located = locate(source)
-  if located is None:
-    raise ConversionError(f"{source}: not an OLMo-core checkpoint (no model_and_optim/"
-                          f"{METADATA} or {METADATA} there) nor an official name (--list)")
+  olmo_core_checkpoints.locate: a step directory, a save folder, a URL or an official name) to
+  `out`; returns its meta. `check(facts)` runs before any tensor is read (a run refuses a
+  mismatch there). The float32 arrays are staged under `staging` (default: beside a local
+  `out`, else the system's temporary directory) until written. ConversionError names what does
+  not fit: tensors of other shapes than `cfg`'s, or a model olmo3 cannot express (the
+  checkpoint's own config.json says: its tensors could have our names and shapes, as a pre-norm
+  block's do)."""
+  located = located_or_refused(source)
+  olmo_core_config.read(located)  # refuses a model olmo3 cannot express, whatever its shapes
   found = facts(located, cfg)
   if check is not None:
     check(found)
@@ -374,6 +375,16 @@ def import_checkpoint(source: str, out: str, cfg: ModelConfig, staging: str | No
             "nu": trees["nu"]}
     checkpoint.save_model(out, cfg, trees["params"], meta=meta, items={checkpoint.ADAM: adam})
   return meta
+
+
+def located_or_refused(source: str) -> OlmoCoreCheckpoint:
+  """locate(source), or a ConversionError saying what it is not."""
+  located = locate(source)
+  if located is None:
+    raise ConversionError(f"{source}: not an OLMo-core checkpoint (no model_and_optim/"
+                          f"{METADATA} or {METADATA} there, nor step directories) nor an "
+                          "official name (--list)")
+  return located
 
 
 def describe(meta: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from olmo3.data import prepare as prepare_lib
 
-FORMAT = 1  # bump when the corpus or its preparation changes
+FORMAT = 2  # bump when the corpus or its preparation changes (2: the held-out split disjoint)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")  # ids 0 (EOS) and 1 (PAD)
 
 

@@ -38,6 +38,7 @@ class HeldoutDocs:
       starts = np.concatenate([[0], ends[:-1]])
       self._docs.extend((f, int(s), int(e)) for s, e in zip(starts, ends))
       self._tokens.append(tokens)
+    self.file_documents = len(self._docs)  # before min_tokens and max_documents choose
     if min_tokens is not None:
       self._docs = [d for d in self._docs if d[2] - d[1] >= min_tokens]
     if max_documents is not None:

@@ -132,6 +132,16 @@ def steps_per_epoch(cfg: DataConfig, source: TokenFiles) -> int:
 SHARED_ORDER_MIN_INSTANCES = 1 << 20  # below: milliseconds to compute, kept in process
 
 
+def order_for(cfg: DataConfig, source: TokenFiles | PackedInstances) -> GlobalOrder:
+  """The global order `source`'s instances are drawn in. A large one takes seconds to compute
+  (AI2's stage 1, 724M instances: 48 s, 2.9 GB) in every process and loader worker, at each
+  launch: computed once per machine instead, and shared memory-mapped
+  (olmo3.data.order.KeptOrder)."""
+  n = instances(cfg, source)
+  shared = embedded.cache_root() / "order" if n >= SHARED_ORDER_MIN_INSTANCES else None
+  return GlobalOrder(n, cfg.global_batch_size, cfg.seed, cfg.chunk_instances, shared)
+
+
 class Loader:
   """Steps [start_step, start_step + num_steps) of the global sequence."""
 
@@ -144,12 +154,7 @@ class Loader:
     check_divisible(cfg.global_batch_size, sharding, "DataConfig.global_batch_size", microbatches)
     self.cfg = cfg
     self.source = source or sources.token_files(cfg, vocab_size)
-    n = instances(cfg, self.source)
-    # A large order takes seconds to compute (AI2's stage 1, 724M instances: 48 s, 2.9 GB) in
-    # every process and loader worker, at each launch: computed once per machine instead, and
-    # shared memory-mapped (olmo3.data.order.KeptOrder).
-    shared = embedded.cache_root() / "order" if n >= SHARED_ORDER_MIN_INSTANCES else None
-    self.order = GlobalOrder(n, cfg.global_batch_size, cfg.seed, cfg.chunk_instances, shared)
+    self.order = order_for(cfg, self.source)
     self.order.prepare(self.order.epoch_of(start_step))  # computed here, not raced by workers
     self.host_rows = HostRows.of(sharding, cfg.global_batch_size, cfg.seq_len)
     dataset = grain.MapDataset.range(start_step, start_step + num_steps).map(

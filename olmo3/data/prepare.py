@@ -14,6 +14,12 @@ documents, and at least 100 (never more than a tenth of them), so that a run on 
 evaluates documents it never trains on and its generalization-gap alarm can fire. The floor
 holds out the documents with the smallest hashes: the same rule, a lower cut.
 
+The held-out split is then made disjoint from the training split (olmo3.data.overlap): a
+held-out document that has half or more of its 13-token n-grams in the training documents (a
+near-duplicate, a copy with small changes, a document quoted whole inside another; an exact copy
+when it is shorter than that) is moved to training, after its other documents, and named in the
+output and in the manifest's `overlap` record with its share.
+
 Output: DIR/train/part-NNNNN.npy and DIR/heldout/part-NNNNN.npy (raw uint32 tokens), the
 tokenizer they were made with (DIR/tokenizer.json) and DIR/manifest.json. DIR is a local path,
 gs:// or s3:// (olmo3.io.storage; not http(s)://, which is read-only). DIR is a data source in
@@ -54,7 +60,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from olmo3 import platforms
-from olmo3.data import hub
+from olmo3.data import hub, overlap
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
 from olmo3.io import clients, errors, pathnames, retry, storage
 
@@ -80,8 +86,9 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
   return list(dict.fromkeys(files))
 
 
-def read_documents(path: str) -> Iterator[str]:
-  """The documents of one input file."""
+def read_documents(path: str) -> Iterator[tuple[str, str]]:
+  """The documents of one input file: (where each is, for messages: file, line or row, and a
+  JSONL record's id; its text)."""
   name = path.lower()
   if name.endswith((".jsonl", ".jsonl.gz", ".json.gz")):
     opener = gzip.open if name.endswith(".gz") else open
@@ -95,7 +102,8 @@ def read_documents(path: str) -> Iterator[str]:
           raise DataError(f"{path}:{number}: not valid JSON ({e})") from None
         if not isinstance(record.get("text"), str):
           raise DataError(f"{path}:{number}: no string field 'text'")
-        yield record["text"]
+        known = f" (id {record['id']})" if isinstance(record.get("id"), (str, int)) else ""
+        yield f"{path}:{number}{known}", record["text"]
   elif name.endswith(".parquet"):
     import pyarrow.parquet as pq
 
@@ -103,11 +111,13 @@ def read_documents(path: str) -> Iterator[str]:
     if "text" not in table.schema_arrow.names:
       raise DataError(f"{path}: Parquet file has no column 'text' "
                       f"(columns: {table.schema_arrow.names})")
+    rows = itertools.count(1)
     for batch in table.iter_batches(columns=["text"]):
-      yield from (t for t in batch.column(0).to_pylist() if t is not None)
+      yield from ((f"{path}, row {row}", t) for row, t in zip(rows, batch.column(0).to_pylist())
+                  if t is not None)
   else:
     with open(path, encoding="utf-8", errors="replace") as f:
-      yield f.read()
+      yield path, f.read()
 
 
 def _rank(text: str) -> int:
@@ -179,20 +189,37 @@ def _encode(texts: list[str]) -> list[np.ndarray]:
 
 def _documents(files: Sequence[str]) -> Iterator[str]:
   for path in files:
-    yield from read_documents(path)
+    yield from (text for _, text in read_documents(path))
 
 
-def _chunks(files: Sequence[str], cut: int) -> Iterator[tuple[list[str], list[bool]]]:
-  texts, held = [], []
+def _chunks(files: Sequence[str], cut: int, heldout: bool
+            ) -> Iterator[tuple[list[str], list[str]]]:
+  """The documents of one side of the split, in input order, in chunks: where each one is,
+  and its text."""
+  wheres, texts = [], []
   for path in files:
-    for text in read_documents(path):
-      texts.append(text)
-      held.append(_rank(text) < cut)
-      if len(texts) == _DOCS_PER_CHUNK:
-        yield texts, held
-        texts, held = [], []
+    for where, text in read_documents(path):
+      if (_rank(text) < cut) == heldout:
+        wheres.append(where)
+        texts.append(text)
+        if len(texts) == _DOCS_PER_CHUNK:
+          yield wheres, texts
+          wheres, texts = [], []
   if texts:
-    yield texts, held
+    yield wheres, texts
+
+
+def _encoded(files: Sequence[str], cut: int, heldout: bool, pool, width: int, bar
+             ) -> Iterator[tuple[str, np.ndarray]]:
+  """(where, tokens) of one side's documents, in input order. A bounded window of chunks at a
+  time: memory stays flat whatever the input size, and the order is the input order whatever
+  the worker count."""
+  chunks = _chunks(files, cut, heldout)
+  while window := list(itertools.islice(chunks, width)):
+    texts = [t for _, t in window]
+    for (wheres, _), docs in zip(window, pool.map(_encode, texts) if pool else map(_encode, texts)):
+      yield from zip(wheres, docs)
+      bar.update(len(docs))
 
 
 class _SplitWriter:
@@ -255,6 +282,9 @@ class Manifest:
   eos_id: int
   tokenizer: str
   heldout_fraction: float
+  # The held-out split's check against the training split (overlap.disjoint); None: prepared
+  # before the check existed.
+  overlap: dict | None = None
 
   @classmethod
   def load(cls, directory: str | os.PathLike) -> Manifest:
@@ -355,15 +385,11 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
     _init_worker(tok.to_str())
     bar = tqdm(unit="doc", disable=not progress, desc=f"tokenizing {len(files)} files")
     try:
-      chunks = _chunks(files, cut)
-      # A bounded window of chunks at a time: memory stays flat whatever the input size, and
-      # the output order is the input order whatever the worker count.
-      while window := list(itertools.islice(chunks, 4 * max(workers, 1))):
-        texts = [t for t, _ in window]
-        for (_, held), docs in zip(window, pool.map(_encode, texts) if pool else map(_encode, texts)):
-          for doc, h in zip(docs, held):
-            writers["heldout" if h else "train"].add(np.append(doc, TOKEN_DTYPE.type(eos_token)))
-          bar.update(len(docs))
+      encoding = (pool, 4 * max(workers, 1), bar)
+      disjoint = overlap.disjoint(
+          _encoded(files, cut, True, *encoding) if cut else (),  # none held out: no pass
+          (doc for _, doc in _encoded(files, cut, False, *encoding)), eos_token,
+          writers["train"].add, writers["heldout"].add)
     finally:
       bar.close()
       if pool:
@@ -376,7 +402,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
                 for s, w in writers.items()},
         vocab_size=tok.get_vocab_size(), eos_id=eos_token,
         tokenizer=tokenizer_name or (tokenizer if isinstance(tokenizer, str) else "<in memory>"),
-        heldout_fraction=heldout_fraction)
+        heldout_fraction=heldout_fraction, overlap=disjoint)
     if manifest.splits["train"]["tokens"] == 0:
       raise DataError(f"{inputs}: no training tokens (all documents empty or held out)")
     # The tokenizer travels with its tokens: whoever reads DIR tokenizes tasks and compares
@@ -444,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
   for split, info in manifest.splits.items():
     print(f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, "
           f"{len(info['files'])} files")
+  print("\n".join(overlap.describe(manifest.overlap)))
   print(f"wrote {pathnames.join(args.out, MANIFEST_FILE)}; train on it with "
         f"--fdl_set=data.mix='\"{args.out}\"' (its held-out split and tokenizer come along)")
   return 0

@@ -1,5 +1,6 @@
 """python -m olmo3.eval.compare OURS REFERENCE [--tolerance 0.005] [--metrics REGEX]
                               [--plot FILE.png] [--json] [--per_step]
+                              [--ai2_eval_batch_size B [--ai2_eval_epoch E]] [--spike_sigma K]
 
 Compares a run's metrics with a reference, step by step: AI2's released in-loop numbers, a W&B
 export, or another run. Each of OURS and REFERENCE is a run workdir (its metrics.jsonl), a
@@ -11,6 +12,19 @@ AI2's names (OLMo-core's trainer: `train/CE loss`, `eval/lm/<set>/CE loss`,
 `downstream/<task>/<key>`); names already in our form pass through, other names are kept and
 listed as "not in ours". --metrics (a regex searched in our names) selects what is compared; by
 default training CE, held-out CE and downstream metrics (not PPL: it is exp(CE)).
+
+Held-out CE in AI2's names is OLMo-core's definition, not ours (olmo3/eval/ce_definitions.py):
+ours is restated in it where that is exact, else the metric's verdict is "not comparable", with
+why on a line of its own. Exact needs olmo3's per-set counts (eval/<set>/tokens, documents,
+documents_left_out) and OLMo-core's global evaluation batch in documents
+(--ai2_eval_batch_size: which documents its last partial batch left out; --ai2_eval_epoch, its
+shuffle epoch, 1 unless an OLMo-core before 2.6 evaluated more than once since the job started).
+Not comparable metrics are shown but not judged.
+
+Spikes: steps of OURS whose ce_loss or grad_norm exceeds the mean of the previous 128 logged
+values by more than --spike_sigma (6) standard deviations (the optimizer's skip rule,
+olmo3/eval/spikes.py), each with the `python -m olmo3.inspect` command that shows and replays
+the step (for a run workdir).
 
 For each metric in both: the steps both logged and those only one side logged (every step
 either logged is in --per_step's table, --json's `points` and the plot, a missing value shown
@@ -43,10 +57,13 @@ from typing import Any
 from etils import epath
 
 from olmo3 import platforms
+from olmo3.eval import ce_definitions, spikes
+from olmo3.eval.ce_definitions import OlmoCoreEvaluation
 from olmo3.eval.metric_sources import CompareError, Source, load
 
 DEFAULT_TOLERANCE = 0.005
-DEFAULT_METRICS = r"^(ce_loss$|eval/(?!.*/ppl$)|downstream/)"
+# Not PPL (exp(CE)) nor the held-out counts (eval/<set>/tokens, documents, documents_left_out).
+DEFAULT_METRICS = r"^(ce_loss$|eval/(?!.*/(ppl|tokens|documents|documents_left_out)$)|downstream/)"
 ALARM_PREFIX = "alarm/"  # the loop's alarms: 1 at an evaluation where it fired, else 0
 MAX_PANELS = 12
 MAX_LISTED = 10  # names per "not in ..." line of the text report; --json lists all
@@ -62,10 +79,13 @@ class MetricResult:
   step: int  # where max_abs_delta occurs
   ours: float
   reference: float
-  within: bool
+  within: bool | None  # None: not comparable (not judged)
   outside_steps: int  # steps whose |delta| exceeds the tolerance
-  # Every step either side logged, in order: (step, ours or None, reference or None).
+  # Every step either side logged, in order: (step, ours or None, reference or None); a
+  # held-out metric's olmo3 side as restated in OLMo-core's definition.
   points: tuple[tuple[int, float | None, float | None], ...]
+  comparable: bool = True
+  note: str = ""  # held-out CE: how the olmo3 side was restated, or why it cannot be
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +108,7 @@ class Summary:
   comparisons_outside: int
   alarms: int  # alarms both log
   alarms_differ: int
+  not_comparable: int  # metrics shown, not judged
   ok: bool  # exit status 0
 
 
@@ -98,15 +119,17 @@ class Comparison:
   not_in_ours: list[str]
   not_in_reference: list[str]
   no_common_steps: list[str]
+  spikes: list[spikes.Spike] = dataclasses.field(default_factory=list)  # in ours
 
   @property
   def summary(self) -> Summary:
-    outside = sum(not r.within for r in self.metrics)
-    judged = [a for a in self.alarms if a.agree is not None]
-    differ = sum(not a.agree for a in judged)
-    return Summary(len(self.metrics), outside, sum(r.steps for r in self.metrics),
-                   sum(r.outside_steps for r in self.metrics), len(judged), differ,
-                   outside == 0 and differ == 0)
+    judged = [r for r in self.metrics if r.comparable]
+    outside = sum(not r.within for r in judged)
+    alarms = [a for a in self.alarms if a.agree is not None]
+    differ = sum(not a.agree for a in alarms)
+    return Summary(len(judged), outside, sum(r.steps for r in judged),
+                   sum(r.outside_steps for r in judged), len(alarms), differ,
+                   len(self.metrics) - len(judged), outside == 0 and differ == 0)
 
 
 def _aligned(a: dict[int, float], b: dict[int, float]
@@ -132,10 +155,28 @@ def compare_alarms(ours: Source, reference: Source) -> list[AlarmResult]:
   return results
 
 
+def _restated(metric: str, ours: Source, reference: Source, steps: list[int],
+              evaluation: OlmoCoreEvaluation
+              ) -> tuple[dict[int, float], dict[int, float], ce_definitions.Restated | None]:
+  """Both sides' values of `metric`, the olmo3 side's in OLMo-core's definition when only the
+  other is OLMo-core's (a held-out CE or PPL in AI2's names), and how (None: as logged)."""
+  a, b = ours.series[metric], reference.series[metric]
+  if (metric in ours.olmo_core) == (metric in reference.olmo_core):
+    return a, b, None
+  if metric in reference.olmo_core:
+    restated = ce_definitions.restate(metric, ours, reference, steps, evaluation, "ours")
+    return (a if restated is None else restated.values), b, restated
+  restated = ce_definitions.restate(metric, reference, ours, steps, evaluation, "the reference")
+  return a, (b if restated is None else restated.values), restated
+
+
 def compare(ours: Source, reference: Source, tolerance: float,
-            metrics: re.Pattern[str] = re.compile(DEFAULT_METRICS)) -> Comparison:
+            metrics: re.Pattern[str] = re.compile(DEFAULT_METRICS),
+            evaluation: OlmoCoreEvaluation = OlmoCoreEvaluation(),
+            spike_sigma: float = spikes.SIGMA) -> Comparison:
   """Per metric, the largest |ours - reference| over the steps both logged, every step either
-  logged aligned; and the alarms."""
+  logged aligned (held-out CE in one definition: ce_definitions.restate); the alarms; and the
+  spikes of ours."""
   def selected(source: Source) -> set[str]:
     return {m for m in source.series if metrics.search(m) and not m.startswith(ALARM_PREFIX)}
 
@@ -143,18 +184,20 @@ def compare(ours: Source, reference: Source, tolerance: float,
   alarms = compare_alarms(ours, reference)
   results, no_common = [], []
   for metric in sorted(mine & theirs):
-    a, b = ours.series[metric], reference.series[metric]
-    steps = sorted(set(a) & set(b))
+    steps = sorted(set(ours.series[metric]) & set(reference.series[metric]))
     if not steps:
       no_common.append(metric)
       continue
+    a, b, restated = _restated(metric, ours, reference, steps, evaluation)
     delta = {s: abs(a[s] - b[s]) for s in steps}
     # NaN (OLMo-core logs it for a held-out set it did not reach) is never within tolerance.
     outside = sum(not d <= tolerance for d in delta.values())
     worst = max(steps, key=lambda s: math.inf if math.isnan(delta[s]) else delta[s])
+    comparable = restated is None or restated.comparable
     results.append(MetricResult(metric, len(steps), len(set(a) - set(b)), len(set(b) - set(a)),
-                                delta[worst], worst, a[worst], b[worst], not outside, outside,
-                                _aligned(a, b)))
+                                delta[worst], worst, a[worst], b[worst],
+                                not outside if comparable else None, outside, _aligned(a, b),
+                                comparable, "" if restated is None else restated.note))
   if not results and not any(r.agree is not None for r in alarms):
     if no_common:
       raise CompareError(
@@ -164,7 +207,10 @@ def compare(ours: Source, reference: Source, tolerance: float,
     raise CompareError(f"{ours.path} and {reference.path} have no metrics in common"
                        f"{'' if metrics.pattern == DEFAULT_METRICS else ' matching --metrics'}"
                        f" (reference: {_listing(sorted(theirs or reference.series))})")
-  return Comparison(results, alarms, sorted(theirs - mine), sorted(mine - theirs), no_common)
+  file = epath.Path(ours.path)
+  workdir = str(file.parent) if file.name == "metrics.jsonl" else None
+  return Comparison(results, alarms, sorted(theirs - mine), sorted(mine - theirs), no_common,
+                    spikes.find(ours.series, workdir, spike_sigma))
 
 
 def _span(source: Source, metrics: list[str]) -> str:
@@ -226,9 +272,11 @@ def figure(ours: Source, reference: Source, comparison: Comparison, tolerance: f
     for side, color, alarm, step in first_fired:
       ax.axvline(step, color=color, linestyle="--", linewidth=1,
                  label=f"{side}: {alarm} fired (step {step})")
-    verdict = "within" if result.within else "OUTSIDE"
+    verdict = ("not comparable" if not result.comparable else
+               "within" if result.within else "OUTSIDE")
     ax.set_title(f"{result.metric}\nmax |Δ| {result.max_abs_delta:.4g} at step {result.step} "
-                 f"({verdict})", fontsize=8, color="black" if result.within else "tab:red")
+                 f"({verdict})", fontsize=8,
+                 color="tab:red" if result.within is False else "black")
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
@@ -264,8 +312,31 @@ def _value(v: float | None) -> str:
   return MISSING if v is None else f"{v:.4f}"
 
 
+def _verdict(r: MetricResult, tolerance: float) -> str:
+  if not r.comparable:
+    return "NOT COMPARABLE"
+  return f"{'within' if r.within else 'OUTSIDE'} ±{tolerance}"
+
+
+def _spike_lines(found: list[spikes.Spike], sigma: float) -> list[str]:
+  """Ours' spikes, a line per step (the first MAX_LISTED) and its inspect command."""
+  steps = sorted({s.step for s in found})
+  counted = f"{len(steps)} step{'s' if len(steps) > 1 else ''}"
+  lines = [f"spikes in ours ({counted}: ce_loss or grad_norm more than {sigma:g}σ above the mean "
+           f"of its previous {spikes.WINDOW} logged values):"]
+  for step in steps[:MAX_LISTED]:
+    at = [s for s in found if s.step == step]
+    lines.append(f"  step {step}: " + ", ".join(
+        f"{s.metric} {s.value:.4g} (mean {s.mean:.4g}, +{s.sigmas:.3g}σ)" for s in at))
+    if at[0].command:
+      lines.append(f"    {at[0].command}")
+  if len(steps) > MAX_LISTED:
+    lines.append(f"  … ({len(steps) - MAX_LISTED} more steps: --json lists all)")
+  return lines
+
+
 def report(ours: Source, reference: Source, comparison: Comparison, tolerance: float,
-           per_step: bool = False) -> str:
+           per_step: bool = False, spike_sigma: float = spikes.SIGMA) -> str:
   results = comparison.metrics
   lines = [f"ours:      {ours.path}", f"reference: {reference.path}"]
   if results:
@@ -275,8 +346,12 @@ def report(ours: Source, reference: Source, comparison: Comparison, tolerance: f
     for r in results:
       lines.append(f"{r.metric.ljust(width)}  {r.steps:>6}  {r.ours_only:>9}  "
                    f"{r.reference_only:>8}  {r.max_abs_delta:>9.4f}  {r.step:>8}  "
-                   f"{r.ours:>10.4f}  {r.reference:>10.4f}  "
-                   f"{'within' if r.within else 'OUTSIDE'} ±{tolerance}")
+                   f"{r.ours:>10.4f}  {r.reference:>10.4f}  {_verdict(r, tolerance)}")
+  if noted := [r for r in results if r.note]:
+    lines.append("held-out CE in OLMo-core's definition (docs/evaluation.md#held-out-ce-olmo3-"
+                 "and-olmo-core):")
+    lines.extend(f"  {r.metric}: {'' if r.comparable else 'not comparable: '}{r.note}"
+                 for r in noted)
   if comparison.alarms:
     width = max(len("alarm"), *(len(a.alarm) for a in comparison.alarms))
     lines.append(f"{'alarm'.ljust(width)}  ours: ... | reference: ... | verdict")
@@ -285,6 +360,8 @@ def report(ours: Source, reference: Source, comparison: Comparison, tolerance: f
       lines.append(f"{a.alarm.ljust(width)}  ours: {_steps_text(a.ours_fired, a.ours_evaluations)}"
                    f" | reference: "
                    f"{_steps_text(a.reference_fired, a.reference_evaluations)} | {verdict}")
+  if comparison.spikes:
+    lines.extend(_spike_lines(comparison.spikes, spike_sigma))
   for title, names in (("not in ours", comparison.not_in_ours),
                        ("not in reference", comparison.not_in_reference),
                        ("no common steps", comparison.no_common_steps)):
@@ -303,6 +380,8 @@ def report(ours: Source, reference: Source, comparison: Comparison, tolerance: f
           f"{tolerance})")
   if s.alarms:
     line += f"; {s.alarms_differ} of {s.alarms} alarms fired in one run only"
+  if s.not_comparable:
+    line += f"; {s.not_comparable} not comparable (not judged)"
   lines.append(line)
   return "\n".join(lines)
 
@@ -332,6 +411,16 @@ def _regex(text: str) -> re.Pattern[str]:
     raise argparse.ArgumentTypeError(f"not a regular expression ({e})") from None
 
 
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+  return value
+
+
 def main(argv: list[str] | None = None) -> int:
   platforms.choose()  # the CPU where there is no accelerator: no TPU probing
   parser = argparse.ArgumentParser(prog="python -m olmo3.eval.compare", description=__doc__,
@@ -346,10 +435,24 @@ def main(argv: list[str] | None = None) -> int:
                       help="print the report, summary included, as one JSON document")
   parser.add_argument("--per_step", action="store_true",
                       help="also print each compared metric at every step either side logged")
+  parser.add_argument("--ai2_eval_batch_size", type=_positive, default=None,
+                      help="documents per evaluation batch of the OLMo-core run, all ranks "
+                      "together (AI2's 7B: 2 per GPU): which documents its held-out CE left out")
+  parser.add_argument("--ai2_eval_epoch", type=_positive, default=1,
+                      help="its evaluation loader's shuffle epoch: 1, or with OLMo-core before "
+                      "2.6 the evaluation's ordinal since the job started (default: 1)")
+  parser.add_argument("--spike_sigma", type=float, default=spikes.SIGMA,
+                      help="a step of ours whose ce_loss or grad_norm exceeds the mean of the "
+                      f"previous {spikes.WINDOW} logged values by this many standard deviations "
+                      "is a spike (default: the optimizer's, %(default)s)")
   args = parser.parse_args(argv)
+  if not args.spike_sigma > 0:
+    parser.error(f"--spike_sigma {args.spike_sigma}: must be > 0")
   try:
     ours, reference = load(args.ours), load(args.reference)
-    comparison = compare(ours, reference, args.tolerance, args.metrics)
+    comparison = compare(ours, reference, args.tolerance, args.metrics,
+                         OlmoCoreEvaluation(args.ai2_eval_batch_size, args.ai2_eval_epoch),
+                         args.spike_sigma)
     if args.plot and not comparison.metrics:
       raise CompareError(f"--plot {args.plot}: no metric to draw (the sources share alarms "
                          "only)")
@@ -359,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     print(as_json(ours, reference, comparison, args.tolerance))
   else:
-    print(report(ours, reference, comparison, args.tolerance, args.per_step))
+    print(report(ours, reference, comparison, args.tolerance, args.per_step, args.spike_sigma))
   if args.plot:
     try:
       shown = plot(args.plot, ours, reference, comparison, args.tolerance)

@@ -170,10 +170,13 @@ class Evaluator:
 
   def heldout_metrics(self, params: Any, stop: Callable[[], bool] | None = None
                       ) -> dict[str, dict[str, float]]:
-    """{set: {ce_loss, ppl, tokens}}: token-mean cross-entropy and perplexity over each set
-    (or its first train.eval_batches x eval.batch_size documents); with eval.position_band,
-    also the CE of each band of positions (`band_name`). Raises Stopped when `stop()` says so
-    before a batch."""
+    """{set: {ce_loss, ppl, tokens, documents, documents_left_out}}: token-mean cross-entropy
+    and perplexity over each set (or its first train.eval_batches x eval.batch_size
+    documents), the tokens predicted (CE's divisor), the documents scored and those of the
+    set's files not scored (eval.min_document_tokens, eval.max_documents, train.eval_batches):
+    what `compare` needs to restate CE in OLMo-core's definition (ce_definitions.py); with
+    eval.position_band, also the CE of each band of positions (`band_name`). Raises Stopped
+    when `stop()` says so before a batch."""
     with self.model.context():
       return {name: self._heldout(params, docs, stop) for name, docs in self.heldout.items()}
 
@@ -193,7 +196,9 @@ class Evaluator:
       pending.append(score(params, self._put(batch)))
     # Sums added up on the host in float64, whatever the number of batches.
     ce = -sum(np.asarray(p, np.float64).sum() for p in pending) / max(count, 1)
-    out = {"ce_loss": ce, "ppl": math.exp(min(ce, 700.0)), "tokens": float(count)}
+    out = {"ce_loss": ce, "ppl": math.exp(min(ce, 700.0)), "tokens": float(count),
+           "documents": float(len(lengths)),
+           "documents_left_out": float(docs.file_documents - len(lengths))}
     if self._token_logprob is not None:
       out.update(_banded(pending, masks, self.exp.eval.position_band, self.exp.data.seq_len))
     return out
@@ -219,12 +224,13 @@ class Evaluator:
                                 exp.model.pad_token_id, row_logprob, choice_logprobs)
 
   def evaluate(self, params: Any, stop: Callable[[], bool] | None = None) -> dict[str, float]:
-    """Held-out CE/PPL per set and downstream task metrics, as flat metric names
-    (eval/<set>/ce_loss, eval/<set>/ppl, downstream/<task>/<metric>). `stop` is asked before
-    each batch: when it says so, Stopped is raised and nothing is scored."""
+    """Held-out metrics per set and downstream task metrics, as flat metric names
+    (eval/<set>/ce_loss, eval/<set>/ppl, eval/<set>/tokens, ..., downstream/<task>/<metric>).
+    `stop` is asked before each batch: when it says so, Stopped is raised and nothing is
+    scored."""
     out = {}
     for name, result in self.heldout_metrics(params, stop).items():
-      out.update({f"eval/{name}/{k}": v for k, v in result.items() if k != "tokens"})
+      out.update({f"eval/{name}/{k}": v for k, v in result.items()})
     for name, result in self.task_metrics(params, stop).items():
       out.update({f"downstream/{name}/{k}": v for k, v in result.items() if k != "docs"})
     if jax.process_count() > 1:

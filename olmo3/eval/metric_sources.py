@@ -51,6 +51,9 @@ class CompareError(Exception):
 class Source:
   path: str  # the file read
   series: dict[str, dict[int, float]]  # our metric name -> step -> value
+  # Our names of the metrics the file holds under AI2's (OLMo-core's) names: those are in
+  # OLMo-core's definitions (held-out CE: olmo3/eval/ce_definitions.py).
+  olmo_core: frozenset[str] = frozenset()
 
 
 def to_ours(name: str) -> str:
@@ -169,4 +172,5 @@ def load(path: str) -> Source:
       series.setdefault(ours, {})[step] = value
   if not series:
     raise CompareError(f"{file}: no metrics")
-  return Source(str(file), series)
+  return Source(str(file), series,
+                frozenset(ours for ours, name in translated.items() if name != ours))

@@ -9,8 +9,18 @@ OLMo-core, the code that trained OLMo 3, saves a step as a directory
   stepN/model_and_optim/__R_F.distcp  the tensors, chunk by chunk (each a torch.save)
   stepN/train/rank0.pt                the trainer state (step, data position; one per rank)
 
+  stepN/.metadata.json                OLMo-core's own marker, written once the rest is complete
+  stepN/config.json                   the experiment's config (its trainer's ConfigSaverCallback,
+                                      after the marker; olmo3.convert.olmo_core_config reads it)
+
 A directory holding `.metadata` itself is a model (and optimizer) checkpoint without trainer
 state, which OLMo-core loads too.
+
+A save folder holds a run's step directories; OLMo-core's `load_path` pointed at one loads its
+newest complete step, as `locate` does: complete as OLMo-core's `Checkpointer.dir_is_checkpoint`
+decides it (`.metadata` there, or all of `train/rank0.pt`, `model_and_optim/.metadata` and
+`.metadata.json`: on a bucket a step is written in place, the marker last, so a step cut short
+lacks it; on a disk OLMo-core writes `stepN-tmp` and renames it, a name no step has).
 
 `official()` lists the checkpoints AI2 published of OLMo-3-1025-7B under names like
 `olmo3-7b/stage2/step10000`. Its data, OLMo-3-1025-7B.csv beside this module, is a verbatim copy
@@ -27,10 +37,14 @@ import functools
 import io
 import os
 import pathlib
+import re
 
 from olmo3.io import pathnames, storage
+from olmo3.io.checkpoint import CheckpointError
 
 MODEL_DIR, METADATA, TRAINER_STATE = "model_and_optim", ".metadata", "train/rank0.pt"
+MARKER = ".metadata.json"  # OLMo-core's Checkpointer.METADATA_FNAME
+_STEP = re.compile(r"step(\d+)")  # Checkpointer.CHECKPOINT_DIR's names
 _OFFICIAL_CSV = pathlib.Path(__file__).with_name("OLMo-3-1025-7B.csv")
 _OFFICIAL_MODEL = "olmo3-7b"  # the names' prefix for that file's model
 
@@ -64,21 +78,71 @@ class OlmoCoreCheckpoint:
   root: str  # the step directory
   model_dir: str  # the distributed checkpoint: root/model_and_optim, or root itself
   trainer_state: str | None  # root/train/rank0.pt; None: a model-and-optimizer checkpoint
+  folder: str | None = None  # the save folder whose newest complete step `root` is
+  passed_over: tuple[str, ...] = ()  # newer steps there, incomplete: "step45 (no .metadata.json)"
+
+  def picked(self) -> str | None:
+    """What a save folder's choice was, in one line (None: a step directory was named)."""
+    if self.folder is None:
+      return None
+    skipped = (f"; passed over, incomplete (OLMo-core had not finished writing them): "
+               f"{', '.join(self.passed_over)}" if self.passed_over else "")
+    return (f"{self.folder} is an OLMo-core save folder: taking its newest complete step, "
+            f"{pathnames.split(self.root)[1]}{skipped}")
+
+
+class IncompleteSaveFolder(CheckpointError):
+  """An OLMo-core save folder whose step directories are all incomplete."""
 
 
 def locate(source: str | os.PathLike) -> OlmoCoreCheckpoint | None:
   """The OLMo-core checkpoint `source` names: a name of `official()` (no request made: AI2's
-  step directories hold model_and_optim/ and train/), or a step directory (local, gs://, s3://,
-  http(s)://) that holds model_and_optim/.metadata or .metadata; None when it is neither."""
+  step directories hold model_and_optim/ and train/), a step directory (local, gs://, s3://,
+  http(s)://) that holds model_and_optim/.metadata or .metadata, or a save folder (not over
+  http(s), which lists nothing) of step directories: its newest complete step (module
+  docstring; `picked()` says which). None when it is none of these; IncompleteSaveFolder when
+  it is a save folder without a complete step."""
   text = os.fspath(source).rstrip("/")
   if text in official():
     root = official()[text].url
     return OlmoCoreCheckpoint(root, pathnames.join(root, MODEL_DIR),
                               pathnames.join(root, TRAINER_STATE))
+  return _step_directory(text) or _newest_step(text)
+
+
+def _step_directory(text: str) -> OlmoCoreCheckpoint | None:
   if storage.exists(pathnames.join(text, MODEL_DIR, METADATA)):
     trainer = pathnames.join(text, TRAINER_STATE)
     return OlmoCoreCheckpoint(text, pathnames.join(text, MODEL_DIR),
                               trainer if storage.exists(trainer) else None)
   if storage.exists(pathnames.join(text, METADATA)):
     return OlmoCoreCheckpoint(text, text, None)
+  return None
+
+
+def _missing(step_dir: str) -> list[str]:
+  """What OLMo-core's `dir_is_checkpoint` would miss in `step_dir` ([]: a complete step)."""
+  if storage.exists(pathnames.join(step_dir, METADATA)):
+    return []
+  return [part for part in (TRAINER_STATE, f"{MODEL_DIR}/{METADATA}", MARKER)
+          if not storage.exists(pathnames.join(step_dir, part))]
+
+
+def _newest_step(folder: str) -> OlmoCoreCheckpoint | None:
+  """The newest complete step directory of the save folder `folder` (None: not a save folder)."""
+  if pathnames.scheme(folder) in pathnames.READ_ONLY_SCHEMES or not storage.is_dir(folder):
+    return None
+  steps = sorted(((int(m.group(1)), p.name) for p in pathnames.absolute(folder).iterdir()
+                  if (m := _STEP.fullmatch(p.name))), reverse=True)
+  passed_over = []
+  for _, name in steps:
+    root = pathnames.join(folder, name)
+    missing = _missing(root)
+    if not missing and (located := _step_directory(root)) is not None:
+      return dataclasses.replace(located, folder=folder, passed_over=tuple(passed_over))
+    passed_over.append(f"{name} (no {', '.join(missing)})")
+  if passed_over:
+    raise IncompleteSaveFolder(f"{folder}: an OLMo-core save folder without a complete step "
+                               f"(OLMo-core's marker is {MARKER}, written last): "
+                               f"{', '.join(passed_over)}")
   return None

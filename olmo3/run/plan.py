@@ -14,8 +14,9 @@ Where a run starts (`Resume`), from what the workdir holds when the launch begin
   moments; the step, schedule and data position too with checkpoint.init_mode=continue): a step
   directory, or a run's workdir (or its checkpoints directory), which means the checkpoint at
   the end of that run's stage (`init_from_step`), not its newest; or AI2's OLMo-core checkpoint
-  (olmo3.io.olmo_core_checkpoints.locate), which the trainer converts into the workdir once
-  (`Workdir.olmo_core_import`);
+  (olmo3.io.olmo_core_checkpoints.locate: a step directory, or a save folder, which means its
+  newest complete step, as OLMo-core's load_path does), which the trainer converts into the
+  workdir once (`Workdir.olmo_core_import`);
 - FRESH: neither: step 0 from train.seed.
 
 A resumed run whose stage now ends elsewhere than its last launch's did (train.steps raised on
@@ -32,6 +33,7 @@ from typing import Any
 
 from absl import logging
 
+from olmo3 import sharding
 from olmo3.io import checkpoint, file_sizes, olmo_core_checkpoints, pathnames
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import pipeline, sources
@@ -137,9 +139,23 @@ def decide_start(workdir: Workdir, init_from: str | None, end: int) -> Resume:
   steps = checkpoint.run_steps(workdir.checkpoints)
   if steps:
     return Resume(Start.COMPLETE if steps[-1] >= end else Start.RESUME, steps[-1])
+  return stage_start(workdir, init_from)
+
+
+def stage_start(workdir: Workdir, init_from: str | None) -> Resume:
+  """Where a run in `workdir` starts before it has a checkpoint of its own: init_from, else
+  fresh."""
   if init_from:
-    if olmo_core_checkpoints.locate(init_from) is not None:
-      return Resume(Start.INIT_FROM, init_from=workdir.olmo_core_import, olmo_core=init_from)
+    try:
+      located = olmo_core_checkpoints.locate(init_from)
+    except olmo_core_checkpoints.IncompleteSaveFolder as e:
+      raise InitFromError(f"CheckpointConfig.init_from={init_from!r}: {e}") from None
+    if located is not None:
+      if located.folder is not None:  # a save folder: the step it took is what is converted
+        say = logging.warning if located.passed_over else logging.info
+        say("CheckpointConfig.init_from=%r: %s", init_from, located.picked())
+      return Resume(Start.INIT_FROM, init_from=workdir.olmo_core_import,
+                    olmo_core=init_from if located.folder is None else located.root)
     return Resume(Start.INIT_FROM, init_from=init_from_step(init_from))
   return Resume(Start.FRESH)
 
@@ -233,9 +249,12 @@ class RunPlan:
 
   def summary(self) -> dict[str, Any]:
     """What the run record keeps of the plan (plain JSON; each checkpoint's meta holds the
-    whole data identity)."""
+    whole data identity). `layout`: the mesh the launch trains on (ShardedModel.for_experiment's
+    over every device), which a replay of its steps takes again (olmo3.train.replay)."""
     files = self.train_files
-    return {"start": self.resume.start.value, "step": self.resume.step,
+    mesh = sharding.make_mesh(dict(self.exp.mesh.shape), dcn=dict(self.exp.mesh.dcn))
+    return {"layout": sharding.layout(mesh),
+            "start": self.resume.start.value, "step": self.resume.step,
             "init_from": self.resume.init_from, "olmo_core": self.resume.olmo_core,
             "init_mode": self.exp.checkpoint.init_mode.value, "end": self.end,
             "steps_per_epoch": self.steps_per_epoch, "instances": self.identity["instances"],

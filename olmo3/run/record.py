@@ -83,6 +83,12 @@ class Workdir:
     return self.path("history.jsonl")
 
   @property
+  def overlap(self) -> epath.Path:
+    """How much of the run's held-out sets and task documents its training data holds, as
+    `launch/audit.py --overlap` last measured it (olmo3.data.overlap)."""
+    return self.path("overlap.json")
+
+  @property
   def lease(self) -> epath.Path:
     return self.path("lease.json")
 

@@ -151,6 +151,15 @@ def init_skip_stats(cfg: OptimizerConfig) -> SkipStats:
                    np.zeros((), np.int32), np.zeros((), np.int32))
 
 
+def empty_window(cfg: OptimizerConfig, stats: SkipStats) -> SkipStats:
+  """`stats` with the window emptied and the skip counters kept: a restart as OLMo-core's
+  SkipStepAdamW makes one (OptimizerConfig.spike_window_on_restart=EMPTY). Its window is a list
+  on the optimizer object, in no state dict, and the history its rule waits for counts the
+  values since the object was built."""
+  empty = init_skip_stats(cfg)
+  return stats._replace(history=empty.history, recorded=empty.recorded)
+
+
 def should_skip(cfg: OptimizerConfig, stats: SkipStats, ce_loss, grad_norm) -> jax.Array:
   """True for a non-finite loss or gradient norm, or (skip_spikes) when either exceeds the
   mean of the previous values in the window by more than spike_sigma unbiased standard

@@ -5,9 +5,11 @@ Resume order: this run's newest checkpoint that reads back verified (olmo3.io.ch
 damaged one is named and, with checkpoint.fallback, quarantined for the one before it; then
 checkpoint.init_from, as checkpoint.init_mode says: a new stage (parameters and optimizer
 moments; step, schedule and data position start at 0) or the same stage continued (also the
-step, data position and step-skip statistics); then fresh parameters. A checkpoint that does
-not fit the model (shapes, dtypes, structure) is a config error: it stops the run and nothing on
-disk changes. A run that has written checkpoints, all now quarantined, refuses to start over.
+step, data position and step-skip statistics); then fresh parameters. Both restarts (a resume,
+a continuation) keep the step-skip window or empty it, as optimizer.spike_window_on_restart
+says (OLMo-core saves none: AI2's run restarted with it empty). A checkpoint that does not fit
+the model (shapes, dtypes, structure) is a config error: it stops the run and nothing on disk
+changes. A run that has written checkpoints, all now quarantined, refuses to start over.
 
 init_from may be AI2's OLMo-core checkpoint: converted into the workdir once (the plan's
 `Resume.olmo_core`; olmo3.convert.olmo_core_import), after its small facts are checked against
@@ -33,7 +35,7 @@ from absl import logging
 
 from olmo3.io import checkpoint, pathnames, storage
 from olmo3.io.checkpoint import CheckpointDamaged, CheckpointError, check_run_step
-from olmo3.config import Experiment, InitMode
+from olmo3.config import Experiment, InitMode, SpikeWindowOnRestart
 from olmo3.data.tokens import DataError
 from olmo3.io.olmo_core_checkpoints import locate
 from olmo3.run.plan import Resume, RunPlan, decide_start
@@ -87,13 +89,20 @@ class StateLayout:
       opt_state = jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)(params)
     return self.on_mesh(0, params, opt_state)
 
-  def on_mesh(self, step: int, params: Any, opt_state: Any, skip: dict | None = None
-              ) -> TrainState:
+  def on_mesh(self, step: int, params: Any, opt_state: Any, skip: dict | None = None, *,
+              restart: bool = False) -> TrainState:
     """A TrainState from restored parts; `skip` is the step-skipping statistics a checkpoint's
-    meta holds (None: fresh, as when a stage starts)."""
-    fresh = optim.init_skip_stats(self.exp.optimizer)
+    meta holds (None: fresh, as when a stage starts). `restart`: a run restarts here (a resume,
+    or init_mode continue), so its window is what optimizer.spike_window_on_restart says."""
+    cfg = self.exp.optimizer
+    fresh = optim.init_skip_stats(cfg)
     stats = fresh if skip is None else optim.SkipStats(
         *(np.asarray(skip[f], dtype=getattr(fresh, f).dtype) for f in fresh._fields))
+    if restart and skip is not None and cfg.spike_window_on_restart is SpikeWindowOnRestart.EMPTY:
+      stats = optim.empty_window(cfg, stats)
+      logging.info("the step-skip window starts empty (optimizer.spike_window_on_restart=empty, "
+                   "as OLMo-core after a restart): no spike is skipped before step %d",
+                   step + cfg.spike_min_history)
     put = lambda x, sh: jax.device_put(jnp.asarray(x), sh)
     return TrainState(put(np.int32(step), self.shardings.step), params, opt_state,
                       jax.tree.map(put, stats, self.shardings.skip))
@@ -162,8 +171,11 @@ def _same_instance(saved: dict[str, Any], now: dict[str, Any], data_step: int) -
           consumed // now["global_batch_size"])
 
 
-def _resumed_position(path, meta: dict[str, Any], identity: dict[str, Any],
-                      allow_changed_data: bool) -> DataPosition:
+def resumed_position(path, meta: dict[str, Any], identity: dict[str, Any],
+                     allow_changed_data: bool) -> DataPosition:
+  """Where the data stands for a run (whose data is `identity`) resuming from checkpoint `path`
+  (its `meta`): the checkpoint's data step, or with data.allow_changed_data the same instance
+  position of the epoch in the changed data. DataError when the data changed unallowed."""
   step, data_step = meta["step"], meta["data_step"]
   saved = meta["data"]
   changes = data_changes(saved, identity)
@@ -208,8 +220,9 @@ def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, plan: RunP
     checkpoints.keep_verified(step)
     logging.info("resumed from %s (step %d, verified): %s", path, step,
                  sharding.layout_change(meta.get("written_on"), layout.model.mesh))
-    position = _resumed_position(path, meta, plan.identity, exp.data.allow_changed_data)
-    return layout.on_mesh(meta["step"], params, opt_state, meta.get("skip")), position
+    position = resumed_position(path, meta, plan.identity, exp.data.allow_changed_data)
+    return layout.on_mesh(meta["step"], params, opt_state, meta.get("skip"),
+                          restart=True), position
   quarantined = checkpoints.quarantined()
   if quarantined and exp.checkpoint.allow_restart_from_scratch:
     logging.warning("%s: every checkpoint of this run is damaged (quarantined: %s); starting "
@@ -226,12 +239,12 @@ def restore_or_init(layout: StateLayout, checkpoints: RunCheckpoints, plan: RunP
   if resume.init_from is None and exp.checkpoint.init_from:  # its own checkpoints all set aside
     resume = decide_start(plan.workdir, exp.checkpoint.init_from, plan.end)
   if resume.init_from:
-    return _initialised(layout, resume, plan)
+    return initialised(layout, resume, plan)
   return layout.fresh(), DataPosition(plan.identity)
 
 
-def _initialised(layout: StateLayout, resume: Resume, plan: RunPlan
-                 ) -> tuple[TrainState, DataPosition]:
+def initialised(layout: StateLayout, resume: Resume, plan: RunPlan
+                ) -> tuple[TrainState, DataPosition]:
   """The state checkpoint.init_from gives, as checkpoint.init_mode says (module docstring)."""
   exp, path = plan.exp, resume.init_from
   if resume.olmo_core is not None:
@@ -247,17 +260,25 @@ def _initialised(layout: StateLayout, resume: Resume, plan: RunPlan
     logging.info("initialised from %s (its step %s): parameters and optimizer moments; step, "
                  "schedule and data position start at 0", source, meta["step"])
     return layout.on_mesh(0, params, opt_state), DataPosition(plan.identity)
-  if "olmo_core" in meta:
-    step, data_step = continuation.olmo_core_start(meta["olmo_core"], exp, plan.identity,
-                                                   plan.steps_per_epoch, source)
-    position, skip = DataPosition(plan.identity, data_step - step), None
-  else:
-    step, skip = meta["step"], meta.get("skip")
-    position = _resumed_position(path, meta, plan.identity, exp.data.allow_changed_data)
+  step, position = continued_position(resume, plan, meta)
+  skip = None if "olmo_core" in meta else meta.get("skip")  # OLMo-core saves no window
   logging.info("continuing %s from its step %d (data step %d): parameters, optimizer moments, "
                "schedule, data position%s", source, step, position.data_step(step),
                " and step-skip statistics" if skip else "; the step-skip window starts empty")
-  return layout.on_mesh(step, params, opt_state, skip), position
+  return layout.on_mesh(step, params, opt_state, skip, restart=True), position
+
+
+def continued_position(resume: Resume, plan: RunPlan, meta: dict[str, Any] | None = None
+                       ) -> tuple[int, DataPosition]:
+  """(step, data position) of a run continuing checkpoint.init_from (init_mode continue),
+  from the checkpoint's meta alone (default: read from `resume.init_from`)."""
+  exp, path = plan.exp, resume.init_from
+  meta = checkpoint.load_meta(path) if meta is None else meta
+  if "olmo_core" in meta:
+    step, data_step = continuation.olmo_core_start(meta["olmo_core"], exp, plan.identity,
+                                                   plan.steps_per_epoch, resume.olmo_core or path)
+    return step, DataPosition(plan.identity, data_step - step)
+  return meta["step"], resumed_position(path, meta, plan.identity, exp.data.allow_changed_data)
 
 
 def _convert_once(resume: Resume, plan: RunPlan) -> None:

@@ -1,0 +1,220 @@
+"""A logged step trained again: restore a run's checkpoint, run the steps after it with the same
+train step, data and mesh the run had, and read step N's loss, gradient norm, skip decision and
+each row's (and token's) loss (`python -m olmo3.inspect --replay`).
+
+Nothing is written into the run's workdir. The replay takes the experiment revision that
+trained step N (olmo3.run.record's rule) and the mesh its launch recorded (the history line's
+`layout`, else the layout of a checkpoint that launch wrote), on the first devices of this
+machine. The same program on the same devices is deterministic on CPU, so the replayed loss
+equals the logged one bit for bit there; on accelerators it does on the same slice shape
+wherever the compiler's reductions are deterministic (TPU; GPU with XLA's deterministic-ops
+flag), and is equal to float rounding otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax
+import numpy as np
+
+from olmo3 import sharding
+from olmo3.config import InitMode
+from olmo3.data import pipeline
+from olmo3.io import checkpoint
+from olmo3.io import metrics as metrics_lib
+from olmo3.placement import ShardedModel
+from olmo3.run import record
+from olmo3.run.plan import RunPlan, Start, stage_start
+from olmo3.train import state as state_lib
+from olmo3.train.step import jit_train_step
+
+
+class ReplayError(ValueError):
+  """A replay that cannot be made as asked; the message says why and what to ask instead."""
+
+
+class LayoutFrom(enum.Enum):
+  HISTORY = "the launch's record"
+  CHECKPOINT = "a checkpoint the launch wrote"
+  THIS_MACHINE = "not recorded: this machine's devices"
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+  """Where a replay of step `step` starts, and on what mesh."""
+
+  step: int
+  from_step: int  # the checkpoint restored (0: the stage's start)
+  launch: record.Launch | None  # the launch that trained `step` (None: no record says)
+  layout: dict[str, Any] | None  # olmo3.sharding.layout of its mesh
+  layout_from: LayoutFrom
+  # the run restarted at `from_step` (a launch started there): the state is restored as that
+  # launch restored it (optimizer.spike_window_on_restart); otherwise as the run held it
+  restarted: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Replayed:
+  origin: Origin
+  metrics: dict[str, float]  # the step's: loss, ce_loss, grad_norm, skipped, ...
+  logged: dict[str, float] | None  # metrics.jsonl's row of the step, if the run logged it
+  row_nll_sum: np.ndarray  # [B] float64: each row's summed cross-entropy
+  row_tokens: np.ndarray  # [B] int64: each row's scored (unmasked) labels
+  token_nll: np.ndarray | None  # [B, T] float32 per position (with per_token), 0 where masked
+  layout: dict[str, Any]  # where the replay ran
+
+  @property
+  def row_loss(self) -> np.ndarray:
+    """[B]: each row's mean cross-entropy over its scored labels (NaN: none scored)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+      return np.where(self.row_tokens > 0, self.row_nll_sum / self.row_tokens, np.nan)
+
+  def matches_log(self) -> dict[str, bool]:
+    """Per metric both have (loss, ce_loss, grad_norm, skipped): replayed == logged, exactly."""
+    if self.logged is None:
+      return {}
+    return {k: self.metrics[k] == self.logged[k] for k in ("loss", "ce_loss", "grad_norm",
+                                                           "skipped")
+            if k in self.logged and k in self.metrics}
+
+
+def _launch_checkpoint_layout(workdir: record.Workdir, history: list[record.Launch],
+                              launch: record.Launch) -> dict[str, Any] | None:
+  """The layout recorded in a checkpoint `launch` wrote (the first after its start)."""
+  later = [h.start_step for h in history if h.launch > launch.launch]
+  until = min(later) if later else None
+  for s in checkpoint.run_steps(workdir.checkpoints):
+    if s > launch.start_step and (until is None or s <= until):
+      written = checkpoint.load_meta(workdir.checkpoints / str(s)).get("written_on")
+      if written:
+        return written
+  return None
+
+
+def origin(plan: RunPlan, step: int, from_step: int | None = None) -> Origin:
+  """Where replaying `step` of `plan`'s run starts: `from_step` (a committed checkpoint of the
+  run, or 0 for the stage's start), by default the newest checkpoint before `step`. Refuses a
+  start from which the run itself did not go to `step` on one mesh and one config: an earlier
+  launch's steps are replayed from a checkpoint of that launch."""
+  workdir = plan.workdir
+  steps = checkpoint.run_steps(workdir.checkpoints)
+  before = [s for s in steps if s < step]
+  if from_step is None:
+    from_step = before[-1] if before else 0
+  elif from_step and from_step not in steps:
+    raise ReplayError(f"--from_step {from_step}: no committed checkpoint there (have {steps}; "
+                      "0: the stage's start)")
+  elif from_step >= step:
+    raise ReplayError(f"--from_step {from_step}: must be before --step {step}")
+  history = record.read_history(workdir.root)
+  launch = record.producer(history, step)
+  if launch is not None and from_step < launch.start_step:
+    earlier = record.producer(history, from_step + 1)
+    if earlier is not None and (earlier.revision != launch.revision or
+                                earlier.plan.get("layout") != launch.plan.get("layout")):
+      raise ReplayError(
+          f"steps {from_step + 1}..{step} were trained by two launches (launch "
+          f"{earlier.launch} and launch {launch.launch}, which started at step "
+          f"{launch.start_step}) on different configs or meshes: replay from step "
+          f"{launch.start_step} or later (--from_step)")
+  layout, layout_from = None, LayoutFrom.THIS_MACHINE
+  if launch is not None and launch.plan.get("layout"):
+    layout, layout_from = launch.plan["layout"], LayoutFrom.HISTORY
+  elif launch is not None:
+    layout = _launch_checkpoint_layout(workdir, history, launch)
+    layout_from = LayoutFrom.CHECKPOINT if layout else LayoutFrom.THIS_MACHINE
+  restarter = record.producer(history, from_step + 1)
+  restarted = restarter is not None and restarter.start_step == from_step
+  return Origin(step, from_step, launch, layout, layout_from, restarted)
+
+
+def model_on(plan: RunPlan, origin_: Origin) -> ShardedModel:
+  """The experiment's model on the mesh step `origin_.step` was trained on (its layout's axes
+  over the first devices of this process), or on every device here when none is recorded."""
+  exp, layout = plan.exp, origin_.layout
+  if layout is None:
+    return ShardedModel.for_experiment(exp)
+  wanted, here = int(layout["devices"]), jax.local_devices()
+  if wanted > len(here):
+    raise ReplayError(
+        f"step {origin_.step} was trained on {wanted} devices ({layout['mesh']}); this process "
+        f"has {len(here)}: run the replay where {wanted} devices are visible (on CPU: "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted})")
+  shape = {a: n for a, n in exp.mesh.shape}
+  shape = {a: int(layout["mesh"].get(a, 1)) for a in {**shape, **layout["mesh"]}}
+  mesh = sharding.make_mesh(shape, devices=here[:wanted])
+  return ShardedModel(exp.model, mesh, exp.mesh.rules or sharding.FSDP_RULES)
+
+
+def data_position(plan: RunPlan, from_step: int) -> state_lib.DataPosition:
+  """Where the data stands after `from_step` (its checkpoint's meta, or the stage's start),
+  read without restoring any array: what inspecting a step needs."""
+  if from_step:
+    path = plan.workdir.checkpoints / str(from_step)
+    meta = checkpoint.load_meta(path)
+    return state_lib.resumed_position(path, meta, plan.identity, plan.exp.data.allow_changed_data)
+  resume = stage_start(plan.workdir, plan.exp.checkpoint.init_from)
+  if resume.start is Start.FRESH or plan.exp.checkpoint.init_mode is not InitMode.CONTINUE:
+    return state_lib.DataPosition(plan.identity)
+  return state_lib.continued_position(resume, plan)[1]
+
+
+def _start_state(layout: state_lib.StateLayout, plan: RunPlan, origin_: Origin
+                 ) -> tuple[state_lib.TrainState, state_lib.DataPosition]:
+  """The state the run had after `origin_.from_step` (restored and verified)."""
+  from_step = origin_.from_step
+  if from_step:
+    path = plan.workdir.checkpoints / str(from_step)
+    checkpoint.check_run_step(path)
+    params, opt_state, meta = layout.restore(path)
+    position = state_lib.resumed_position(path, meta, plan.identity,
+                                          plan.exp.data.allow_changed_data)
+    return layout.on_mesh(meta["step"], params, opt_state, meta.get("skip"),
+                          restart=origin_.restarted), position
+  resume = stage_start(plan.workdir, plan.exp.checkpoint.init_from)
+  if resume.start is Start.FRESH:
+    return layout.fresh(), state_lib.DataPosition(plan.identity)
+  return state_lib.initialised(layout, resume, plan)
+
+
+def logged_row(plan: RunPlan, step: int) -> dict[str, float] | None:
+  path = plan.workdir.metrics
+  if not path.exists():
+    return None
+  rows = [r for r in metrics_lib.read_jsonl(path) if r.get("step") == step and "loss" in r]
+  return rows[-1] if rows else None
+
+
+def replay(plan: RunPlan, origin_: Origin, per_token: bool = False) -> Replayed:
+  """Trains `plan`'s run again from `origin_.from_step` to `origin_.step` (nothing written)."""
+  if origin_.step > plan.end:
+    raise ReplayError(f"--step {origin_.step}: the stage ends at step {plan.end}: a step past "
+                      "it can be inspected, not replayed")
+  model = model_on(plan, origin_)
+  exp = plan.exp
+  layout = state_lib.StateLayout(exp, model)
+  step = origin_.step
+  with model.context():
+    state, position = _start_state(layout, plan, origin_)
+    step_fn = jit_train_step(exp, model, layout, len(plan.train_files.source_names))
+    token_losses = jax.jit(model.token_losses)
+    # The loader in this process alone: its rows are the whole batch; no worker processes.
+    data = dataclasses.replace(exp.data, num_workers=0)
+    loader = pipeline.Loader(data, model.batch_sharding, start_step=position.data_step(
+        origin_.from_step), num_steps=step - origin_.from_step, source=plan.train_files,
+        microbatches=exp.train.microbatches)
+    metrics = None
+    for s, host in enumerate(loader.host_batches(), start=origin_.from_step + 1):
+      batch = loader.host_rows.to_global({k: host[k] for k in pipeline.STEP_KEYS if k in host})
+      if s == step:  # each row's loss, with the parameters the step starts from
+        segments = (batch["segments"],) if "segments" in batch else ()
+        nll_BT, _, mask_BT = jax.device_get(token_losses(state.params, batch["input_ids"],
+                                                         batch["labels"], *segments))
+      state, metrics = step_fn(state, batch)
+  values = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+  return Replayed(origin_, values, logged_row(plan, step),
+                  nll_BT.astype(np.float64).sum(-1), mask_BT.sum(-1).astype(np.int64),
+                  nll_BT if per_token else None, sharding.layout(model.mesh))
