@@ -117,18 +117,18 @@ def audit_overlap(exp, workdir: str) -> int:
   set or task overlaps."""
   from olmo3.data.tokens import DataError
   from olmo3.eval.tasks import TaskError
-  from olmo3.io import pathnames, storage
+  from olmo3.io import errors, pathnames, storage
   from olmo3.run import record
 
   try:
     report = overlap_report(exp)
-  except (DataError, TaskError) as e:
-    sys.exit(f"error: {e}")
-  print_overlap(report)
-  path = os.fspath(record.Workdir(workdir).overlap)
-  if not pathnames.is_url(path):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  storage.write_bytes_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
+    print_overlap(report)
+    path = os.fspath(record.Workdir(workdir).overlap)
+    if not pathnames.is_url(path):
+      os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    storage.write_bytes_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
+  except (DataError, TaskError, OSError) as e:  # the data, the tasks, the storage: one line
+    sys.exit(errors.one_line(e))
   print(f"wrote {path}")
   print(json.dumps(report))
   return 0 if report["ok"] else 1

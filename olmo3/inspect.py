@@ -102,8 +102,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
   if args.replay and (cache := compilation_cache.directory()):
     compilation_cache.enable(cache)  # the launcher's: its compiled train step is there
   plan = RunPlan.build(exp, args.workdir)
-  origin = replay.origin(plan, args.step, args.from_step)
-  position = replay.data_position(plan, origin.from_step)
+  origin = replay.origin(plan, args.step, args.from_step) if args.replay else None
+  position = (replay.data_position(plan, origin.from_step) if origin is not None
+              else replay.listed_position(plan, args.step))
   data_step = position.data_step(args.step - 1)  # train step N reads data step N - 1 + offset
   contents = step_contents.read(exp.data, plan.train_files, data_step)
   texts = _texts(exp, contents, args.tokens)
@@ -125,7 +126,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
       "rows": rows}
   if not args.replay:
     return out
-  done = replay.replay(plan, origin, per_token=args.per_token)
+  done = replay.replay_verified(plan, args.step, args.from_step, per_token=args.per_token)
+  origin = done.origin  # (a damaged checkpoint: the one before it)
   for item, loss, n in zip(rows, done.row_loss, done.row_tokens):
     item["loss"], item["scored_tokens"] = _float(float(loss)), int(n)
   if done.token_nll is not None:
@@ -165,7 +167,9 @@ def lines(out: dict[str, Any], chars: int) -> list[str]:
     for k in ("loss", "ce_loss", "grad_norm", "skipped"):
       value = out[k]
       if k in logged:
-        verdict = "equal" if matches.get(k) else f"differs by {float(value) - logged[k]:.3g}"
+        finite = all(isinstance(v, (bool, int, float)) for v in (value, logged[k]))
+        verdict = ("equal" if matches.get(k) else
+                   f"differs by {float(value) - logged[k]:.3g}" if finite else "differs")
         said.append(f"  {k:<9} {value!s:<22} logged {logged[k]!s:<22} {verdict}")
       else:
         said.append(f"  {k:<9} {value!s:<22} (not logged)")

@@ -118,6 +118,16 @@ def test_a_held_out_document_copied_into_training_is_moved_there_and_named(tmp_p
   assert [tok.decode(d[:-1].tolist()) for d in train[-2:]] == [original, f"note {short}"]
   assert len(train) + len(kept) == len(docs)
 
+  # Every held-out document a near-copy of a training one: no held-out split would be left.
+  only = [texts[0], next(c for c in (f"{texts[0]} changed{k}" for k in range(1000))
+                         if prepare.is_heldout(c, 0.3) != prepare.is_heldout(texts[0], 0.3))]
+  (tmp_path / "dup.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in only))
+  with pytest.raises(DataError, match=r"dup\.jsonl'\]: every held-out document overlaps the "
+                                      r"training documents and moved to them"):
+    prepare.prepare([str(tmp_path / "dup.jsonl")], tok, str(tmp_path / "dup"), 0.3,
+                    progress=False, heldout_min_documents=0)
+  assert not (tmp_path / "dup" / prepare.MANIFEST_FILE).exists()
+
 
 @pytest.mark.slow(seconds=3)
 def test_prepare_is_deterministic_across_runs_and_workers(tmp_path, tokenizer_file):

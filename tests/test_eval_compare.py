@@ -480,13 +480,15 @@ def test_heldout_ce_shuffle_epoch(tmp_path, capsys, same_losses):
 def test_heldout_ce_not_comparable_says_why(tmp_path, capsys):
   """Without OLMo-core's batch size, with a set ours scored in part, without our counts (an
   older run) or with a set only OLMo-core scored: not comparable, each saying why; shown, not
-  judged (exit 0), and counted on the summary line."""
+  judged, and counted on the summary line. Nothing judged at all is no verdict (exit 2)."""
   ours = {A: {"ce_loss": 4.0, "tokens": 300.0, "documents": 13.0, "documents_left_out": 0.0},
           B: {"ce_loss": 5.0, "tokens": 200.0, "documents": 10.0, "documents_left_out": 2.0}}
   ref = _olmo_core_csv(tmp_path / "ai2.csv", {A: 3.9, B: 4.8, "c-validation": 3.0})
   run = _heldout_run(tmp_path / "run", ours)
-  code, out, _ = _run(capsys, run, ref)
-  assert code == 0 and _line(out, f"eval/{A}/ce_loss").endswith("NOT COMPARABLE")
+  code, out, err = _run(capsys, run, ref)
+  assert code == 2 and _line(out, f"eval/{A}/ce_loss").endswith("NOT COMPARABLE")
+  assert err.splitlines()[-1] == ("error: nothing was judged: 2 metrics are not comparable "
+                                  "(their notes say why)")
   assert out.splitlines()[-1].endswith("; 2 not comparable (not judged)")
   assert (f"  eval/{A}/ce_loss: not comparable: OLMo-core scores whole evaluation batches "
           "only, leaving out the last partial one of its shuffled documents, so its CE "
@@ -590,3 +592,14 @@ def test_compare_points_at_the_spikes_of_ours(tmp_path, capsys):
   plain.write_text((run / "metrics.jsonl").read_text())
   code, out, _ = _run(capsys, plain, run, "--json")
   assert [s["command"] for s in json.loads(out)["spikes"]] == [None]
+  # The run's own skip rule: its experiment's 3σ over 8 steps finds the grad-norm jump too
+  from olmo3.config import Experiment, OptimizerConfig
+  from olmo3.run import record
+
+  exp = Experiment(optimizer=OptimizerConfig(spike_sigma=3.0, spike_window=8,
+                                             spike_min_history=5))
+  record.write_experiment(str(run), exp.to_dict())
+  code, out, _ = _run(capsys, run, run)
+  assert any(line.startswith("spikes in ours (") and line.endswith(
+      "more than 3σ above the mean of its previous 8 logged values):")
+      for line in out.splitlines()), out

@@ -143,8 +143,10 @@ def test_a_replay_starts_at_the_newest_checkpoint_before_the_step_on_its_launchs
           for s, o in got.items()} == {2: (0, 1, {}, True), 5: (3, 1, {}, False),
                                        7: (6, 2, {}, True), 10: (9, 3, {"fsdp": 4}, True)}
   assert got[5].layout_from is replay.LayoutFrom.HISTORY
-  # steps 4..8 crossed a restart on the same config and mesh: fine; 7..10 a resize: refused
-  assert replay.origin(plan, 8, from_step=3).from_step == 3
+  # steps 4..8 crossed a restart on the same config and mesh: fine (restarted there again,
+  # as the run did); 7..10 a resize: refused
+  across = replay.origin(plan, 8, from_step=3)
+  assert (across.from_step, across.restarted, across.restarts) == (3, False, (6,))
   with pytest.raises(ReplayError, match=r"^steps 7\.\.10 were trained by two launches \(launch 2 "
                                         r"and launch 3, which started at step 9\) on different "
                                         r"configs or meshes: replay from step 9 or later"):
@@ -154,3 +156,9 @@ def test_a_replay_starts_at_the_newest_checkpoint_before_the_step_on_its_launchs
     replay.origin(plan, 8, from_step=4)
   with pytest.raises(ReplayError, match="--from_step 6: must be before --step 6"):
     replay.origin(plan, 6, from_step=6)
+  # A -> B -> C where A and C match but B trained on another config: B's steps are refused
+  other = tmp_path / "other"
+  (other / "checkpoints" / "3").mkdir(parents=True)
+  _history(other, (0, 0, {}), (3, 1, {}), (6, 0, {}))
+  with pytest.raises(ReplayError, match=r"\(launch 2 and launch 3, which started at step 6\)"):
+    replay.origin(SimpleNamespace(workdir=record.Workdir(os.fspath(other))), 8, from_step=0)

@@ -16,7 +16,7 @@ import torch
 from olmo3 import config, model as model_lib
 from olmo3.config import (CheckpointConfig, ConfigError, DataConfig, Experiment, InitMode,
                           OptimizerConfig, TrainConfig)
-from olmo3.convert import olmo_core, olmo_core_import, parity
+from olmo3.convert import olmo_core_model, olmo_core_import, parity
 from olmo3.convert.__main__ import main as convert_main
 from olmo3.data import tokens
 from olmo3.data.serve import RangeServer
@@ -144,12 +144,12 @@ def test_import_puts_adams_state_in_its_leaves(ai2, tmp_path, capsys):
     params, opt_state, meta = StateLayout(exp, model).restore_init(out)
   adam = opt_state[1]  # optim.adamw: clip, Adam, decay, scale
   assert int(adam.count) == STEP  # every parameter's SkipStepAdamW step
-  for source in olmo_core.sources(MICRO):
+  for source in olmo_core_model.sources(MICRO):
     for i, name in enumerate(source.names):
       for ours, theirs in ((params, saved["model"][name]),
                            (adam.mu, saved["optim"][name]["exp_avg"]),
                            (adam.nu, saved["optim"][name]["exp_avg_sq"])):
-        value = np.asarray(olmo_core.leaf(ours, source.path))
+        value = np.asarray(olmo_core_model.leaf(ours, source.path))
         value = value[i] if source.stacked else value
         np.testing.assert_array_equal(value.T if source.transposed else value, theirs, name)
   groups = meta["olmo_core"]["optimizer"]

@@ -18,7 +18,8 @@ The held-out split is then made disjoint from the training split (olmo3.data.ove
 held-out document that has half or more of its 13-token n-grams in the training documents (a
 near-duplicate, a copy with small changes, a document quoted whole inside another; an exact copy
 when it is shorter than that) is moved to training, after its other documents, and named in the
-output and in the manifest's `overlap` record with its share.
+output and in the manifest's `overlap` record with its share. (So the split may end below the
+floor; a split left empty is refused.)
 
 Output: DIR/train/part-NNNNN.npy and DIR/heldout/part-NNNNN.npy (raw uint32 tokens), the
 tokenizer they were made with (DIR/tokenizer.json) and DIR/manifest.json. DIR is a local path,
@@ -405,6 +406,10 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
         heldout_fraction=heldout_fraction, overlap=disjoint)
     if manifest.splits["train"]["tokens"] == 0:
       raise DataError(f"{inputs}: no training tokens (all documents empty or held out)")
+    if cut and manifest.splits["heldout"]["documents"] == 0:
+      raise DataError(f"{inputs}: every held-out document overlaps the training documents and "
+                      "moved to them: no held-out split is left (deduplicate the input, or "
+                      "raise --heldout_fraction)")
     # The tokenizer travels with its tokens: whoever reads DIR tokenizes tasks and compares
     # tokenizers with this very file, whatever the name it was loaded by points at later.
     storage.write_bytes_atomic(pathnames.join(root, TOKENIZER_FILE), tok.to_str().encode())

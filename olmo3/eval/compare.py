@@ -21,10 +21,10 @@ documents_left_out) and OLMo-core's global evaluation batch in documents
 shuffle epoch, 1 unless an OLMo-core before 2.6 evaluated more than once since the job started).
 Not comparable metrics are shown but not judged.
 
-Spikes: steps of OURS whose ce_loss or grad_norm exceeds the mean of the previous 128 logged
-values by more than --spike_sigma (6) standard deviations (the optimizer's skip rule,
-olmo3/eval/spikes.py), each with the `python -m olmo3.inspect` command that shows and replays
-the step (for a run workdir).
+Spikes: steps of OURS whose ce_loss or grad_norm exceeds the mean of the previous logged values
+in its skip window (128 by default) by more than --spike_sigma (the run's, 6 by default)
+standard deviations (its optimizer's skip rule, olmo3/eval/spikes.py), each with the
+`python -m olmo3.inspect` command that shows and replays the step (for a run workdir).
 
 For each metric in both: the steps both logged and those only one side logged (every step
 either logged is in --per_step's table, --json's `points` and the plot, a missing value shown
@@ -41,7 +41,7 @@ around the reference, a vertical line where each side's alarm first fired; its t
 two sources. --json prints one JSON document (the summary included; a non-finite number is the
 string "nan", "inf" or "-inf"; a missing value is null).
 Exit status: 0 all within and alarms agree, 1 any metric outside or an alarm differs, 2
-unreadable input or nothing to compare.
+unreadable input or nothing to compare (nothing comparable included: no verdict).
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ class Comparison:
   not_in_reference: list[str]
   no_common_steps: list[str]
   spikes: list[spikes.Spike] = dataclasses.field(default_factory=list)  # in ours
+  # what found them (a lambda: in this class body `spikes` is the field above)
+  spike_rule: spikes.Rule = dataclasses.field(default_factory=lambda: spikes.Rule())
 
   @property
   def summary(self) -> Summary:
@@ -173,7 +175,7 @@ def _restated(metric: str, ours: Source, reference: Source, steps: list[int],
 def compare(ours: Source, reference: Source, tolerance: float,
             metrics: re.Pattern[str] = re.compile(DEFAULT_METRICS),
             evaluation: OlmoCoreEvaluation = OlmoCoreEvaluation(),
-            spike_sigma: float = spikes.SIGMA) -> Comparison:
+            spike_sigma: float | None = None) -> Comparison:
   """Per metric, the largest |ours - reference| over the steps both logged, every step either
   logged aligned (held-out CE in one definition: ce_definitions.restate); the alarms; and the
   spikes of ours."""
@@ -209,8 +211,11 @@ def compare(ours: Source, reference: Source, tolerance: float,
                        f" (reference: {_listing(sorted(theirs or reference.series))})")
   file = epath.Path(ours.path)
   workdir = str(file.parent) if file.name == "metrics.jsonl" else None
+  rule = spikes.run_rule(workdir)
+  rule = dataclasses.replace(rule, sigma=spike_sigma or rule.sigma)
   return Comparison(results, alarms, sorted(theirs - mine), sorted(mine - theirs), no_common,
-                    spikes.find(ours.series, workdir, spike_sigma))
+                    spikes.find(ours.series, workdir, rule.sigma, rule.window, rule.min_history),
+                    rule)
 
 
 def _span(source: Source, metrics: list[str]) -> str:
@@ -318,12 +323,12 @@ def _verdict(r: MetricResult, tolerance: float) -> str:
   return f"{'within' if r.within else 'OUTSIDE'} ±{tolerance}"
 
 
-def _spike_lines(found: list[spikes.Spike], sigma: float) -> list[str]:
+def _spike_lines(found: list[spikes.Spike], rule: spikes.Rule) -> list[str]:
   """Ours' spikes, a line per step (the first MAX_LISTED) and its inspect command."""
   steps = sorted({s.step for s in found})
   counted = f"{len(steps)} step{'s' if len(steps) > 1 else ''}"
-  lines = [f"spikes in ours ({counted}: ce_loss or grad_norm more than {sigma:g}σ above the mean "
-           f"of its previous {spikes.WINDOW} logged values):"]
+  lines = [f"spikes in ours ({counted}: ce_loss or grad_norm more than {rule.sigma:g}σ above "
+           f"the mean of its previous {rule.window} logged values):"]
   for step in steps[:MAX_LISTED]:
     at = [s for s in found if s.step == step]
     lines.append(f"  step {step}: " + ", ".join(
@@ -336,7 +341,7 @@ def _spike_lines(found: list[spikes.Spike], sigma: float) -> list[str]:
 
 
 def report(ours: Source, reference: Source, comparison: Comparison, tolerance: float,
-           per_step: bool = False, spike_sigma: float = spikes.SIGMA) -> str:
+           per_step: bool = False) -> str:
   results = comparison.metrics
   lines = [f"ours:      {ours.path}", f"reference: {reference.path}"]
   if results:
@@ -361,7 +366,7 @@ def report(ours: Source, reference: Source, comparison: Comparison, tolerance: f
                    f" | reference: "
                    f"{_steps_text(a.reference_fired, a.reference_evaluations)} | {verdict}")
   if comparison.spikes:
-    lines.extend(_spike_lines(comparison.spikes, spike_sigma))
+    lines.extend(_spike_lines(comparison.spikes, comparison.spike_rule))
   for title, names in (("not in ours", comparison.not_in_ours),
                        ("not in reference", comparison.not_in_reference),
                        ("no common steps", comparison.no_common_steps)):
@@ -441,12 +446,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--ai2_eval_epoch", type=_positive, default=1,
                       help="its evaluation loader's shuffle epoch: 1, or with OLMo-core before "
                       "2.6 the evaluation's ordinal since the job started (default: 1)")
-  parser.add_argument("--spike_sigma", type=float, default=spikes.SIGMA,
+  parser.add_argument("--spike_sigma", type=float, default=None,
                       help="a step of ours whose ce_loss or grad_norm exceeds the mean of the "
-                      f"previous {spikes.WINDOW} logged values by this many standard deviations "
-                      "is a spike (default: the optimizer's, %(default)s)")
+                      "previous logged values in the run's skip window by this many standard "
+                      f"deviations is a spike (default: the run's optimizer.spike_sigma, else "
+                      f"{spikes.SIGMA})")
   args = parser.parse_args(argv)
-  if not args.spike_sigma > 0:
+  if args.spike_sigma is not None and not args.spike_sigma > 0:
     parser.error(f"--spike_sigma {args.spike_sigma}: must be > 0")
   try:
     ours, reference = load(args.ours), load(args.reference)
@@ -462,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     print(as_json(ours, reference, comparison, args.tolerance))
   else:
-    print(report(ours, reference, comparison, args.tolerance, args.per_step, args.spike_sigma))
+    print(report(ours, reference, comparison, args.tolerance, args.per_step))
   if args.plot:
     try:
       shown = plot(args.plot, ours, reference, comparison, args.tolerance)
@@ -474,7 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.plot}" + (f" ({shown} of {total} metrics; narrow with --metrics)"
                                   if shown < total else ""),
           file=sys.stderr if args.json else sys.stdout)
-  return 0 if comparison.summary.ok else 1
+  summary = comparison.summary
+  if summary.metrics == 0 and summary.alarms == 0:  # all shown, none judged: no verdict
+    print(f"error: nothing was judged: {summary.not_comparable} metrics are not comparable "
+          "(their notes say why)", file=sys.stderr)
+    return 2
+  return 0 if summary.ok else 1
 
 
 if __name__ == "__main__":

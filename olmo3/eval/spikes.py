@@ -1,8 +1,8 @@
 """Steps of a run whose training loss or gradient norm jumps, for `python -m olmo3.eval.compare`
 to point at with the command that shows what the step trained on.
 
-The rule is the optimizer's step-skipping rule (olmo3/train/optim.py `should_skip`, with
-OptimizerConfig's defaults), applied to the logged values: a logged `ce_loss` or `grad_norm` is
+The rule is the optimizer's step-skipping rule (olmo3/train/optim.py `should_skip`, with the
+run's own settings, `run_rule`; OptimizerConfig's defaults for a file), applied to the logged values: a logged `ce_loss` or `grad_norm` is
 a spike when it exceeds the mean of that metric's previous `window` logged values (of the steps
 whose logged values were all finite) by more than `sigma` unbiased standard deviations, once
 `min_history` values exist counting it; a non-finite value always is. With train.log_every = 1
@@ -13,10 +13,12 @@ and the default settings, that finds the steps the optimizer skipped for a spike
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shlex
 
-from olmo3.config import OptimizerConfig
+from olmo3.config import Experiment, OptimizerConfig
+from olmo3.run import record
 
 METRICS = ("ce_loss", "grad_norm")
 _DEFAULTS = OptimizerConfig()
@@ -34,6 +36,26 @@ class Spike:
   std: float  # their unbiased standard deviation
   sigmas: float  # (value - mean) / std; inf for a non-finite value or a jump over std 0
   command: str | None  # the inspect command for the step; None when the source is not a run
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  sigma: float = SIGMA
+  window: int = WINDOW
+  min_history: int = MIN_HISTORY
+
+
+def run_rule(workdir: str | None) -> Rule:
+  """The skip rule of the run in `workdir` (its latest experiment's optimizer settings), so the
+  spikes found are those its optimizer judged; the defaults for a file or an unreadable run."""
+  if workdir is None:
+    return Rule()
+  try:
+    path = record.experiment_file(workdir, None)
+    opt = Experiment.from_dict(json.loads(path.read_text())).optimizer
+  except (record.RecordError, OSError, ValueError, TypeError, KeyError):
+    return Rule()
+  return Rule(opt.spike_sigma, opt.spike_window, opt.spike_min_history)
 
 
 def inspect_command(workdir: str, step: int) -> str:

@@ -138,8 +138,9 @@ def _newest_step(folder: str) -> OlmoCoreCheckpoint | None:
   for _, name in steps:
     root = pathnames.join(folder, name)
     missing = _missing(root)
-    if not missing and (located := _step_directory(root)) is not None:
-      return dataclasses.replace(located, folder=folder, passed_over=tuple(passed_over))
+    if not missing:  # complete, so it holds the metadata _step_directory looks for
+      return dataclasses.replace(_step_directory(root), folder=folder,
+                                 passed_over=tuple(passed_over))
     passed_over.append(f"{name} (no {', '.join(missing)})")
   if passed_over:
     raise IncompleteSaveFolder(f"{folder}: an OLMo-core save folder without a complete step "

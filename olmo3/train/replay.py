@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from olmo3 import sharding
-from olmo3.config import InitMode
+from olmo3.config import InitMode, SpikeWindowOnRestart
 from olmo3.data import pipeline
 from olmo3.io import checkpoint
 from olmo3.io import metrics as metrics_lib
 from olmo3.placement import ShardedModel
 from olmo3.run import record
 from olmo3.run.plan import RunPlan, Start, stage_start
+from olmo3.train import optim
 from olmo3.train import state as state_lib
 from olmo3.train.step import jit_train_step
 
@@ -54,6 +57,7 @@ class Origin:
   # the run restarted at `from_step` (a launch started there): the state is restored as that
   # launch restored it (optimizer.spike_window_on_restart); otherwise as the run held it
   restarted: bool
+  restarts: tuple[int, ...]  # later launches' start steps within the replay: restarts there
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +77,13 @@ class Replayed:
       return np.where(self.row_tokens > 0, self.row_nll_sum / self.row_tokens, np.nan)
 
   def matches_log(self) -> dict[str, bool]:
-    """Per metric both have (loss, ce_loss, grad_norm, skipped): replayed == logged, exactly."""
+    """Per metric both have (loss, ce_loss, grad_norm, skipped): replayed == logged, exactly
+    (a NaN equals a NaN: a non-finite step replayed as logged is reproduced)."""
     if self.logged is None:
       return {}
-    return {k: self.metrics[k] == self.logged[k] for k in ("loss", "ce_loss", "grad_norm",
-                                                           "skipped")
+    same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))
+    return {k: same(self.metrics[k], self.logged[k])
+            for k in ("loss", "ce_loss", "grad_norm", "skipped")
             if k in self.logged and k in self.metrics}
 
 
@@ -94,11 +100,29 @@ def _launch_checkpoint_layout(workdir: record.Workdir, history: list[record.Laun
   return None
 
 
+def _layout(workdir: record.Workdir, history: list[record.Launch], launch: record.Launch
+            ) -> tuple[dict[str, Any] | None, LayoutFrom]:
+  """The mesh `launch` trained on: its history line's, else a checkpoint's it wrote."""
+  if launch.plan.get("layout"):
+    return launch.plan["layout"], LayoutFrom.HISTORY
+  layout = _launch_checkpoint_layout(workdir, history, launch)
+  return layout, LayoutFrom.CHECKPOINT if layout else LayoutFrom.THIS_MACHINE
+
+
+def _span(history: list[record.Launch], from_step: int, step: int) -> list[record.Launch]:
+  """The launches that trained steps from_step + 1..step, in order (launch i trained the steps
+  after its start up to the next one's: a later launch redid what an interrupted one logged
+  past its last checkpoint)."""
+  starts = [h.start_step for h in history[1:]] + [None]
+  return [h for h, until in zip(history, starts)
+          if h.start_step < step and (until is None or until > from_step)]
+
+
 def origin(plan: RunPlan, step: int, from_step: int | None = None) -> Origin:
   """Where replaying `step` of `plan`'s run starts: `from_step` (a committed checkpoint of the
   run, or 0 for the stage's start), by default the newest checkpoint before `step`. Refuses a
-  start from which the run itself did not go to `step` on one mesh and one config: an earlier
-  launch's steps are replayed from a checkpoint of that launch."""
+  start from which the run itself did not go to `step` on one mesh and one config (every launch
+  in between compared): an earlier launch's steps are replayed from a checkpoint of theirs."""
   workdir = plan.workdir
   steps = checkpoint.run_steps(workdir.checkpoints)
   before = [s for s in steps if s < step]
@@ -110,25 +134,37 @@ def origin(plan: RunPlan, step: int, from_step: int | None = None) -> Origin:
   elif from_step >= step:
     raise ReplayError(f"--from_step {from_step}: must be before --step {step}")
   history = record.read_history(workdir.root)
-  launch = record.producer(history, step)
-  if launch is not None and from_step < launch.start_step:
-    earlier = record.producer(history, from_step + 1)
-    if earlier is not None and (earlier.revision != launch.revision or
-                                earlier.plan.get("layout") != launch.plan.get("layout")):
-      raise ReplayError(
-          f"steps {from_step + 1}..{step} were trained by two launches (launch "
-          f"{earlier.launch} and launch {launch.launch}, which started at step "
-          f"{launch.start_step}) on different configs or meshes: replay from step "
-          f"{launch.start_step} or later (--from_step)")
-  layout, layout_from = None, LayoutFrom.THIS_MACHINE
-  if launch is not None and launch.plan.get("layout"):
-    layout, layout_from = launch.plan["layout"], LayoutFrom.HISTORY
-  elif launch is not None:
-    layout = _launch_checkpoint_layout(workdir, history, launch)
-    layout_from = LayoutFrom.CHECKPOINT if layout else LayoutFrom.THIS_MACHINE
-  restarter = record.producer(history, from_step + 1)
-  restarted = restarter is not None and restarter.start_step == from_step
-  return Origin(step, from_step, launch, layout, layout_from, restarted)
+  span = _span(history, from_step, step)
+  if not span:  # no record of the launches: the run's own config, this machine's devices
+    return Origin(step, from_step, None, None, LayoutFrom.THIS_MACHINE, False, ())
+  launch = span[-1]
+  layouts = [_layout(workdir, history, h) for h in span]
+  same = [(h.revision, l) == (launch.revision, layouts[-1][0]) for h, (l, _) in zip(span, layouts)]
+  if not all(same):
+    last_other = max(i for i, ok in enumerate(same) if not ok)
+    first_same = span[last_other + 1]
+    raise ReplayError(
+        f"steps {from_step + 1}..{step} were trained by two launches (launch "
+        f"{span[last_other].launch} and launch {first_same.launch}, which started at step "
+        f"{first_same.start_step}) on different configs or meshes: replay from step "
+        f"{first_same.start_step} or later (--from_step)")
+  return Origin(step, from_step, launch, *layouts[-1], span[0].start_step == from_step,
+                tuple(h.start_step for h in span[1:]))
+
+
+def listed_position(plan: RunPlan, step: int) -> state_lib.DataPosition:
+  """Where the data stood for `step` as its launch had it, read from checkpoint metas alone
+  (for listing a step's rows: nothing is restored, and any step can be listed): the launch's
+  own start checkpoint, else the newest checkpoint before the step, else the stage's start."""
+  steps = checkpoint.run_steps(plan.workdir.checkpoints)
+  launch = record.producer(record.read_history(plan.workdir.root), step)
+  if launch is not None and launch.start_step in steps:
+    return data_position(plan, launch.start_step)
+  before = [s for s in steps if s < step]
+  if (launch is not None and launch.start_step == 0) or not before:
+    return data_position(plan, 0)
+  meta = checkpoint.load_meta(plan.workdir.checkpoints / str(before[-1]))
+  return state_lib.DataPosition(plan.identity, meta["data_step"] - meta["step"])
 
 
 def model_on(plan: RunPlan, origin_: Origin) -> ShardedModel:
@@ -207,7 +243,11 @@ def replay(plan: RunPlan, origin_: Origin, per_token: bool = False) -> Replayed:
         origin_.from_step), num_steps=step - origin_.from_step, source=plan.train_files,
         microbatches=exp.train.microbatches)
     metrics = None
+    empties = exp.optimizer.spike_window_on_restart is SpikeWindowOnRestart.EMPTY
     for s, host in enumerate(loader.host_batches(), start=origin_.from_step + 1):
+      if empties and s - 1 in origin_.restarts:  # the run restarted here: as its launch did
+        state = state._replace(skip=jax.device_put(optim.empty_window(exp.optimizer, state.skip),
+                                                   layout.shardings.skip))
       batch = loader.host_rows.to_global({k: host[k] for k in pipeline.STEP_KEYS if k in host})
       if s == step:  # each row's loss, with the parameters the step starts from
         segments = (batch["segments"],) if "segments" in batch else ()
@@ -218,3 +258,19 @@ def replay(plan: RunPlan, origin_: Origin, per_token: bool = False) -> Replayed:
   return Replayed(origin_, values, logged_row(plan, step),
                   nll_BT.astype(np.float64).sum(-1), mask_BT.sum(-1).astype(np.int64),
                   nll_BT if per_token else None, sharding.layout(model.mesh))
+
+
+def replay_verified(plan: RunPlan, step: int, from_step: int | None = None,
+                    per_token: bool = False) -> Replayed:
+  """`replay` of `step` from checkpoint `from_step`, or by default from the newest checkpoint
+  before it that reads back verified: a damaged one is named and the one before it tried, as a
+  resume falls back (nothing is quarantined: a replay writes nothing)."""
+  if from_step is not None:
+    return replay(plan, origin(plan, step, from_step), per_token)
+  steps = checkpoint.run_steps(plan.workdir.checkpoints)
+  for candidate in [s for s in reversed(steps) if s < step]:
+    try:
+      return replay(plan, origin(plan, step, candidate), per_token)
+    except checkpoint.CheckpointDamaged as e:
+      logging.warning("%s; replaying from the checkpoint before it", e)
+  return replay(plan, origin(plan, step, 0), per_token)
