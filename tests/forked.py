@@ -35,7 +35,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/audit.py",
-           "sweep": "launch/sweep.py"}
+           "sweep": "launch/sweep.py", "cluster": "launch/cluster.py"}
 
 
 def run_as_main(program: str, argv: list[str], cwd: str, out: str,

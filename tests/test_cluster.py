@@ -19,6 +19,7 @@ from launch import gke, jobs, refs, slurm
 from olmo3 import sharding
 from olmo3.config import MeshConfig
 from olmo3.xla_flags import FLAG_SETS
+from tests import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = os.path.join(ROOT, "launch", "cluster.py")
@@ -246,8 +247,7 @@ def _cluster(*args, path=None):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   if path is not None:
     env["PATH"] = path
-  return subprocess.run([sys.executable, CLUSTER, f"--fdl_config={STAGE1}", *args],
-                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+  return forked.completed("cluster", [f"--fdl_config={STAGE1}", *args], env, timeout=300)
 
 
 @pytest.mark.slow(seconds=3)

@@ -5,8 +5,6 @@ import os
 import pathlib
 import re
 import shlex
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
@@ -247,10 +245,10 @@ def test_percent_encoded_manifest_entries_cannot_leave_a_served_directory(tmp_pa
 @pytest.mark.slow(seconds=2)
 def test_prepare_cli_and_bad_input(tmp_path, tokenizer_file):
   _, inputs = _inputs(tmp_path)
-  cmd = [sys.executable, "-m", "olmo3.data.prepare", "--tokenizer", tokenizer_file,
-         "--out", str(tmp_path / "out"), "--heldout_fraction", "0.1"]
-  done = subprocess.run(cmd + [a for i in inputs for a in ("--input", i)], capture_output=True,
-                        text=True, timeout=120)
+  cmd = ["--tokenizer", tokenizer_file, "--out", str(tmp_path / "out"), "--heldout_fraction",
+         "0.1"]
+  done = forked.completed("olmo3.data.prepare", cmd + [a for i in inputs for a in ("--input", i)],
+                          dict(os.environ), timeout=120)
   assert done.returncode == 0, done.stderr
   assert "train:" in done.stdout and "manifest.json" in done.stdout
   assert "held-out check: none of the" in done.stdout  # its held-out documents are not in train
@@ -389,10 +387,10 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
               + "\n")
   mine, run = tmp_path / "mine", tmp_path / "run"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  done = subprocess.run(
-      [sys.executable, "-m", "olmo3.data.prepare", "--input", str(tmp_path / "docs.jsonl"),
-       "--tokenizer", sources.tokenizer_file("embedded"), "--out", str(mine),
-       "--heldout_fraction", "0.1"], capture_output=True, text=True, timeout=120, env=env)
+  done = forked.completed(
+      "olmo3.data.prepare", ["--input", str(tmp_path / "docs.jsonl"), "--tokenizer",
+                             sources.tokenizer_file("embedded"), "--out", str(mine),
+                             "--heldout_fraction", "0.1"], env, timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
   done = forked.completed(
       # test_launch's tiny shapes: the session's compilation cache serves both

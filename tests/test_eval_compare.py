@@ -7,8 +7,6 @@ import csv
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ import pytest
 from olmo3.eval import compare, metric_sources, spikes
 
 from conftest import benchmark
+from tests import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = "arc_easy_rc_5shot"
@@ -90,8 +89,8 @@ def test_ai2_csv_within_tolerance(tmp_path):
   run = _write_run(tmp_path / "run")
   # Training CE every 10 steps, evaluations every 100: empty cells elsewhere.
   ref = _write_csv(tmp_path / "ai2.csv", {s: _ai2(s) for s in range(10, 301, 10)})
-  done = subprocess.run([sys.executable, "-m", "olmo3.eval.compare", str(run), str(ref),
-                         *OLMO_CORE_BATCH], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  done = forked.completed("olmo3.eval.compare", [str(run), str(ref), *OLMO_CORE_BATCH],
+                          dict(os.environ), timeout=120)
   assert done.returncode == 0, done.stdout + done.stderr
   out = done.stdout
   # Steps 50..300 every 50 compared; the reference's other 24 steps are counted, not dropped.
