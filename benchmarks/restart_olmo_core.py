@@ -146,19 +146,6 @@ def olmo3_runs(model_cfg, paths: list[str], step0: str, root: str, restart_at: i
   return runs
 
 
-def compare(ours: list[dict], theirs: list[dict]) -> dict[str, Any]:
-  """continue_olmo_core's comparison but for the instances, which the loop does not log."""
-  pairs = list(zip(ours, theirs, strict=True))
-  return {
-      "max_abs_loss_diff": max(abs(a["ce_loss"] - b["ce_loss"]) for a, b in pairs),
-      "max_abs_total_loss_diff": max(abs(a["loss"] - b["loss"]) for a, b in pairs),
-      "max_rel_grad_norm_diff": max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"]
-                                    for a, b in pairs),
-      "max_abs_lr_diff": max(abs(a["lr"] - b["lr"]) for a, b in pairs),
-      "skip_decisions_equal": [a["skipped"] for a in ours] == [b["skipped"] for b in theirs],
-  }
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # float32 on the CPU on both sides
   from olmo3 import platforms
@@ -192,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   result: dict[str, Any] = {}
   for mode, reference in pairs.items():
     (rows, params), (their_rows, their_params) = ours[mode], theirs[reference]
-    result[mode] = {"against": f"OLMo-core {reference}", **compare(rows, their_rows),
+    result[mode] = {"against": f"OLMo-core {reference}",
+                    **c.compare(rows, their_rows, instances=False),
                     "max_abs_param_diff": max(float(np.abs(params[k] - their_params[k]).max())
                                               for k in their_params)}
   restarted = theirs["restarted"][1]
@@ -202,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              for name, (rows, _) in runs.items()}
   bounds = {**c.TOLERANCES, "max_abs_param_diff": MAX_ABS_PARAM_DIFF_PER_STEP * args.steps}
   result["ok"] = all(result[mode]["skip_decisions_equal"] and
+                     result[mode]["steps"] == result[mode]["steps_olmo_core"] and
                      all(result[mode][k] <= v for k, v in bounds.items()) for mode in pairs)
   print(json.dumps(result))
   return result
