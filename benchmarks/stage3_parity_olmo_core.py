@@ -7,9 +7,9 @@ each document, side by side with OLMo-core's own TransformerTrainModule.
 
 AI2's stage 3 (OLMo-3-1025-7B-long-context.py), shrunk: an OLMo 3 with YaRN (factor 8,
 beta_fast 32, beta_slow 1) over an original context of --original_context tokens on its
-full-attention layers (OLMo-core's `with_rope_scaling`, through olmo3.convert.olmo_core_model), run at
---seq_len (>= 4x that); token files whose documents (each ending at the EOS) are packed into
-instances by OLMo-core's own NumpyPackedFSLDataset (generate_doc_lengths, source groups of 2
+full-attention layers (OLMo-core's `with_rope_scaling`, through olmo3.convert.olmo_core_model),
+run at --seq_len (>= 4x that); token files whose documents (each ending at the EOS) are packed
+into instances by OLMo-core's own NumpyPackedFSLDataset (generate_doc_lengths, source groups of 2
 files shuffled with seed 123, long documents truncated) and ordered by its own data loader (seed
 34521), whose collator hands the module `doc_lens` / `max_doc_lens` as AI2's trainer did; the
 stage-3 optimizer: SkipStepAdamW (0.9, 0.95, eps 1e-8, weight decay 0.1 except the input

@@ -3,15 +3,15 @@
   python benchmarks/train_parity_olmo_core.py [--steps 100] [--batch 4] [--seq_len 64]
       [--peak_lr 1e-3] [--dtype float32|float64] [--spike_window 128] [--spike_step 90]
 
-Both sides start from the same weights (ours, freshly initialised in float32, moved into
-OLMo-core's OLMo 3 transformer by olmo3.convert.olmo_core_model) and see the same batches, on CPU. The
-model: 6 layers (sliding, sliding, sliding, global, sliding, global), grouped-query attention.
-The optimizer as AI2's first stage-1 script (OLMo-3-1025-7B-pretrain-1.py) configures it, shrunk
-to the run: SkipStepAdamW (0.9, 0.95, eps 1e-8, weight decay 0.1 except the input embedding,
-the recipe's 128-step window), clipping at 1.0, z-loss 1e-5, a warmup and AI2's stitched
-schedule (part 1 CosWithWarmup, part 2 HalfCosWithWarmup from its resume step on), each step's
-batch in 2 micro-batches. One odd batch (a first row of one token repeated, at --spike_step,
-after the rule's 64 steps of history) trips the skip rule with a gradient-norm spike.
+Both sides start from the same weights (ours, freshly initialised in float32, moved into OLMo-core's
+OLMo 3 transformer by olmo3.convert.olmo_core_model) and see the same batches, on CPU. The model: 6
+layers (sliding, sliding, sliding, global, sliding, global), grouped-query attention. The optimizer
+as AI2's first stage-1 script (OLMo-3-1025-7B-pretrain-1.py) configures it, shrunk to the run:
+SkipStepAdamW (0.9, 0.95, eps 1e-8, weight decay 0.1 except the input embedding, the recipe's
+128-step window), clipping at 1.0, z-loss 1e-5, a warmup and AI2's stitched schedule (part 1
+CosWithWarmup, part 2 HalfCosWithWarmup from its resume step on), each step's batch in 2
+micro-batches. One odd batch (a first row of one token repeated, at --spike_step, after the rule's
+64 steps of history) trips the skip rule with a gradient-norm spike.
 
 OLMo-core side: its own `TransformerTrainModule` (built from `TransformerTrainModuleConfig`,
 as the script builds it), stepped as its `Trainer` steps it: the global step advances, then

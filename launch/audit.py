@@ -45,8 +45,8 @@ OVERLAP = flags.DEFINE_bool(
     "overlap", False, "measure how much of the held-out sets and task documents the training "
     "data holds, instead of the exactly-once audit")
 SAMPLE = flags.DEFINE_integer(
-    "sample_tokens", overlap.SAMPLE_TOKENS, "training tokens --overlap reads (all of them when there are "
-    "fewer): windows spread evenly over the training files", lower_bound=1)
+    "sample_tokens", overlap.SAMPLE_TOKENS, "training tokens --overlap reads (all of them when "
+    "there are fewer): windows spread evenly over the training files", lower_bound=1)
 WORKDIR = flags.DEFINE_string("workdir", None, "the run whose record gets --overlap's report "
                               "(default runs/<module>.<fn>)")
 
@@ -62,27 +62,20 @@ def overlap_report(exp) -> dict:
   """olmo3.data.overlap.measure on the experiment's resolved data: its training files, its
   held-out sets as the evaluator reads them, its tasks' documents (none, with a note, without
   the `eval` extra)."""
-  from olmo3.data import sources
-  from olmo3.data.heldout import HeldoutDocs
+  from olmo3.data import heldout as heldout_lib, sources
   from olmo3.eval import tasks as tasks_lib
 
   resolved = sources.resolve(exp)
-  exp, ev, model = resolved.exp, resolved.exp.eval, resolved.exp.model
-  heldout = {name: HeldoutDocs(paths, exp.data.seq_len, model.eos_token_id, model.pad_token_id,
-                               ev.max_documents, model.vocab_size, ev.min_document_tokens)
-             for name, paths in sources.by_set([f for _, files in resolved.heldout
-                                                for f in files]).items()}
+  exp = resolved.exp
+  heldout = heldout_lib.scored_sets(exp, sources.by_set([f for _, files in resolved.heldout
+                                                         for f in files]))
   tasks, note = {}, None
-  if ev.tasks:
-    try:
-      loaded = tasks_lib.load_tasks(ev.tasks, sources.tokenizer_file(ev.tokenizer),
-                                    model.eos_token_id, model.pad_token_id, exp.data.seq_len,
-                                    ev.task_limit)
-      tasks = {t.name: overlap.task_documents(t.requests) for t in loaded}
-    except tasks_lib.TasksUnavailable as e:
-      note = f"tasks not measured: {e}"
-  report = overlap.measure([f.path for f in resolved.train], heldout, tasks, model.eos_token_id,
-                           SAMPLE.value)
+  try:
+    tasks = {t.name: overlap.task_documents(t.requests) for t in tasks_lib.experiment_tasks(exp)}
+  except tasks_lib.TasksUnavailable as e:
+    note = f"tasks not measured: {e}"
+  report = overlap.measure([f.path for f in resolved.train], heldout, tasks,
+                           exp.model.eos_token_id, SAMPLE.value)
   return {**report, "tasks_note": note} if note else report
 
 

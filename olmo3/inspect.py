@@ -102,10 +102,11 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
   if args.replay and (cache := compilation_cache.directory()):
     compilation_cache.enable(cache)  # the launcher's: its compiled train step is there
   plan = RunPlan.build(exp, args.workdir)
-  origin = replay.origin(plan, args.step, args.from_step) if args.replay else None
-  position = (replay.data_position(plan, origin.from_step) if origin is not None
-              else replay.listed_position(plan, args.step))
-  data_step = position.data_step(args.step - 1)  # train step N reads data step N - 1 + offset
+  done = (replay.replay_verified(plan, args.step, args.from_step, per_token=args.per_token)
+          if args.replay else None)
+  # Train step N reads data step N - 1 + an offset: the replay's own, else its launch's.
+  data_step = (done.data_step if done is not None
+               else replay.listed_position(plan, args.step).data_step(args.step - 1))
   contents = step_contents.read(exp.data, plan.train_files, data_step)
   texts = _texts(exp, contents, args.tokens)
   rows = []
@@ -124,9 +125,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
       "data_step": data_step, "past_end": args.step > plan.end,
       "experiment": os.fspath(record.experiment_file(args.workdir, args.step).name),
       "rows": rows}
-  if not args.replay:
+  if done is None:
     return out
-  done = replay.replay_verified(plan, args.step, args.from_step, per_token=args.per_token)
   origin = done.origin  # (a damaged checkpoint: the one before it)
   for item, loss, n in zip(rows, done.row_loss, done.row_tokens):
     item["loss"], item["scored_tokens"] = _float(float(loss)), int(n)
@@ -182,7 +182,8 @@ def lines(out: dict[str, Any], chars: int) -> list[str]:
     said.append(head)
     texts = item.get("text")
     for i, span in enumerate(item["spans"]):
-      said.append(f"  {span['file']} tokens {span['offset']:,}..{span['offset'] + span['tokens']:,}")
+      end = span["offset"] + span["tokens"]
+      said.append(f"  {span['file']} tokens {span['offset']:,}..{end:,}")
       if texts is not None:
         said.append(f"    | {_show(texts[i], chars)}")
     if "tokens" in item:

@@ -47,8 +47,8 @@ class ShardedModel:
   def for_experiment(cls, exp: Experiment, devices: Sequence[jax.Device] | None = None
                      ) -> ShardedModel:
     """The experiment's mesh over `devices` (default: all) and its rules."""
-    mesh = sharding_lib.make_mesh(dict(exp.mesh.shape), devices=devices, dcn=dict(exp.mesh.dcn))
-    return cls(exp.model, mesh, exp.mesh.rules or sharding_lib.FSDP_RULES)
+    return cls(exp.model, sharding_lib.experiment_mesh(exp.mesh, devices),
+               exp.mesh.rules or sharding_lib.FSDP_RULES)
 
   @contextlib.contextmanager
   def context(self) -> Iterator[None]:

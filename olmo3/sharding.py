@@ -16,6 +16,8 @@ from flax import nnx
 from flax.core import spmd  # holds the rules that nnx.logical_axis_rules sets
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
+from olmo3.config import MeshConfig
+
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
@@ -83,6 +85,12 @@ def make_mesh(shape: dict[str, int] | None = None,
 
   grid = mesh_utils.create_hybrid_device_mesh(sizes, dcn_sizes, devices)
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def experiment_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """An experiment's mesh (MeshConfig: its ICI shape and DCN axes) over `devices` (default:
+  all): what a run trains on, and what its launch records."""
+  return make_mesh(dict(cfg.shape), devices=devices, dcn=dict(cfg.dcn))
 
 
 def layout(mesh: Mesh) -> dict[str, object]:

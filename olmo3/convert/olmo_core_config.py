@@ -117,6 +117,12 @@ class _Config:
             else f"{self.path}.{key} absent ({absent})")
     raise _refuse(self.where, what, why)
 
+  def refuse_set(self, *features: tuple[str, str]) -> None:
+    """Refuses the first of `features` ((key, why olmo3 lacks it)) the config turns on."""
+    for key, why in features:
+      if self.get(key):
+        self.refuse(key, why)
+
   def expect(self, key: str, allowed: tuple, why: str, absent: Any = None) -> Any:
     """The field's value, refused unless in `allowed`; `absent`: what OLMo-core does without
     it."""
@@ -175,12 +181,10 @@ def _layer(block: _Config, d_model: int, layer: int, n_layers: int
   window (-1: full attention))."""
   block.expect("name", ("reordered_norm",), "olmo3's blocks normalise each sublayer's output "
                "(OLMo 2 and 3's reordered_norm)", absent="default (pre-norm)")
-  for key, why in (("feed_forward_moe", "olmo3's feed-forward is dense"),
+  block.refuse_set(("feed_forward_moe", "olmo3's feed-forward is dense"),
                    ("dropout", "olmo3 has no dropout"),
                    ("attention_residual_alpha", "olmo3's residuals are not scaled"),
-                   ("feed_forward_residual_alpha", "olmo3's residuals are not scaled")):
-    if block.get(key):
-      block.refuse(key, why)
+                   ("feed_forward_residual_alpha", "olmo3's residuals are not scaled"))
   mixer_key = "sequence_mixer" if "sequence_mixer" in block.fields else "attention"  # 3.0 / 2.4
   mixer = block.get(mixer_key)
   if not isinstance(mixer, dict):
@@ -193,15 +197,13 @@ def _layer(block: _Config, d_model: int, layer: int, n_layers: int
   attn.expect("name", ("default",), "olmo3's attention has separate q, k, v projections",
               absent="default")
   attn.expect("bias", (False,), "olmo3's projections have no bias", absent=True)
-  for key, why in (("gate", "olmo3's attention has no output gate"),
-                   ("clip_qkv", "olmo3 does not clip q, k, v"),
-                   ("dropout", "olmo3 has no dropout"),
-                   ("use_head_qk_norm", "olmo3's QK norm is over all heads at once"),
-                   ("qk_norm_per_head_gains", "olmo3's QK norm is over all heads at once"),
-                   ("scalable_softmax", "olmo3's softmax is plain"),
-                   ("attention_sinks", "olmo3's attention has no sinks")):
-    if attn.get(key):
-      attn.refuse(key, why)
+  attn.refuse_set(("gate", "olmo3's attention has no output gate"),
+                  ("clip_qkv", "olmo3 does not clip q, k, v"),
+                  ("dropout", "olmo3 has no dropout"),
+                  ("use_head_qk_norm", "olmo3's QK norm is over all heads at once"),
+                  ("qk_norm_per_head_gains", "olmo3's QK norm is over all heads at once"),
+                  ("scalable_softmax", "olmo3's softmax is plain"),
+                  ("attention_sinks", "olmo3's attention has no sinks"))
   n_heads = attn.get("n_heads", 16)  # AttentionConfig's default
   head_dim = attn.get("head_dim")
   if not isinstance(n_heads, int) or n_heads < 1 or d_model % n_heads or (
@@ -298,12 +300,10 @@ def model_config(config: dict[str, Any], where: str) -> ModelConfig:
   for key in ("d_model", "n_layers", "vocab_size"):
     if not isinstance(model.get(key), int) or model.get(key) < 1:
       raise ConversionError(f"{where}: model.{key}={model.get(key)!r}: not a size")
-  for key, why in (("embedding_norm", "olmo3 does not normalise its embeddings"),
+  model.refuse_set(("embedding_norm", "olmo3 does not normalise its embeddings"),
                    ("embed_scale", "olmo3 does not scale its embeddings"),
                    ("tie_word_embeddings", "olmo3's LM head is its own matrix"),
-                   ("block_pattern", "olmo3's layers are all of one kind")):
-    if model.get(key):
-      model.refuse(key, why)
+                   ("block_pattern", "olmo3's layers are all of one kind"))
   d_model, n_layers, block = model.get("d_model"), model.get("n_layers"), model.get("block")
   if not isinstance(block, dict) or not {"sequence_mixer", "attention"} & set(block):
     raise _refuse(where, f"model.block: {sorted(block) if isinstance(block, dict) else block!r}"

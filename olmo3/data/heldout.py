@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from olmo3.config import Experiment
 from olmo3.io import storage
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, is_local, token_count
 from olmo3.loss import IGNORE
@@ -68,6 +69,15 @@ class HeldoutDocs:
       ids[row, :len(doc)] = doc
       labels[row, :len(doc) - 1] = doc[1:]
     return {"input_ids": ids, "labels": labels}
+
+
+def scored_sets(exp: Experiment, sets: Mapping[str, Sequence[str]]) -> dict[str, HeldoutDocs]:
+  """{set: its documents} as the run's evaluation scores them ({set: token files} `sets`): at
+  the run's sequence length, eval.min_document_tokens and eval.max_documents applied."""
+  ev, model = exp.eval, exp.model
+  return {name: HeldoutDocs(paths, exp.data.seq_len, model.eos_token_id, model.pad_token_id,
+                            ev.max_documents, model.vocab_size, ev.min_document_tokens)
+          for name, paths in sets.items()}
 
 
 def _read_tokens(path: str) -> np.ndarray:

@@ -28,7 +28,7 @@ from absl import logging
 from olmo3 import loss
 from olmo3.config import Experiment
 from olmo3.data import pipeline, sources
-from olmo3.data.heldout import HeldoutDocs
+from olmo3.data.heldout import HeldoutDocs, scored_sets
 from olmo3.eval import tasks as tasks_lib
 from olmo3.placement import ShardedModel
 
@@ -102,10 +102,7 @@ class Evaluator:
     if heldout is None:
       heldout = sources.heldout_sets(exp)
     self._token_logprob = token_logprob_function(model) if cfg.position_band else None
-    self.heldout = {name: HeldoutDocs(paths, exp.data.seq_len, exp.model.eos_token_id,
-                                      exp.model.pad_token_id, cfg.max_documents,
-                                      exp.model.vocab_size, cfg.min_document_tokens)
-                    for name, paths in heldout.items()}
+    self.heldout = scored_sets(exp, heldout)
     self.tasks = self._load_tasks()
     self.buckets = tasks_lib.bucket_lengths(exp.data.seq_len, exp.model.attention)
 
@@ -113,13 +110,8 @@ class Evaluator:
     """The configured tasks; none (with a warning) when the `eval` extra is not installed. Any
     other problem (an unknown task, a missing file, a tokenizer that cannot load) raises
     TaskError here, at startup."""
-    cfg, model = self.exp.eval, self.exp.model
-    if not cfg.tasks:
-      return []
     try:
-      return tasks_lib.load_tasks(cfg.tasks, sources.tokenizer_file(cfg.tokenizer),
-                                  model.eos_token_id, model.pad_token_id, self.exp.data.seq_len,
-                                  cfg.task_limit)
+      return tasks_lib.experiment_tasks(self.exp)
     except tasks_lib.TasksUnavailable as e:
       _warn_once(f"downstream tasks skipped (held-out loss still runs): {e}")
       return []

@@ -1,13 +1,13 @@
 """Steps of a run whose training loss or gradient norm jumps, for `python -m olmo3.eval.compare`
 to point at with the command that shows what the step trained on.
 
-The rule is the optimizer's step-skipping rule (olmo3/train/optim.py `should_skip`, with the
-run's own settings, `run_rule`; OptimizerConfig's defaults for a file), applied to the logged values: a logged `ce_loss` or `grad_norm` is
-a spike when it exceeds the mean of that metric's previous `window` logged values (of the steps
-whose logged values were all finite) by more than `sigma` unbiased standard deviations, once
-`min_history` values exist counting it; a non-finite value always is. With train.log_every = 1
-and the default settings, that finds the steps the optimizer skipped for a spike, and a lower
---spike_sigma the smaller jumps too.
+The rule is the optimizer's step-skipping rule (olmo3/train/optim.py `should_skip`, with the run's
+own settings, `run_rule`; OptimizerConfig's defaults for a file), applied to the logged values: a
+logged `ce_loss` or `grad_norm` is a spike when it exceeds the mean of that metric's previous
+`window` logged values (of the steps whose logged values were all finite) by more than `sigma`
+unbiased standard deviations, once `min_history` values exist counting it; a non-finite value always
+is. With train.log_every = 1 and the default settings, that finds the steps the optimizer skipped
+for a spike, and a lower --spike_sigma the smaller jumps too.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from olmo3.config import AttentionKernel
-from olmo3.data import embedded
+from olmo3.config import AttentionKernel, Experiment
+from olmo3.data import embedded, sources
 from olmo3.io import storage
 from olmo3.loss import IGNORE
 
@@ -159,6 +159,16 @@ def load_tokenizer(identifier: str, eos_id: int, pad_id: int):
 
 # What a cached task file holds changes with Request and from_dataset: bump to drop old files.
 CACHE_FORMAT = 1
+
+
+def experiment_tasks(exp: Experiment) -> list[Task]:
+  """The experiment's downstream tasks (eval.tasks, eval.task_limit), prepared with its
+  tokenizer at its sequence length: `load_tasks` (TasksUnavailable without the `eval` extra)."""
+  ev, model = exp.eval, exp.model
+  if not ev.tasks:
+    return []
+  return load_tasks(ev.tasks, sources.tokenizer_file(ev.tokenizer), model.eos_token_id,
+                    model.pad_token_id, exp.data.seq_len, ev.task_limit)
 
 
 def load_tasks(labels: Sequence[str], tokenizer: str, eos_id: int, pad_id: int, seq_len: int,

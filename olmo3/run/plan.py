@@ -252,8 +252,7 @@ class RunPlan:
     whole data identity). `layout`: the mesh the launch trains on (ShardedModel.for_experiment's
     over every device), which a replay of its steps takes again (olmo3.train.replay)."""
     files = self.train_files
-    mesh = sharding.make_mesh(dict(self.exp.mesh.shape), dcn=dict(self.exp.mesh.dcn))
-    return {"layout": sharding.layout(mesh),
+    return {"layout": sharding.layout(sharding.experiment_mesh(self.exp.mesh)),
             "start": self.resume.start.value, "step": self.resume.step,
             "init_from": self.resume.init_from, "olmo_core": self.resume.olmo_core,
             "init_mode": self.exp.checkpoint.init_mode.value, "end": self.end,

@@ -69,6 +69,7 @@ class Replayed:
   row_tokens: np.ndarray  # [B] int64: each row's scored (unmasked) labels
   token_nll: np.ndarray | None  # [B, T] float32 per position (with per_token), 0 where masked
   layout: dict[str, Any]  # where the replay ran
+  data_step: int  # the loader's step it read for step `origin.step`
 
   @property
   def row_loss(self) -> np.ndarray:
@@ -87,34 +88,27 @@ class Replayed:
             if k in self.logged and k in self.metrics}
 
 
-def _launch_checkpoint_layout(workdir: record.Workdir, history: list[record.Launch],
-                              launch: record.Launch) -> dict[str, Any] | None:
-  """The layout recorded in a checkpoint `launch` wrote (the first after its start)."""
-  later = [h.start_step for h in history if h.launch > launch.launch]
-  until = min(later) if later else None
+def _layout(workdir: record.Workdir, launch: record.Launch, until: int | None
+            ) -> tuple[dict[str, Any] | None, LayoutFrom]:
+  """The mesh `launch` (which trained the steps after its start up to `until`) trained on: its
+  history line's, else the layout recorded in the first checkpoint it wrote."""
+  if launch.plan.get("layout"):
+    return launch.plan["layout"], LayoutFrom.HISTORY
   for s in checkpoint.run_steps(workdir.checkpoints):
     if s > launch.start_step and (until is None or s <= until):
       written = checkpoint.load_meta(workdir.checkpoints / str(s)).get("written_on")
       if written:
-        return written
-  return None
+        return written, LayoutFrom.CHECKPOINT
+  return None, LayoutFrom.THIS_MACHINE
 
 
-def _layout(workdir: record.Workdir, history: list[record.Launch], launch: record.Launch
-            ) -> tuple[dict[str, Any] | None, LayoutFrom]:
-  """The mesh `launch` trained on: its history line's, else a checkpoint's it wrote."""
-  if launch.plan.get("layout"):
-    return launch.plan["layout"], LayoutFrom.HISTORY
-  layout = _launch_checkpoint_layout(workdir, history, launch)
-  return layout, LayoutFrom.CHECKPOINT if layout else LayoutFrom.THIS_MACHINE
-
-
-def _span(history: list[record.Launch], from_step: int, step: int) -> list[record.Launch]:
-  """The launches that trained steps from_step + 1..step, in order (launch i trained the steps
-  after its start up to the next one's: a later launch redid what an interrupted one logged
-  past its last checkpoint)."""
+def _span(history: list[record.Launch], from_step: int, step: int
+          ) -> list[tuple[record.Launch, int | None]]:
+  """The launches that trained steps from_step + 1..step, in order, each with the step the next
+  one started at (launch i trained the steps after its start up to the next one's: a later
+  launch redid what an interrupted one logged past its last checkpoint)."""
   starts = [h.start_step for h in history[1:]] + [None]
-  return [h for h, until in zip(history, starts)
+  return [(h, until) for h, until in zip(history, starts)
           if h.start_step < step and (until is None or until > from_step)]
 
 
@@ -134,11 +128,12 @@ def origin(plan: RunPlan, step: int, from_step: int | None = None) -> Origin:
   elif from_step >= step:
     raise ReplayError(f"--from_step {from_step}: must be before --step {step}")
   history = record.read_history(workdir.root)
-  span = _span(history, from_step, step)
-  if not span:  # no record of the launches: the run's own config, this machine's devices
+  spans = _span(history, from_step, step)
+  if not spans:  # no record of the launches: the run's own config, this machine's devices
     return Origin(step, from_step, None, None, LayoutFrom.THIS_MACHINE, False, ())
+  span = [h for h, _ in spans]
   launch = span[-1]
-  layouts = [_layout(workdir, history, h) for h in span]
+  layouts = [_layout(workdir, h, until) for h, until in spans]
   same = [(h.revision, l) == (launch.revision, layouts[-1][0]) for h, (l, _) in zip(span, layouts)]
   if not all(same):
     last_other = max(i for i, ok in enumerate(same) if not ok)
@@ -159,10 +154,10 @@ def listed_position(plan: RunPlan, step: int) -> state_lib.DataPosition:
   steps = checkpoint.run_steps(plan.workdir.checkpoints)
   launch = record.producer(record.read_history(plan.workdir.root), step)
   if launch is not None and launch.start_step in steps:
-    return data_position(plan, launch.start_step)
+    return _position_after(plan, launch.start_step)
   before = [s for s in steps if s < step]
   if (launch is not None and launch.start_step == 0) or not before:
-    return data_position(plan, 0)
+    return _position_after(plan, 0)
   meta = checkpoint.load_meta(plan.workdir.checkpoints / str(before[-1]))
   return state_lib.DataPosition(plan.identity, meta["data_step"] - meta["step"])
 
@@ -185,9 +180,9 @@ def model_on(plan: RunPlan, origin_: Origin) -> ShardedModel:
   return ShardedModel(exp.model, mesh, exp.mesh.rules or sharding.FSDP_RULES)
 
 
-def data_position(plan: RunPlan, from_step: int) -> state_lib.DataPosition:
+def _position_after(plan: RunPlan, from_step: int) -> state_lib.DataPosition:
   """Where the data stands after `from_step` (its checkpoint's meta, or the stage's start),
-  read without restoring any array: what inspecting a step needs."""
+  read without restoring any array (`listed_position`)."""
   if from_step:
     path = plan.workdir.checkpoints / str(from_step)
     meta = checkpoint.load_meta(path)
@@ -257,7 +252,8 @@ def replay(plan: RunPlan, origin_: Origin, per_token: bool = False) -> Replayed:
   values = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
   return Replayed(origin_, values, logged_row(plan, step),
                   nll_BT.astype(np.float64).sum(-1), mask_BT.sum(-1).astype(np.int64),
-                  nll_BT if per_token else None, sharding.layout(model.mesh))
+                  nll_BT if per_token else None, sharding.layout(model.mesh),
+                  position.data_step(step - 1))
 
 
 def replay_verified(plan: RunPlan, step: int, from_step: int | None = None,
