@@ -146,7 +146,9 @@ def test_when_the_coordinator_dies_the_other_process_ends_in_one_line_naming_it(
     port = s.getsockname()[1]
   procs, errs = [], []
   for rank in (0, 1):
-    env = dict(_env(1), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+    # 2 devices each: the job shape of the pod rehearsal and the two-process test below, whose
+    # programs the session's compilation cache then holds once for all three
+    env = dict(_env(2), JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(rank))
     errs.append(open(tmp_path / f"stderr{rank}", "w+"))
     procs.append(subprocess.Popen([sys.executable, MAIN, *TINY, "--fdl_set=train.steps=500",

@@ -244,6 +244,49 @@ def test_a_file_another_process_removed_does_not_exist_for_this_one(s3_env):
   assert clients.client_options()["gcs"]["use_listings_cache"] is False  # gs:// the same
 
 
+def test_without_any_google_credentials_gcs_is_anonymous_at_once(tmp_path, monkeypatch):
+  """Where no source of Google credentials can exist (no key file, no gcloud login, not a
+  Google Cloud machine), gcsfs is asked for anonymous access, and never waits on the metadata
+  server: left to itself it asks it (google-auth's backoff: about 15 s a process) and ends
+  anonymous all the same. Any one source present leaves the choice to gcsfs."""
+  import gcsfs
+  from google.auth.compute_engine import _metadata
+
+  asked = []
+
+  def metadata_get(*args, **kwargs):
+    asked.append(args[1:2])
+    raise _metadata.exceptions.TransportError("no metadata server here")
+
+  monkeypatch.setattr(_metadata, "get", metadata_get)
+  monkeypatch.setattr(clients, "_DMI", os.fspath(tmp_path / "dmi"))
+  monkeypatch.setenv("HOME", os.fspath(tmp_path))
+  monkeypatch.setenv("CLOUDSDK_CONFIG", os.fspath(tmp_path / "gcloud"))
+  for name in ("GOOGLE_APPLICATION_CREDENTIALS", "K_SERVICE", "CLOUD_RUN_JOB",
+               "FUNCTION_TARGET", "GAE_APPLICATION"):
+    monkeypatch.delenv(name, raising=False)
+  assert not clients.google_credentials_possible()
+  options = clients.client_options()["gcs"]
+  assert options["token"] == "anon"
+  fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **options)
+  assert (fs.credentials.method, asked) == ("anon", [])
+  # gcsfs left to choose: the metadata server asked first (the wait spared above)
+  fs = gcsfs.GCSFileSystem(skip_instance_cache=True, token=None, requests_timeout=1)
+  assert fs.credentials.method == "anon" and asked
+  # a Google Cloud machine by its DMI vendor; a gcloud login; a key file
+  (tmp_path / "dmi").mkdir()
+  (tmp_path / "dmi" / "sys_vendor").write_text("Google\n")
+  assert clients.google_credentials_possible() and "token" not in clients.client_options()["gcs"]
+  (tmp_path / "dmi" / "sys_vendor").write_text("QEMU\n")
+  assert not clients.google_credentials_possible()
+  (tmp_path / "gcloud").mkdir()
+  (tmp_path / "gcloud" / "application_default_credentials.json").write_text("{}")
+  assert clients.google_credentials_possible()
+  (tmp_path / "gcloud" / "application_default_credentials.json").unlink()
+  monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", os.fspath(tmp_path / "key.json"))
+  assert clients.google_credentials_possible()
+
+
 @pytest.mark.seconds(15)
 def test_orbax_checkpoints_on_s3_commit_by_file_and_restore(s3_env, tmp_path):
   """Orbax 0.12.8 cannot write s3:// (olmo3.io.orbax_s3 says why): a model checkpoint saved to

@@ -9,7 +9,8 @@ answer), and each request gcsfs and s3fs send is retried within the retry budget
 turned off or counted with their timeouts, so that a store that stalls (accepts connections,
 never answers) ends an operation within the budget plus about one request timeout.
 Credentials and endpoints are each store's own: Application Default Credentials (or
-`STORAGE_EMULATOR_HOST` for an emulator) for GCS, the `AWS_*` variables (`AWS_ENDPOINT_URL` for
+`STORAGE_EMULATOR_HOST` for an emulator) for GCS, anonymous at once where no source of them can
+exist (`google_credentials_possible`), the `AWS_*` variables (`AWS_ENDPOINT_URL` for
 S3-compatible stores) for S3.
 
 The budget reaches gcsfs and s3fs through patches of their private attributes (the one place
@@ -29,6 +30,7 @@ from typing import Any
 from olmo3.io import pathnames, retry, settings
 
 _DERIVED_ENV = "OLMO3_TENSORSTORE_CURL_DERIVED"  # the TENSORSTORE_CURL_* olmo3 set
+_DMI = "/sys/class/dmi/id"  # the machine's vendor and product, as Linux reads them
 
 
 class LibraryChanged(RuntimeError):
@@ -54,7 +56,8 @@ def client_options() -> dict[str, dict[str, Any]]:
   (a crashed save's, removed by process 0 of the relaunched job) still existed for process 1,
   which read it back to extend it (Orbax's array metadata) and failed the save."""
   timeout = settings.request_timeout_s()
-  return {"gcs": {"requests_timeout": timeout, "use_listings_cache": False},
+  gcs_token = {"token": "anon"} if not google_credentials_possible() else {}
+  return {"gcs": {"requests_timeout": timeout, "use_listings_cache": False, **gcs_token},
           "s3": {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
                                    "retries": {"max_attempts": 1, "mode": "standard"}},
                  "use_listings_cache": False}}
@@ -73,6 +76,35 @@ def _silence_library_retries() -> None:
   logger = py_logging.getLogger("gcsfs")
   if not any(isinstance(f, _QuietRetries) for f in logger.filters):
     logger.addFilter(_QuietRetries())
+
+
+def google_credentials_possible() -> bool:
+  """Whether any source gcsfs tries for credentials can exist on this machine: the
+  GOOGLE_APPLICATION_CREDENTIALS file, gcloud's application-default login, gcsfs's token
+  cache, or a Google Cloud machine's metadata server (a Compute Engine VM, which GKE nodes,
+  TPU VMs and Colab are, by its DMI vendor; Cloud Run, Cloud Functions, App Engine by their
+  variables). Where none can, gcsfs ends anonymous anyway, but only after asking the
+  metadata server with google-auth's backoff, about 15 s per process (without credentials a
+  run's first error, or every process reading a public bucket from a laptop, waited that
+  long): `client_options` then asks for anonymous access at once."""
+  if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+    return True
+  gcloud = os.environ.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud")
+  if os.path.exists(os.path.join(gcloud, "application_default_credentials.json")):
+    return True
+  if os.path.exists(os.path.expanduser("~/.gcs_tokens")):
+    return True
+  if any(os.environ.get(k) for k in ("K_SERVICE", "CLOUD_RUN_JOB", "FUNCTION_TARGET",
+                                     "GAE_APPLICATION")):
+    return True
+  for name in ("sys_vendor", "product_name"):
+    try:
+      with open(os.path.join(_DMI, name)) as f:
+        if f.read().strip().startswith("Google"):
+          return True
+    except OSError:
+      pass
+  return False
 
 
 def configure_clients() -> None:
