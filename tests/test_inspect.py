@@ -162,3 +162,11 @@ def test_a_replay_starts_at_the_newest_checkpoint_before_the_step_on_its_launchs
   _history(other, (0, 0, {}), (3, 1, {}), (6, 0, {}))
   with pytest.raises(ReplayError, match=r"\(launch 2 and launch 3, which started at step 6\)"):
     replay.origin(SimpleNamespace(workdir=record.Workdir(os.fspath(other))), 8, from_step=0)
+  # A launch that fell back to an earlier checkpoint (its newest damaged) redid the steps after
+  # it: launch 2's steps (another mesh) are not the run's, and launch 3 trained 4..8
+  fell_back = tmp_path / "fell_back"
+  (fell_back / "checkpoints" / "3").mkdir(parents=True)
+  _history(fell_back, (0, 0, {}), (6, 1, {"fsdp": 4}), (3, 0, {}))
+  again = replay.origin(SimpleNamespace(workdir=record.Workdir(os.fspath(fell_back))), 8,
+                        from_step=0)
+  assert (again.launch.launch, again.layout["mesh"], again.restarts) == (3, {}, (3,))

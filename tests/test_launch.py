@@ -681,3 +681,18 @@ def test_a_save_that_fails_in_one_process_ends_the_whole_job_at_once(tmp_path):
   assert procs[0].returncode != 0, outs[0][1][-3000:]
   assert took < 90, (took, outs[0][1][-3000:])
   assert not (tmp_path / "checkpoints" / "1").exists()  # never committed (renamed into place)
+
+
+def test_a_dry_run_on_a_multislice_topology_shows_the_experiment_s_dcn_axes(tmp_path):
+  """`--compile_only=KIND:AxBxC*SLICES --dry_run` builds the mesh the run would train on: the
+  experiment's DCN axes (here fsdp across the 2 slices), not the default (slices as data)."""
+  from olmo3.run import dry_run
+  from olmo3.train import aot
+
+  cfg = refs.resolve("experiments.olmo3_tiny:stage1",
+                     ["mesh.shape=(('fsdp', 4),)", "mesh.dcn=(('fsdp', 2),)"])
+  lines = list(dry_run.lines(fdl.build(cfg), os.fspath(tmp_path / "run"), "tiny",
+                             topology="v5p:2x2x1*2", topology_devices=aot.topology_devices))
+  mesh = [line for line in lines if line.startswith("mesh ")]
+  assert mesh == ["mesh                {'fsdp': 4} x DCN {'fsdp': 2} -> {'data': 1, 'fsdp': 8, "
+                  "'sequence': 1, 'tensor': 1} on 8 TPU v5 devices (v5p:2x2x1*2)"], mesh

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from olmo3.io import settings
+from olmo3.io import settings, storage
 from olmo3.run import lease as lease_lib
 from olmo3.run.lease import Lease, LeaseHeld, LeaseLost
 from tests import forked, storage_servers
@@ -37,7 +37,9 @@ def _holder(workdir, **fields):
   """Writes a lease.json as another launch on this machine would (this process's boot and pid
   namespace), with `fields` changed; returns the record."""
   record = {**Lease(workdir).record, "token": "theirs", "heartbeat": time.time(), **fields}
-  (workdir / "lease.json").write_text(json.dumps(record))
+  # whole, as a launch writes it: a run renewing meanwhile never reads half a file (it then
+  # said only "gone or unreadable", not who took the lease)
+  storage.write_bytes_atomic(workdir / "lease.json", json.dumps(record).encode())
   return record
 
 

@@ -206,6 +206,10 @@ def main():
     def leftover():
       time.sleep(0.5)
       logging.error("the commit failed")
+      try:  # a library's callback thread printing its exception (C code's PyErr_Print)
+        raise RuntimeError("Event loop is closed")
+      except RuntimeError:
+        sys.excepthook(*sys.exc_info())
       raise PermissionError("the store refused the write")
     threading.Thread(target=leftover, name="leftover").start()
     raise OSError("the store is down")

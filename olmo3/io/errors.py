@@ -108,6 +108,12 @@ def quiet_leftovers() -> None:
 
   threading.excepthook = lambda args: None
   sys.unraisablehook = lambda unraisable: None
+  # A library's C++ threads print their callbacks' exceptions through sys.excepthook
+  # (TensorStore's, calling into an event loop Orbax has closed: "Event loop is closed");
+  # the main thread's own uncaught exception (a bug's traceback) still prints.
+  main_thread, print_exception = threading.main_thread(), sys.excepthook
+  sys.excepthook = lambda *exc: (print_exception(*exc) if threading.current_thread()
+                                 is main_thread else None)
   py_logging.disable(py_logging.CRITICAL)  # every record, absl's included
 
 

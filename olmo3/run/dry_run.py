@@ -61,8 +61,9 @@ def lines(exp: Experiment, workdir: str, name: str, *, topology: str | None = No
       where = f"{len(devices)} {devices[0].device_kind} devices ({topology})"
     else:
       devices, where = None, f"{jax.device_count()} {jax.default_backend()} devices"
-    mesh = sharding.make_mesh(dict(exp.mesh.shape), devices)
-    yield f"mesh                {dict(exp.mesh.shape)} -> {dict(mesh.shape)} on {where}"
+    mesh = sharding.experiment_mesh(exp.mesh, devices)
+    dcn = f" x DCN {dict(exp.mesh.dcn)}" if exp.mesh.dcn else ""
+    yield f"mesh                {dict(exp.mesh.shape)}{dcn} -> {dict(mesh.shape)} on {where}"
   except ValueError as e:
     yield (f"mesh                {dict(exp.mesh.shape)} -> does not fit the "
            f"{where if topology is None else topology} ({e})")

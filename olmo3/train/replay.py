@@ -104,12 +104,22 @@ def _layout(workdir: record.Workdir, launch: record.Launch, until: int | None
 
 def _span(history: list[record.Launch], from_step: int, step: int
           ) -> list[tuple[record.Launch, int | None]]:
-  """The launches that trained steps from_step + 1..step, in order, each with the step the next
-  one started at (launch i trained the steps after its start up to the next one's: a later
-  launch redid what an interrupted one logged past its last checkpoint)."""
-  starts = [h.start_step for h in history[1:]] + [None]
-  return [(h, until) for h, until in zip(history, starts)
-          if h.start_step < step and (until is None or until > from_step)]
+  """The launches whose steps from_step + 1..step the run kept, in order, each with the last
+  step it kept (None: to the end). A step is the latest launch's that started before it
+  (`record.producer`): a later launch redid what an interrupted one logged past its last
+  checkpoint, and a launch that fell back to an earlier checkpoint (a damaged newest one)
+  redid the steps after it, so the launch before it kept none of them."""
+  starts = sorted({h.start_step for h in history})
+  kept: list[tuple[record.Launch, int, int | None]] = []  # (launch, first step, last step)
+  for i, start in enumerate(starts):
+    launch = record.producer(history, start + 1)
+    last = starts[i + 1] if i + 1 < len(starts) else None
+    if kept and kept[-1][0] is launch:
+      kept[-1] = (launch, kept[-1][1], last)
+    else:
+      kept.append((launch, start + 1, last))
+  return [(h, last) for h, first, last in kept
+          if first <= step and (last is None or last > from_step)]
 
 
 def origin(plan: RunPlan, step: int, from_step: int | None = None) -> Origin:
