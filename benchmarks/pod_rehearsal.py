@@ -71,12 +71,12 @@ DEVICES = 2  # per process
 BUCKET = "rehearsal"
 STAGE1, STAGE2 = f"gs://{BUCKET}/stage1", f"gs://{BUCKET}/stage2"
 LATENCY_S, ERROR_RATE = 0.02, 0.05
-# The budgets the jobs run under. A dead peer stops the others after HEARTBEAT_S (JAX's default
-# is 100 s; a cluster's scheduler usually kills them sooner: srun's KillWait, a JobSet's
-# restart). The store's outage (OUTAGE_S) stays well inside the retry budget; a lease whose
-# holder this machine cannot prove dead would be taken over after TAKEOVER_S.
-HEARTBEAT_S, RETRY_S, TIMEOUT_S, TAKEOVER_S = 20, 60, 10, 120
-OUTAGE_S = 8.0
+# The budgets the jobs run under. A dead peer stops the others after the plan's heartbeat_s
+# (JAX's default is 100 s; a cluster's scheduler usually kills them sooner: srun's KillWait, a
+# JobSet's restart). The store's outage (the plan's outage_s) stays well inside the retry
+# budget; a lease whose holder this machine cannot prove dead would be taken over after
+# TAKEOVER_S.
+RETRY_S, TIMEOUT_S, TAKEOVER_S = 60, 10, 120
 # Across the resize, float32 sums run in another order on another mesh: the losses may differ
 # by rounding. 1e-6 relative is a few float32 ulps of a loss near 8 (tests/test_reliability.py's
 # resize test allows 2e-4 over 8 steps on other meshes); measured: benchmarks/RESULTS.md.
@@ -104,18 +104,22 @@ class Plan:
   tasks: tuple[str, ...]
   task_limit: int
   max_documents: int
+  heartbeat_s: int  # b: a killed task's peers stop this long after its last heartbeat
+  outage_s: float  # c: the store is down this long
   faults_only: bool = False
 
 
 FULL = Plan(processes=4, resized_devices=DEVICES, term_task=2, kill_task=1, steps=20,
             job_steps=15, every=2, stage2_steps=4,
             tasks=("arc_easy_rc_0shot", "boolq_rc_0shot", "hellaswag_rc_0shot", "piqa_rc_0shot"),
-            task_limit=20, max_documents=32)
+            task_limit=20, max_documents=32, heartbeat_s=20, outage_s=8.0)
 # The test's: every fault (a-d) and its checks on a 2 x 2 job, resized to 1 x 1, fewer steps,
 # no audit and no stage 2 (e), which tests/test_data_exactly_once.py and tests/test_reliability.py's
-# 2-process evaluation cover in part.
+# 2-process evaluation cover in part; shorter waits (b's heartbeat, c's outage: 10 s of the
+# suite's wall time, a core idle), the same checks.
 QUICK = Plan(processes=2, resized_devices=1, term_task=1, kill_task=1, steps=12, job_steps=10,
-             every=2, stage2_steps=0, tasks=(), task_limit=0, max_documents=0, faults_only=True)
+             every=2, stage2_steps=0, tasks=(), task_limit=0, max_documents=0, heartbeat_s=10,
+             outage_s=4.0, faults_only=True)
 
 
 def _load(relative: str):
@@ -349,7 +353,7 @@ class Rehearsal:
                                                       "JAX_PROCESS_ID", "SLURM_"))}
     return dict(base, **self.gcs.env, **{
         settings.RETRY_ENV: str(RETRY_S), settings.TIMEOUT_ENV: str(TIMEOUT_S),
-        lease.TAKEOVER_ENV: str(TAKEOVER_S), launcher.HEARTBEAT_ENV: str(HEARTBEAT_S)})
+        lease.TAKEOVER_ENV: str(TAKEOVER_S), launcher.HEARTBEAT_ENV: str(self.plan.heartbeat_s)})
 
   def stage1_args(self, steps: int, workdir: str, every: int) -> list[str]:
     return ["--fdl_config=experiments.olmo3_tiny:stage1", *RECIPE,
@@ -442,13 +446,13 @@ class Rehearsal:
     job.wait_for(rf"\] step {saved + 1}/")
     at = job.last_step()
     sent = job.signal(p.kill_task, signal.SIGKILL)
-    code = job.finish(HEARTBEAT_S + 300)
+    code = job.finish(p.heartbeat_s + 300)
     took = time.monotonic() - sent
     failures = job.task_failures()
     self.checks("b: the job failed, every task non-zero", code != 0 and sorted(failures) == list(
         range(p.processes)), {"code": code, "tasks": failures})
     self.checks("b: the others stopped within the heartbeat timeout + 60 s",
-                took < HEARTBEAT_S + 60, {"seconds": round(took, 1)})
+                took < p.heartbeat_s + 60, {"seconds": round(took, 1)})
     committed = self.committed(STAGE1)
     left = self.exists(STAGE1, "lease.json")
     self.faults.append({"fault": f"SIGKILL of task {p.kill_task}", "killed_at_step": at,
@@ -480,7 +484,7 @@ class Rehearsal:
     saving = int(job.wait_for(r"saving the checkpoint of step (\d+)")[1])
     self.gcs.stop()
     down = time.monotonic()
-    time.sleep(OUTAGE_S)
+    time.sleep(p.outage_s)
     self.gcs.start()
     up = time.monotonic()
     # Recovered: the save under way when the store went down is committed.
@@ -499,7 +503,7 @@ class Rehearsal:
     self.checks("c: the save under way in the outage was committed", recovered is not None,
                 {"saving": saving, "committed": committed})
     self.checks("c: the job reached its end, saved", committed[-1] == p.job_steps, committed)
-    self.faults.append({"fault": f"store down for {OUTAGE_S:g} s during the save of "
+    self.faults.append({"fault": f"store down for {p.outage_s:g} s during the save of "
                         f"step {saving}", "retry_budget_s": RETRY_S,
                         "steps_lost": 0 if recovered is not None else None,
                         "steps_trained_while_down": len(steps_in_outage),
@@ -696,7 +700,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "started_as": "launch/slurm.py's sbatch script, tests/slurm_standin/srun",
               "recipe": "experiments.olmo3_tiny:stage1 (+ stage2), 8 x 128 tokens per step",
               **dataclasses.asdict(plan)},
-      "budgets_s": {"heartbeat": HEARTBEAT_S, "storage_retry": RETRY_S,
+      "budgets_s": {"heartbeat": plan.heartbeat_s, "storage_retry": RETRY_S,
                     "storage_timeout": TIMEOUT_S, "lease_takeover": TAKEOVER_S},
       "http_data": {"latency_ms": LATENCY_S * 1000, "error_rate": ERROR_RATE, **http},
       **result,

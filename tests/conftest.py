@@ -195,20 +195,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
   cores, measured) order the long tests ahead of the rest. With -n 2 and --maxschedchunk=1
   (pyproject) each xdist worker holds one test and the next, and takes another whenever it
   finishes one: the long tests start first and the short ones fill in around them, instead of
-  a long test starting last and running alone. xdist hands out the first 2 x workers tests in
-  pairs (worker i: positions 2i and 2i + 1), so those positions get the longest test with the
-  shortest of them, the second longest with the second shortest, and so on; after them, the
-  order is longest first."""
+  a long test starting last and running alone.
+
+  A test marked `waits=True` spends most of its time waiting (a stalled store's timeouts, a
+  lease's age, a grace period), its core idle. Two of them side by side idled both cores (the
+  outage tests, all of one length, ran together: 40 s of the suite at under one core). Each
+  goes right after one of the longest tests that compute, so the queue alternates: a worker
+  that takes a waiting test leaves the other worker a computing one, whose processes and
+  XLA threads use the core the wait leaves. Without waiting tests, xdist's first hand-out (worker i:
+  positions 2i and 2i + 1) pairs the longest test with the shortest of the first 2 x workers."""
+
+  def marker(item: pytest.Item) -> pytest.Mark | None:
+    return item.get_closest_marker("seconds") or item.get_closest_marker("slow")
 
   def seconds(item: pytest.Item) -> float:
-    slow, timed = item.get_closest_marker("slow"), item.get_closest_marker("seconds")
-    if timed is not None:
-      return float(timed.args[0])
-    return 0.0 if slow is None else float(slow.kwargs.get("seconds", 1))
+    mark = marker(item)
+    if mark is None:
+      return 0.0
+    return float(mark.args[0]) if mark.name == "seconds" else float(mark.kwargs.get("seconds", 1))
 
   items.sort(key=lambda item: -seconds(item))  # stable: otherwise file order
+  waiting, computing = [], []
+  for item in items:
+    mark = marker(item)
+    (waiting if mark is not None and mark.kwargs.get("waits") else computing).append(item)
   workers = getattr(config, "workerinput", {}).get("workercount", 0)
-  if 1 < workers and 2 * workers <= len(items):
+  if waiting:
+    head = computing[:len(waiting)]
+    items[:] = [x for pair in zip(head, waiting) for x in pair] + computing[len(waiting):]
+  elif 1 < workers and 2 * workers <= len(items):
     first = items[:2 * workers]
     items[:2 * workers] = [x for i in range(workers) for x in (first[i], first[-1 - i])]
 

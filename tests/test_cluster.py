@@ -263,7 +263,7 @@ def test_cli_dry_run_prints_a_valid_manifest():
   gke.validate_jobset(done.stdout, job)
 
 
-@pytest.mark.slow(seconds=4)
+@pytest.mark.slow(seconds=3, waits=True)
 def test_cli_submits_with_sbatch_and_names_a_missing_tool(tmp_path):
   """Without --dry_run the job goes to the real tool (here an `sbatch` that keeps what it is
   given); a tool that is not on PATH is a one-line error naming it."""

@@ -666,7 +666,7 @@ errors.reported(main, lambda: (CheckpointError,))()
 """
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.mark.slow(seconds=10, waits=True)
 def test_a_save_that_fails_in_one_process_ends_the_whole_job_at_once(tmp_path):
   """The process whose part of a save failed stops at its next check, with the save's error;
   the others stop within the heartbeat timeout. (Orbax's background commit of the failed part

@@ -89,7 +89,7 @@ def test_dead_holders_here_are_taken_over_at_once_whatever_their_pid(tmp_path):
   assert _takes(tmp_path) < 1.0
 
 
-@pytest.mark.seconds(6)
+@pytest.mark.seconds(6, waits=True)
 def test_a_holder_this_launch_cannot_check_is_taken_over_only_once_it_stops_renewing(
     tmp_path, monkeypatch):
   """Another host's or container's lease, or one that is not a lease, is watched on the taker's
@@ -124,6 +124,7 @@ def test_a_holder_this_launch_cannot_check_is_taken_over_only_once_it_stops_rene
   live.release()
 
 
+@pytest.mark.seconds(2, waits=True)
 def test_a_lease_taken_over_or_not_renewed_is_lost(tmp_path):
   held = Lease(tmp_path, takeover=TAKEOVER)
   held.acquire()
@@ -186,7 +187,7 @@ def _background(args, env) -> Background:
   return Background(MAIN, [*TINY, *args], env, ROOT)
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=12, waits=True)
 def test_a_restarted_launcher_takes_over_its_stale_lease_and_another_containers(tmp_path):
   """A JobSet pod restarted after a SIGKILL keeps its hostname and is PID 1 again: its
   predecessor's lease (this machine's pid namespace, pid 1 another process now) is taken over

@@ -294,7 +294,7 @@ def _other_shape_experiment(work):
   return module, json.dumps(experiment)
 
 
-@pytest.mark.slow(seconds=10)
+@pytest.mark.slow(seconds=5, waits=True)
 def test_a_save_folder_of_another_shape_imports_through_the_cli(tmp_path):
   """OLMo-core's Checkpointer saves a model of no preset's shape at steps 1 and 2 of a save
   folder, each with its config.json as OLMo-core's trainer writes it; step 3 is cut short

@@ -217,7 +217,7 @@ errors.reported(main, lambda: (OSError,))()
 """
 
 
-@pytest.mark.slow(seconds=5)
+@pytest.mark.slow(seconds=3, waits=True)
 @pytest.mark.parametrize("how, code, last", [("fail", 1, "error: OSError: the store is down"),
                                              ("finish", 0, None)])
 def test_a_program_ends_despite_a_thread_that_never_does(tmp_path, how, code, last):
@@ -251,7 +251,7 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
     pass
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=7, waits=True)
 def test_missing_credentials_are_one_line_naming_the_url_and_what_to_set(tmp_path):
   """Training into, and `prepare --out`, an S3 bucket without AWS credentials (none in the
   environment, no credentials or config file) end in one `error:` line, the last, naming the

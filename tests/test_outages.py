@@ -60,7 +60,7 @@ def _launch(args, env) -> Background:
 
 
 @pytest.mark.parametrize("store", ["gs", "s3"])
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=25, waits=True)
 def test_a_store_down_past_the_budget_ends_the_run_in_one_line(store, tmp_path):
   server = storage_servers.GcsServer(tmp_path / "gcs") if store == "gs" else _S3Server()
   server.start()
@@ -91,7 +91,7 @@ def test_a_store_down_past_the_budget_ends_the_run_in_one_line(store, tmp_path):
   assert "aws-error" not in log and ".aws" not in log, log[-6000:]
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=12, waits=True)
 def test_a_store_back_within_the_budget_loses_nothing(tmp_path, straight):
   server = storage_servers.GcsServer(tmp_path / "gcs")
   server.start()
@@ -120,7 +120,7 @@ STALL_LIMITS = {settings.RETRY_ENV: str(STALL_BUDGET_S), settings.TIMEOUT_ENV: "
 
 
 @pytest.mark.parametrize("store", ["gs", "s3"])
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=25, waits=True)
 def test_a_store_that_stalls_during_a_save_ends_the_run_in_one_line(store, tmp_path):
   """A store that accepts connections and never answers (moto stopped by SIGSTOP in its own
   process; the GCS emulator's front holding every connection) from just after the launcher

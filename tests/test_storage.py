@@ -6,8 +6,10 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -67,6 +69,7 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
     assert again.file_tokens.tolist() == local.file_tokens.tolist()
 
 
+@pytest.mark.seconds(3, waits=True)
 def test_transient_errors_are_retried_and_lasting_ones_are_named(token_dir):
   local = TokenFiles([token_dir / "0.npy"], 128, VOCAB)
   with RangeServer(os.fspath(token_dir), fail_first=3) as server:  # 503, 503, 503, then fine
@@ -244,6 +247,7 @@ def test_a_file_another_process_removed_does_not_exist_for_this_one(s3_env):
   assert clients.client_options()["gcs"]["use_listings_cache"] is False  # gs:// the same
 
 
+@pytest.mark.seconds(3, waits=True)
 def test_without_any_google_credentials_gcs_is_anonymous_at_once(tmp_path, monkeypatch):
   """Where no source of Google credentials can exist (no key file, no gcloud login, not a
   Google Cloud machine), gcsfs is asked for anonymous access, and never waits on the metadata
@@ -361,7 +365,7 @@ def test_a_run_kept_in_a_bucket_is_killed_resumes_from_it_and_matches_the_local_
   assert not [p for p in os.listdir(ROOT) if p.endswith(":")]  # no local 'gs:' / 's3:' dirs
 
 
-@pytest.mark.seconds(4)
+@pytest.mark.seconds(3, waits=True)
 def test_object_store_leases_are_taken_and_replaced_only_under_a_precondition(s3_env):
   """The workdir lease in a bucket: created only where none is, replaced only if unchanged
   since read (S3's If-None-Match / If-Match; GCS's ifGenerationMatch is exercised by the gs://
@@ -637,7 +641,7 @@ def test_tensorstore_timeouts_follow_this_process_budget_unless_the_user_set_the
   assert (os.environ[connect], os.environ[low_speed]) == ("77", "2")
 
 
-@pytest.mark.slow(seconds=5)
+@pytest.mark.slow(seconds=4, waits=True)
 def test_a_stalled_store_fails_tensorstore_requests_within_the_budget():
   """Orbax reads and writes arrays through TensorStore, whose requests have no deadline from
   Python: a store that accepts connections and never answers fails them after the request
@@ -652,6 +656,42 @@ def test_a_stalled_store_fails_tensorstore_requests_within_the_budget():
   seconds, _, message = done.stdout.strip().partition(" ")
   assert seconds.isdigit() and int(seconds) <= 3 * 1 + 1 + 5, done.stdout + done.stderr[-2000:]
   assert "Timeout was reached" in message, message
+
+
+@pytest.mark.seconds(3, waits=True)
+def test_a_request_to_a_stalled_s3_store_is_one_attempt_of_one_timeout(monkeypatch):
+  """s3fs's requests (botocore's) are each sent once, the budget being the only retrier: to a
+  store that accepts connections and never answers, a read tried once (a run's cleanup)
+  opens one connection and fails after one request timeout. botocore's retry option counted
+  retries, not attempts, and every request was sent twice."""
+  import fsspec
+
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(16)
+  held = []
+
+  def accept():
+    while True:
+      try:
+        held.append(server.accept())
+      except OSError:  # closed
+        return
+
+  threading.Thread(target=accept, daemon=True).start()
+  monkeypatch.setenv(settings.TIMEOUT_ENV, "1")
+  clients.configure_clients()
+  options = clients.client_options()["s3"]
+  fs = fsspec.filesystem("s3", skip_instance_cache=True, key="test", secret="test",
+                         endpoint_url=f"http://127.0.0.1:{server.getsockname()[1]}", **options)
+  started = time.monotonic()
+  try:
+    with retry.attempts_once(), pytest.raises(OSError, match="Read timeout"):
+      fs.cat_file("s3://stalled/key")
+  finally:
+    server.close()
+  assert len(held) == 1, held
+  assert time.monotonic() - started < 1.9
 
 
 @pytest.mark.parametrize("budget, timeout", [(3, 1), (1, 1), (8, 5), (30, 10), (60, 5),

@@ -57,9 +57,12 @@ def client_options() -> dict[str, dict[str, Any]]:
   which read it back to extend it (Orbax's array metadata) and failed the save."""
   timeout = settings.request_timeout_s()
   gcs_token = {"token": "anon"} if not google_credentials_possible() else {}
+  # botocore's `total_max_attempts` counts the first attempt, its `max_attempts` only the
+  # retries: {"max_attempts": 1} was two attempts, so a stalled store's request took twice
+  # the request timeout, a retry the budget never saw.
   return {"gcs": {"requests_timeout": timeout, "use_listings_cache": False, **gcs_token},
           "s3": {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout,
-                                   "retries": {"max_attempts": 1, "mode": "standard"}},
+                                   "retries": {"total_max_attempts": 1, "mode": "standard"}},
                  "use_listings_cache": False}}
 
 
