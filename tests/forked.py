@@ -173,8 +173,12 @@ _DRIVERS: dict[tuple[tuple[str, str], ...], Driver] = {}
 
 
 def _close_drivers() -> None:
+  """Ends every driver at once: each exits as soon as its stdin closes, so they are all told
+  before any is waited for."""
   for driver in _DRIVERS.values():
-    driver.__exit__()
+    driver.proc.stdin.close()
+  for driver in _DRIVERS.values():
+    driver.proc.wait(timeout=60)
 
 
 def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.PathLike = ROOT,
@@ -229,3 +233,5 @@ if __name__ == "__main__":
   import olmo3.train.loop  # noqa: F401
 
   _serve()
+  # Nothing to tear down: the interpreter's shutdown with these imports took 0.5 s a driver.
+  os._exit(0)  # pylint: disable=protected-access
