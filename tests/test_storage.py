@@ -2,7 +2,9 @@
 here: an HTTP server with Range support and injected latency / failures (AI2 serves its token
 files over HTTP), fake-gcs-server for gs:// and moto's S3 server for s3://."""
 
+import asyncio
 import dataclasses
+import gc
 import json
 import os
 import signal
@@ -692,6 +694,34 @@ def test_a_request_to_a_stalled_s3_store_is_one_attempt_of_one_timeout(monkeypat
     server.close()
   assert len(held) == 1, held
   assert time.monotonic() - started < 1.9
+
+
+def test_a_request_a_library_abandoned_is_not_logged_with_its_traceback(caplog):
+  """A request task a library started and never awaited (Orbax's save, another part of which
+  failed first while the store stalled) ends in a StorageError of ours: asyncio's "Task
+  exception was never retrieved", with its traceback, came before the run's own one-line
+  error. Dropped; any other exception asyncio reports still is."""
+  clients.configure_clients()
+
+  async def fails(error):
+    raise error
+
+  def abandon(error):
+    loop = asyncio.new_event_loop()
+    try:
+      task = loop.create_task(fails(error))
+      loop.run_until_complete(asyncio.sleep(0.01))
+      assert task.done()
+      del task
+      gc.collect()  # asyncio reports an exception no one retrieved when the task is collected
+    finally:
+      loop.close()
+
+  with caplog.at_level("ERROR", logger="asyncio"):
+    abandon(retry.OutOfBudget("listing gs://b/run/checkpoints/6", TimeoutError(), 1, 3.0))
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+    abandon(ValueError("a bug"))
+    assert "Task exception was never retrieved" in caplog.text and "ValueError" in caplog.text
 
 
 @pytest.mark.parametrize("budget, timeout", [(3, 1), (1, 1), (8, 5), (30, 10), (60, 5),

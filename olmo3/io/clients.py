@@ -27,7 +27,7 @@ import math
 import os
 from typing import Any
 
-from olmo3.io import pathnames, retry, settings
+from olmo3.io import errors, pathnames, retry, settings
 
 _DERIVED_ENV = "OLMO3_TENSORSTORE_CURL_DERIVED"  # the TENSORSTORE_CURL_* olmo3 set
 _DMI = "/sys/class/dmi/id"  # the machine's vendor and product, as Linux reads them
@@ -67,18 +67,27 @@ def client_options() -> dict[str, dict[str, Any]]:
 
 
 class _QuietRetries(py_logging.Filter):
-  """gcsfs logs a traceback each time its own retries run out; the error is ours to report
-  (once, in one line), so those records are dropped."""
+  """Library records that carry a storage failure the run reports itself, once, in one line:
+  gcsfs's traceback each time its own retries run out, and asyncio's "Task exception was never
+  retrieved" for a request a library started and abandoned when another part of the same
+  operation failed first (Orbax's save while the store stalls: its temporary directory's look
+  at the store, a StorageError of ours, printed with its traceback before the run's own error
+  line). Both are dropped; any other exception asyncio reports is kept."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
-    return not (record.name.startswith("gcsfs") and record.levelno >= py_logging.WARNING
-                and record.exc_info is not None)
+    if record.levelno < py_logging.WARNING or record.exc_info is None:
+      return True
+    if record.name.startswith("gcsfs"):
+      return False
+    return not (record.name == "asyncio"
+                and isinstance(record.exc_info[1], errors.StorageError))
 
 
 def _silence_library_retries() -> None:
-  logger = py_logging.getLogger("gcsfs")
-  if not any(isinstance(f, _QuietRetries) for f in logger.filters):
-    logger.addFilter(_QuietRetries())
+  for name in ("gcsfs", "asyncio"):
+    logger = py_logging.getLogger(name)
+    if not any(isinstance(f, _QuietRetries) for f in logger.filters):
+      logger.addFilter(_QuietRetries())
 
 
 def google_credentials_possible() -> bool:
@@ -113,7 +122,7 @@ def google_credentials_possible() -> bool:
 def configure_clients() -> None:
   """Puts `client_options` into fsspec's configuration, so every gcsfs / s3fs instance (etils'
   and Orbax's too) gets them, budgets the clients' requests (`_budget_client_requests`) and
-  keeps gcsfs's retry tracebacks out of the log. Idempotent; options already configured (a
+  keeps the storage failures libraries log with tracebacks out of the log (`_QuietRetries`). Idempotent; options already configured (a
   user's FSSPEC_* variables) win."""
   import fsspec.config  # pylint: disable=g-import-not-at-top
 
