@@ -202,9 +202,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
   outage tests, all of one length, ran together: 40 s of the suite at under one core). Each
   goes right after one of the longest tests that compute, so the queue alternates: a worker
   that takes a waiting test leaves the other worker a computing one, whose processes and
-  XLA threads use the core the wait leaves. Without waiting tests, xdist's first hand-out
-  (worker i: positions 2i and 2i + 1) pairs the longest test with the shortest of the first
-  2 x workers."""
+  XLA threads use the core the wait leaves. Without waiting tests, xdist's first hand-out (worker i:
+  positions 2i and 2i + 1) pairs the longest test with the shortest of the first 2 x workers."""
 
   def marker(item: pytest.Item) -> pytest.Mark | None:
     return item.get_closest_marker("seconds") or item.get_closest_marker("slow")
@@ -222,14 +221,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (waiting if mark is not None and mark.kwargs.get("waits") else computing).append(item)
   workers = getattr(config, "workerinput", {}).get("workercount", 0)
   if waiting:
-    head, rest = computing[:len(waiting)], computing[len(waiting):]
-    alternating = [x for pair in zip(head, waiting) for x in pair]
-    # xdist hands worker 0 positions 0 and 1 at once: a waiting test there would wait behind
-    # the longest test for its whole run, then meet another waiting test. A computing one
-    # waits there instead; worker 1 starts with a waiting test beside the longest.
-    if rest and 1 < workers:
-      alternating.insert(1, rest.pop(0))
-    items[:] = alternating + rest
+    head = computing[:len(waiting)]
+    items[:] = [x for pair in zip(head, waiting) for x in pair] + computing[len(waiting):]
   elif 1 < workers and 2 * workers <= len(items):
     first = items[:2 * workers]
     items[:2 * workers] = [x for i in range(workers) for x in (first[i], first[-1 - i])]
