@@ -692,6 +692,8 @@ def test_a_request_to_a_stalled_s3_store_is_one_attempt_of_one_timeout(monkeypat
       fs.cat_file("s3://stalled/key")
   finally:
     server.close()
+    for connection, _ in held:
+      connection.close()
   assert len(held) == 1, held
   assert time.monotonic() - started < 1.9
 

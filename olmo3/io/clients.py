@@ -66,7 +66,7 @@ def client_options() -> dict[str, dict[str, Any]]:
                  "use_listings_cache": False}}
 
 
-class _QuietRetries(py_logging.Filter):
+class _QuietStorageTracebacks(py_logging.Filter):
   """Library records that carry a storage failure the run reports itself, once, in one line:
   gcsfs's traceback each time its own retries run out, and asyncio's "Task exception was never
   retrieved" for a request a library started and abandoned when another part of the same
@@ -83,11 +83,11 @@ class _QuietRetries(py_logging.Filter):
                 and isinstance(record.exc_info[1], errors.StorageError))
 
 
-def _silence_library_retries() -> None:
+def _quiet_storage_tracebacks() -> None:
   for name in ("gcsfs", "asyncio"):
     logger = py_logging.getLogger(name)
-    if not any(isinstance(f, _QuietRetries) for f in logger.filters):
-      logger.addFilter(_QuietRetries())
+    if not any(isinstance(f, _QuietStorageTracebacks) for f in logger.filters):
+      logger.addFilter(_QuietStorageTracebacks())
 
 
 def google_credentials_possible() -> bool:
@@ -122,8 +122,9 @@ def google_credentials_possible() -> bool:
 def configure_clients() -> None:
   """Puts `client_options` into fsspec's configuration, so every gcsfs / s3fs instance (etils'
   and Orbax's too) gets them, budgets the clients' requests (`_budget_client_requests`) and
-  keeps the storage failures libraries log with tracebacks out of the log (`_QuietRetries`). Idempotent; options already configured (a
-  user's FSSPEC_* variables) win."""
+  keeps the storage failures libraries log with tracebacks out of the log
+  (`_QuietStorageTracebacks`). Idempotent; options already configured (a user's FSSPEC_*
+  variables) win."""
   import fsspec.config  # pylint: disable=g-import-not-at-top
 
   for protocol, options in client_options().items():
@@ -132,7 +133,7 @@ def configure_clients() -> None:
       conf = fsspec.config.conf.setdefault(alias, {})
       for key, value in options.items():
         conf.setdefault(key, value)
-  _silence_library_retries()
+  _quiet_storage_tracebacks()
   _budget_client_requests()
   # TensorStore (Orbax's array reads and writes) takes no deadline per request from Python;
   # its curl transport reads these when it makes its first request: a connection that does
