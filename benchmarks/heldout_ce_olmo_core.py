@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
   platforms.choose()
   from olmo3.data import sources
   from olmo3.eval import ce_definitions
-  from olmo3.eval.metric_sources import Source
+  from olmo3.eval.metric_series import Source
 
   train = [f.path for f in sources.read_mix("embedded")]
   heldout = sources.by_set(sources.read_mix("embedded-heldout"))

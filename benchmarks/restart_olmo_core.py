@@ -108,7 +108,7 @@ def _finished(exp, workdir: str) -> tuple[list[dict], dict]:
   """(the run's logged rows, its final parameters in OLMo-core's names)."""
   import jax
 
-  from olmo3.convert import olmo_core_model
+  from olmo3.convert import olmo_core_params
   from olmo3.io import metrics
   from olmo3.placement import ShardedModel
   from olmo3.run.record import Workdir
@@ -119,7 +119,7 @@ def _finished(exp, workdir: str) -> tuple[list[dict], dict]:
   model = ShardedModel.for_experiment(exp, jax.devices()[:1])
   with model.context():
     params, _, _ = StateLayout(exp, model).restore(run.checkpoints / str(exp.train.steps))
-  return rows, {k: v.numpy() for k, v in olmo_core_model.state_dict(exp.model, params).items()}
+  return rows, {k: v.numpy() for k, v in olmo_core_params.state_dict(exp.model, params).items()}
 
 
 def olmo3_runs(model_cfg, paths: list[str], step0: str, root: str, restart_at: int,

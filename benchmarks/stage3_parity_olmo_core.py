@@ -7,7 +7,7 @@ each document, side by side with OLMo-core's own TransformerTrainModule.
 
 AI2's stage 3 (OLMo-3-1025-7B-long-context.py), shrunk: an OLMo 3 with YaRN (factor 8,
 beta_fast 32, beta_slow 1) over an original context of --original_context tokens on its
-full-attention layers (OLMo-core's `with_rope_scaling`, through olmo3.convert.olmo_core_model),
+full-attention layers (OLMo-core's `with_rope_scaling`, through olmo3.convert.olmo_core_params),
 run at --seq_len (>= 4x that); token files whose documents (each ending at the EOS) are packed
 into instances by OLMo-core's own NumpyPackedFSLDataset (generate_doc_lengths, source groups of 2
 files shuffled with seed 123, long documents truncated) and ordered by its own data loader (seed
@@ -289,7 +289,7 @@ def _blocks(tc, change):
 def _flash_attention(block):
   from olmo_core.nn.attention import AttentionBackendName
 
-  from olmo3.convert.olmo_core_model import attention_field
+  from olmo3.convert.olmo_core_params import attention_field
 
   field = attention_field(block)
   mixer = dataclasses.replace(getattr(block, field), backend=AttentionBackendName.flash_2)
@@ -351,7 +351,7 @@ def olmo_core_run(exp, initial: dict, batches: list[dict[str, Any]]) -> list[dic
   from olmo_core.train.train_module import TransformerTrainModule, TransformerTrainModuleConfig
 
   from olmo3.config import DType
-  from olmo3.convert import olmo_core_model
+  from olmo3.convert import olmo_core_params
 
   bench = _train_parity()
   float64 = exp.model.compute_dtype == DType.FLOAT64
@@ -377,14 +377,14 @@ def olmo_core_run(exp, initial: dict, batches: list[dict[str, Any]]) -> list[dic
           lm_head, "cross_entropy_loss", bench._float64_cross_entropy))
       patches.enter_context(unittest.mock.patch.object(rope, "torch", _Float64Arange()))
     torch.manual_seed(0)
-    tc = _blocks(olmo_core_model.transformer_config(exp.model), _flash_attention)
+    tc = _blocks(olmo_core_params.transformer_config(exp.model), _flash_attention)
     if float64:
       tc = _blocks(bench._float64_model_config(tc), _float64_block(tc))
     model = _build_with_flash_attention(tc)
     module = Recorded(model=model.to(torch.float64) if float64 else model,
                       device=torch.device("cpu"),
                       **config.as_dict(exclude_none=True, recurse=False))
-    module.model.load_state_dict(olmo_core_model.state_dict(exp.model, initial))
+    module.model.load_state_dict(olmo_core_params.state_dict(exp.model, initial))
     if float64:
       bench._float64_state(module.optim)
     module._attach_trainer(trainer)

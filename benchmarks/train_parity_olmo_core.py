@@ -4,7 +4,7 @@
       [--peak_lr 1e-3] [--dtype float32|float64] [--spike_window 128] [--spike_step 90]
 
 Both sides start from the same weights (ours, freshly initialised in float32, moved into OLMo-core's
-OLMo 3 transformer by olmo3.convert.olmo_core_model) and see the same batches, on CPU. The model: 6
+OLMo 3 transformer by olmo3.convert.olmo_core_params) and see the same batches, on CPU. The model: 6
 layers (sliding, sliding, sliding, global, sliding, global), grouped-query attention. The optimizer
 as AI2's first stage-1 script (OLMo-3-1025-7B-pretrain-1.py) configures it, shrunk to the run:
 SkipStepAdamW (0.9, 0.95, eps 1e-8, weight decay 0.1 except the input embedding, the recipe's
@@ -156,7 +156,7 @@ class _Trainer:
 
 def _float64_model_config(tc):
   """OLMo-core's transformer config with its norms' and RoPE's float32 casts turned off."""
-  from olmo3.convert.olmo_core_model import attention_field
+  from olmo3.convert.olmo_core_params import attention_field
 
   block, head = tc.block, tc.lm_head
   field = attention_field(block)
@@ -222,7 +222,7 @@ def olmo_core_run(exp, initial: dict, tokens: np.ndarray) -> list[dict]:
   from olmo_core.train.train_module import TransformerTrainModule, TransformerTrainModuleConfig
 
   from olmo3.config import DType
-  from olmo3.convert import olmo_core_model
+  from olmo3.convert import olmo_core_params
 
   float64 = exp.model.compute_dtype == DType.FLOAT64
   o, seq_len = exp.optimizer, tokens.shape[2]
@@ -250,14 +250,14 @@ def olmo_core_run(exp, initial: dict, tokens: np.ndarray) -> list[dict]:
           rope, "compute_inv_freqs", lambda theta, dim, device: 1.0 / (theta ** (
               torch.arange(0, dim, 2, device=device, dtype=torch.float64) / dim))))
     torch.manual_seed(0)
-    tc = olmo_core_model.transformer_config(exp.model)
+    tc = olmo_core_params.transformer_config(exp.model)
     model = (_float64_model_config(tc) if float64 else tc).build(init_device="cpu")
     # The module initialises the weights (and fills the RoPE cache); the Trainer then loads a
     # checkpoint: ours.
     module = Recorded(model=model.to(torch.float64) if float64 else model,
                       device=torch.device("cpu"),
                       **config.as_dict(exclude_none=True, recurse=False))
-    module.model.load_state_dict(olmo_core_model.state_dict(exp.model, initial))
+    module.model.load_state_dict(olmo_core_params.state_dict(exp.model, initial))
     if float64:
       _float64_state(module.optim)
     module._attach_trainer(trainer)

@@ -253,3 +253,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
       f.write(json.dumps({"test": item.nodeid, "cpu_s": round(after[0] - before[0], 2),
                           "children_cpu_s": round(after[1] - before[1], 2),
                           "wall_s": round(time.time() - start, 2), "start": start}) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+  """matplotlib builds its font cache on first use, asking `fc-list` (a process) on a machine
+  that never ran it: done here, once, before any test's process guard watches, so the fast
+  tier's plot tests do not start a process on a fresh machine only."""
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from olmo3.eval import compare, metric_sources, spikes
+from olmo3.eval import compare, metric_series, spikes
 
 from conftest import benchmark
 from tests import forked
@@ -355,17 +355,17 @@ def test_names_match_olmo_core():
   from olmo_core.train.common import TRAIN_CE_LOSS_METRIC
 
   labels = DownstreamEvaluator.metric_type_to_label
-  downstream = {k: v for k, v in metric_sources.AI2_NAMES.items()
+  downstream = {k: v for k, v in metric_series.AI2_NAMES.items()
                 if k.startswith("eval/downstream/")}
   assert len(downstream) == len(labels)
   for key, label in labels.items():
-    assert metric_sources.to_ours(f"eval/downstream/{TASK} ({label})") == f"downstream/{TASK}/{key}"
-  assert metric_sources.to_ours(TRAIN_CE_LOSS_METRIC) == "ce_loss"
+    assert metric_series.to_ours(f"eval/downstream/{TASK} ({label})") == f"downstream/{TASK}/{key}"
+  assert metric_series.to_ours(TRAIN_CE_LOSS_METRIC) == "ce_loss"
   # OLMo-core's LMEvaluator logs `<label>/CE loss` and `<label>/PPL` under the evaluator "lm".
-  assert metric_sources.to_ours(f"eval/lm/{SET}/CE loss") == f"eval/{SET}/ce_loss"
-  assert metric_sources.to_ours(f"eval/lm/{SET}/PPL") == f"eval/{SET}/ppl"
-  assert metric_sources.to_ours(f"downstream/{TASK}/acc_v1") == f"downstream/{TASK}/acc_v1"
-  assert metric_sources.to_ours("optim/LR (group 0)") == "optim/LR (group 0)"
+  assert metric_series.to_ours(f"eval/lm/{SET}/CE loss") == f"eval/{SET}/ce_loss"
+  assert metric_series.to_ours(f"eval/lm/{SET}/PPL") == f"eval/{SET}/ppl"
+  assert metric_series.to_ours(f"downstream/{TASK}/acc_v1") == f"downstream/{TASK}/acc_v1"
+  assert metric_series.to_ours("optim/LR (group 0)") == "optim/LR (group 0)"
 
 
 # Held-out CE in two definitions (olmo3/eval/ce_definitions.py), against OLMo-core's own
@@ -562,7 +562,7 @@ def test_spikes_are_the_optimizers_skips(tmp_path):
   found = spikes.find(series, "runs/x", sigma=3.0, window=8, min_history=5)
   assert {5, 16, 21, 31, 36} <= set(skipped) and 9 not in skipped
   assert sorted({s.step for s in found}) == skipped
-  assert found[0].command == (f"python -m olmo3.inspect --workdir runs/x --step {skipped[0]} "
+  assert found[0].command == (f"python -m olmo3.inspect_step --workdir runs/x --step {skipped[0]} "
                               "--replay --top 5")
 
 
@@ -581,7 +581,7 @@ def test_compare_points_at_the_spikes_of_ours(tmp_path, capsys):
   start = lines.index("spikes in ours (1 step: ce_loss or grad_norm more than 6σ above the "
                       "mean of its previous 128 logged values):")
   assert lines[start + 1].startswith("  step 81: ce_loss 3.5 (mean 3.01, +")
-  assert lines[start + 2] == (f"    python -m olmo3.inspect --workdir {run} --step 81 --replay "
+  assert lines[start + 2] == (f"    python -m olmo3.inspect_step --workdir {run} --step 81 --replay "
                               "--top 5")
   code, out, _ = _run(capsys, run, run, "--json", "--spike_sigma", "2")
   found = json.loads(out)["spikes"]

@@ -17,7 +17,7 @@ LAYERS = (
     ("olmo3.placement", "olmo3.convert", "olmo3.run"),
     ("olmo3.eval",),
     ("olmo3.train", "olmo3.sample"),
-    ("olmo3.inspect",),
+    ("olmo3.inspect_step",),
 )
 FORBIDDEN = ("fiddle", "launch", "experiments", "absl.flags")
 # The one exception: Grain's worker processes read absl flags, and programs whose main is not

@@ -16,7 +16,7 @@ import torch
 from olmo3 import config, model as model_lib
 from olmo3.config import (CheckpointConfig, ConfigError, DataConfig, Experiment, InitMode,
                           OptimizerConfig, TrainConfig)
-from olmo3.convert import olmo_core_model, olmo_core_import, parity
+from olmo3.convert import olmo_core_params, olmo_core_import, parity
 from olmo3.convert.__main__ import main as convert_main
 from olmo3.data import tokens
 from olmo3.data.serve import RangeServer
@@ -70,7 +70,7 @@ def ai2(tmp_path_factory):
       optim=SkipStepAdamWConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                 group_overrides=[OptimGroupOverride(
                                     params=["embeddings.weight"], opts=dict(weight_decay=0.0))]),
-  ).build(olmo_core_model.transformer_config(MICRO).build(init_device="cpu"))
+  ).build(olmo_core_params.transformer_config(MICRO).build(init_device="cpu"))
   for _ in range(STEP):
     for p in module.model.parameters():
       p.grad = torch.randn_like(p)
@@ -144,12 +144,12 @@ def test_import_puts_adams_state_in_its_leaves(ai2, tmp_path, capsys):
     params, opt_state, meta = StateLayout(exp, model).restore_init(out)
   adam = opt_state[1]  # optim.adamw: clip, Adam, decay, scale
   assert int(adam.count) == STEP  # every parameter's SkipStepAdamW step
-  for source in olmo_core_model.sources(MICRO):
+  for source in olmo_core_params.sources(MICRO):
     for i, name in enumerate(source.names):
       for ours, theirs in ((params, saved["model"][name]),
                            (adam.mu, saved["optim"][name]["exp_avg"]),
                            (adam.nu, saved["optim"][name]["exp_avg_sq"])):
-        value = np.asarray(olmo_core_model.leaf(ours, source.path))
+        value = np.asarray(olmo_core_params.leaf(ours, source.path))
         value = value[i] if source.stacked else value
         np.testing.assert_array_equal(value.T if source.transposed else value, theirs, name)
   groups = meta["olmo_core"]["optimizer"]
@@ -305,7 +305,7 @@ def test_a_save_folder_of_another_shape_imports_through_the_cli(tmp_path):
   from olmo_core.train.utils import EnvRngStates
 
   module, experiment = _other_shape_experiment(tmp_path)
-  module.model.load_state_dict(olmo_core_model.state_dict(OTHER, random_params(OTHER, seed=4)))
+  module.model.load_state_dict(olmo_core_params.state_dict(OTHER, random_params(OTHER, seed=4)))
   save, checkpointer = tmp_path / "save", Checkpointer(work_dir=tmp_path / "work")
   for step in (1, 2):
     for p in module.model.parameters():
@@ -387,7 +387,7 @@ def test_a_model_olmo3_cannot_express_is_refused_before_converting(ai2, tmp_path
   step_dir, paths, _ = ai2
   source = tmp_path / "step3"
   shutil.copytree(step_dir, source)
-  experiment = {"model": olmo_core_model.transformer_config(MICRO).as_config_dict(),
+  experiment = {"model": olmo_core_params.transformer_config(MICRO).as_config_dict(),
                 "train_module": {"max_sequence_length": SEQ}}
   (source / "config.json").write_text(json.dumps(experiment))
   assert convert_main(["import-olmo-core", "--src", str(source), "--out", str(tmp_path / "a"),

@@ -8,7 +8,7 @@ import torch
 from olmo_core.nn.transformer import TransformerConfig
 
 from olmo3 import config
-from olmo3.convert import olmo_core_model, parity
+from olmo3.convert import olmo_core_params, parity
 
 from conftest import benchmark, random_params
 
@@ -28,8 +28,8 @@ def test_7b_preset_matches_olmo_core():
                          ids=["gqa_6_layers", "mha_8_layers"])
 def test_float32_parity_with_olmo_core(cfg):
   params = random_params(cfg, seed=3)
-  reference = olmo_core_model.transformer_config(cfg).build(init_device="cpu")
-  reference.load_state_dict(olmo_core_model.state_dict(cfg, params))
+  reference = olmo_core_params.transformer_config(cfg).build(init_device="cpu")
+  reference.load_state_dict(olmo_core_params.state_dict(cfg, params))
   reference.eval()
   tokens = parity.random_tokens(cfg, 2, parity.default_seq_len(cfg))
   with torch.no_grad():
@@ -78,8 +78,8 @@ YARN = MICRO.replace(d_model=128, n_heads=4, n_kv_heads=2, n_layers=8, sliding_w
 
 
 def _olmo_core_logits(reference_cfg, params, tokens):
-  reference = olmo_core_model.transformer_config(reference_cfg).build(init_device="cpu")
-  reference.load_state_dict(olmo_core_model.state_dict(reference_cfg, params))
+  reference = olmo_core_params.transformer_config(reference_cfg).build(init_device="cpu")
+  reference.load_state_dict(olmo_core_params.state_dict(reference_cfg, params))
   reference.eval()
   with torch.no_grad():
     return reference(torch.from_numpy(tokens.astype(np.int64))).float().numpy()

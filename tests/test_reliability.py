@@ -199,13 +199,13 @@ def test_two_processes_train_save_and_resume_on_another_mesh(tmp_path, request):
 
 
 def _check_replayed_as_logged(workdir):
-  """`python -m olmo3.inspect --replay` in one process of 4 devices trains a step again as the
+  """`python -m olmo3.inspect_step --replay` in one process of 4 devices trains a step again as the
   run logged it, bit for bit: step 5 from checkpoint 4, after the resume onto 4 devices in 2
   processes; step 4 from the stage's start, on 1 device as launch 1 trained it (its layout
   taken from the run's record, not from the devices in view)."""
   replayed = {}
   for step, start, mesh in ((5, 4, {"fsdp": 4}), (4, 0, {})):
-    done = forked.completed("olmo3.inspect", [f"--workdir={workdir}", f"--step={step}",
+    done = forked.completed("olmo3.inspect_step", [f"--workdir={workdir}", f"--step={step}",
                                               "--replay", "--json"], _env(4))
     assert done.returncode == 0, done.stderr[-3000:]
     out = replayed[step] = json.loads(done.stdout)
@@ -218,13 +218,13 @@ def _check_replayed_as_logged(workdir):
     assert sum(r["loss"] * r["scored_tokens"] for r in out["rows"]) / 1016 == pytest.approx(
         out["ce_loss"], rel=1e-6)
   # Listing a step needs no replay, and no checkpoint of its launch: the same rows.
-  done = forked.completed("olmo3.inspect", [f"--workdir={workdir}", "--step=4", "--json"],
+  done = forked.completed("olmo3.inspect_step", [f"--workdir={workdir}", "--step=4", "--json"],
                           _env(1))
   assert done.returncode == 0, done.stderr[-3000:]
   listed = json.loads(done.stdout)["rows"]
   assert [r["instance"] for r in listed] == [r["instance"] for r in replayed[4]["rows"]]
   # Steps 1..5 were trained on two meshes: a replay across the change is refused, in one line.
-  done = forked.completed("olmo3.inspect", [f"--workdir={workdir}", "--step=5", "--replay",
+  done = forked.completed("olmo3.inspect_step", [f"--workdir={workdir}", "--step=5", "--replay",
                                             "--from_step=0"], _env(4))
   assert (done.returncode, done.stderr.splitlines()[-1]) == (1, (
       "error: steps 1..5 were trained by two launches (launch 1 and launch 2, which started at "

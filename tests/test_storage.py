@@ -562,10 +562,10 @@ def test_a_prepared_directory_and_a_mix_file_over_http_are_read_as_from_disk(
 
 def test_inspect_lists_a_step_of_data_behind_http_as_of_the_same_data_on_disk(
     served, tmp_path, capsys, monkeypatch):
-  """`python -m olmo3.inspect` on a run whose prepared directory is served over HTTP lists
+  """`python -m olmo3.inspect_step` on a run whose prepared directory is served over HTTP lists
   step 4's rows as on disk: the same instances at the same offsets (the URL for the path), the
   same text, with the run's tokenizer read from the server."""
-  from tests.test_inspect import _workdir, inspect
+  from tests.test_inspect_step import _workdir, inspect
 
   monkeypatch.setenv("OLMO3_CACHE", os.fspath(tmp_path / "cache"))
   local = _workdir(tmp_path, _tiny_on(served / "mine"), "local")

@@ -67,7 +67,7 @@ def import_olmo_core(args: argparse.Namespace) -> int:
   located = olmo_core_import.located_or_refused(args.src)
   if located.folder is not None:
     print(located.picked())
-  cfg, name, how = olmo_core_model(located, args.model, default_preset(args.src))
+  cfg, name, how = olmo_core_params(located, args.model, default_preset(args.src))
   print(f"model: {how}")
   meta = olmo_core_import.import_checkpoint(located.root, args.out, cfg, staging=args.staging)
   print(f"imported {meta['source']} ({name}: {cfg.param_count:,} parameters; "
@@ -75,7 +75,7 @@ def import_olmo_core(args: argparse.Namespace) -> int:
   return 0
 
 
-def olmo_core_model(located: olmo_core_checkpoints.OlmoCoreCheckpoint, preset: str | None,
+def olmo_core_params(located: olmo_core_checkpoints.OlmoCoreCheckpoint, preset: str | None,
                     default: str) -> tuple[ModelConfig, str, str]:
   """The model config of the OLMo-core checkpoint `located`, its name (a preset's, or "its own
   model") and how it was found: the checkpoint's config.json (`preset`, when given, must agree

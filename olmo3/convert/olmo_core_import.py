@@ -10,7 +10,7 @@ memory-mapped float32 arrays in a staging directory: host memory holds one chunk
 never the model, let alone its moments.
 
 What is imported (olmo3.io.olmo_core_checkpoints says where OLMo-core keeps it):
-- the weights, `model.<name>` (olmo3.convert.olmo_core_model maps the names; linear weights are
+- the weights, `model.<name>` (olmo3.convert.olmo_core_params maps the names; linear weights are
   transposed, layers stacked);
 - SkipStepAdamW's moments, `optim.state.<name>.exp_avg` / `exp_avg_sq`, as Adam's mu / nu, and
   its per-parameter `step` as Adam's count. SkipStepAdamW counts only the updates it did not
@@ -46,7 +46,7 @@ import numpy as np
 
 from olmo3 import model as model_lib
 from olmo3.config import ModelConfig
-from olmo3.convert import olmo_core_model, olmo_core_config
+from olmo3.convert import olmo_core_params, olmo_core_config
 from olmo3.convert.hf import ConversionError, memmap_allocator
 from olmo3.io import checkpoint, pathnames, storage
 from olmo3.io.olmo_core_checkpoints import METADATA, OlmoCoreCheckpoint, locate
@@ -229,8 +229,8 @@ def _check_layout(reader: _Reader, cfg: ModelConfig) -> None:
                           "checkpoint; import its Hugging Face export with import-hf instead")
   shapes = model_lib.param_shapes(cfg)
   expected = {}
-  for source in olmo_core_model.sources(cfg):
-    shape = olmo_core_model.leaf(shapes, source.path).shape[1 if source.stacked else 0:]
+  for source in olmo_core_params.sources(cfg):
+    shape = olmo_core_params.leaf(shapes, source.path).shape[1 if source.stacked else 0:]
     for name in source.names:
       expected[name] = tuple(reversed(shape)) if source.transposed else tuple(shape)
   for name, shape in expected.items():
@@ -253,7 +253,7 @@ def _load_scalars(reader: _Reader, names: list[str]) -> dict[str, float]:
 
 def adam_count(reader: _Reader, cfg: ModelConfig) -> int:
   """The updates SkipStepAdamW made (every parameter's `step`, which must agree)."""
-  names = [f"optim.state.{n}.step" for s in olmo_core_model.sources(cfg) for n in s.names]
+  names = [f"optim.state.{n}.step" for s in olmo_core_params.sources(cfg) for n in s.names]
   steps = _load_scalars(reader, names)
   first = steps[names[0]]
   for name, value in steps.items():
@@ -269,7 +269,7 @@ def adam_count(reader: _Reader, cfg: ModelConfig) -> int:
 def hyperparameters(reader: _Reader, cfg: ModelConfig) -> dict[str, dict[str, Any]]:
   """The optimizer's betas, eps and weight decay per top-level parameter group of ours
   (embed_tokens, layers, norm, lm_head), as the checkpoint gives them for each parameter."""
-  sources = olmo_core_model.sources(cfg)
+  sources = olmo_core_params.sources(cfg)
   wanted = {f"optim.param_groups.{n}.{h}": None for s in sources for n in s.names
             for h in HYPERPARAMETERS}
   missing = [n for n in wanted if n not in reader.read_metadata().state_dict_metadata]
@@ -334,9 +334,9 @@ def _read_arrays(reader: _Reader, cfg: ModelConfig, alloc) -> dict[str, dict[str
                                        for ours, theirs in MOMENTS.items()}}
   shapes = model_lib.param_shapes(cfg)
   trees: dict[str, dict[str, Any]] = {kind: {} for kind in prefixes}
-  for source in olmo_core_model.sources(cfg):
+  for source in olmo_core_params.sources(cfg):
     for kind, prefix in prefixes.items():
-      array = alloc(olmo_core_model.leaf(shapes, source.path).shape)
+      array = alloc(olmo_core_params.leaf(shapes, source.path).shape)
       parts = list(array) if source.stacked else [array]
       # Views into the array, in OLMo-core's layout (a transposed view for linear weights):
       # torch copies each chunk it reads straight into its place.

@@ -1,7 +1,7 @@
 """What a global step's batch holds, row by row: the instance, its source, where its tokens lie
 (token file and offset, one span per document for packed instances) and whether the repetition
 filter masked it. Read through the loader's own `ReadStep`, so it is the batch the train step
-got, never a re-derivation of it (`python -m olmo3.inspect` prints it).
+got, never a re-derivation of it (`python -m olmo3.inspect_step` prints it).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from olmo3.eval.metric_sources import Source
+from olmo3.eval.metric_series import Source
 
 HELDOUT = re.compile(r"^eval/(?P<set>.+)/(?P<kind>ce_loss|ppl)$")
 COUNTS = ("tokens", "documents", "documents_left_out")  # eval/<set>/<count>, olmo3's evaluator

@@ -24,7 +24,7 @@ Not comparable metrics are shown but not judged.
 Spikes: steps of OURS whose ce_loss or grad_norm exceeds the mean of the previous logged values
 in its skip window (128 by default) by more than --spike_sigma (the run's, 6 by default)
 standard deviations (its optimizer's skip rule, olmo3/eval/spikes.py), each with the
-`python -m olmo3.inspect` command that shows and replays the step (for a run workdir).
+`python -m olmo3.inspect_step` command that shows and replays the step (for a run workdir).
 
 For each metric in both: the steps both logged and those only one side logged (every step
 either logged is in --per_step's table, --json's `points` and the plot, a missing value shown
@@ -59,7 +59,7 @@ from etils import epath
 from olmo3 import platforms
 from olmo3.eval import ce_definitions, spikes
 from olmo3.eval.ce_definitions import OlmoCoreEvaluation
-from olmo3.eval.metric_sources import CompareError, Source, load
+from olmo3.eval.metric_series import CompareError, Source, load
 
 DEFAULT_TOLERANCE = 0.005
 # Not PPL (exp(CE)) nor the held-out counts (eval/<set>/tokens, documents, documents_left_out).

@@ -59,8 +59,8 @@ def run_rule(workdir: str | None) -> Rule:
 
 
 def inspect_command(workdir: str, step: int) -> str:
-  """The command that lists step `step`'s documents and replays it (olmo3/inspect.py)."""
-  return (f"python -m olmo3.inspect --workdir {shlex.quote(workdir)} --step {step} --replay "
+  """The command that lists step `step`'s documents and replays it (olmo3/inspect_step.py)."""
+  return (f"python -m olmo3.inspect_step --workdir {shlex.quote(workdir)} --step {step} --replay "
           "--top 5")
 
 

@@ -1,6 +1,6 @@
 """A logged step trained again: restore a run's checkpoint, run the steps after it with the same
 train step, data and mesh the run had, and read step N's loss, gradient norm, skip decision and
-each row's (and token's) loss (`python -m olmo3.inspect --replay`).
+each row's (and token's) loss (`python -m olmo3.inspect_step --replay`).
 
 Nothing is written into the run's workdir. The replay takes the experiment revision that
 trained step N (olmo3.run.record's rule) and the mesh its launch recorded (the history line's

@@ -1,4 +1,4 @@
-"""python -m olmo3.inspect --workdir RUN --step N [--tokens] [--chars C] [--json]
+"""python -m olmo3.inspect_step --workdir RUN --step N [--tokens] [--chars C] [--json]
                          [--replay [--from_step S] [--per_token] [--top K]]
 
 What global step N of a run trained on, row by row: each row's instance (its index in the
@@ -198,7 +198,7 @@ def lines(out: dict[str, Any], chars: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
   platforms.choose()  # the CPU where there is no accelerator: no TPU probing
-  parser = argparse.ArgumentParser(prog="python -m olmo3.inspect", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m olmo3.inspect_step", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", required=True, help="the run's workdir (a path or URL)")
   parser.add_argument("--step", type=int, required=True, help="the global step, from 1")

@@ -1,4 +1,4 @@
-"""`python -m olmo3.inspect`: a step's rows as the loader reads them, without training. (Its
+"""`python -m olmo3.inspect_step`: a step's rows as the loader reads them, without training. (Its
 `--replay` against logged steps, after a checkpoint and after a resume on another mesh:
 tests/test_reliability.py::test_two_processes_train_save_and_resume_on_another_mesh; over
 HTTP: tests/test_storage.py.)"""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from experiments import olmo3_tiny
-from olmo3 import inspect as inspect_lib
+from olmo3 import inspect_step as inspect_lib
 from olmo3.data import pipeline, prepare, sources
 from olmo3.data.tokens import TOKEN_DTYPE
 from olmo3.run import record
