@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 
@@ -105,9 +106,11 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
     paths = _write_files(tmp, args.files, args.tokens_per_file)
     if args.source == "http":
-      from olmo3.data.serve import RangeServer
+      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # harness/
+      from harness.storage_servers import InstrumentedRangeServer
 
-      server = stack.enter_context(RangeServer(tmp, latency_s=args.latency_ms / 1000))
+      server = stack.enter_context(InstrumentedRangeServer(tmp,
+                                                           latency_s=args.latency_ms / 1000))
       paths = [f"{server.url}/{os.path.basename(p)}" for p in paths]
     for workers in args.workers:
       rows.append(("olmo3 (Grain), host batches", workers, ours(paths, args, workers, False)))

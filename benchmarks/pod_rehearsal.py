@@ -23,7 +23,7 @@ and compiles on the same cores: the full job's shape is measured here, not in ev
 
 The run is the tiny recipe (experiments.olmo3_tiny:stage1, with the half-length instances the
 reliability tests use). Every job is the sbatch script `launch/slurm.py` renders for its nodes
-(a process of 2 devices each), run by bash with tests/slurm_standin/srun first on PATH (as
+(a process of 2 devices each), run by bash with harness/slurm_standin/srun first on PATH (as
 tests/test_reliability.py runs its SLURM jobs): JAX's SLURM detection joins the tasks. The
 workdir is in a bucket of fake-gcs-server (its filesystem backend, so its objects outlive the
 server's restart); the token files, held-out split and tokenizer come over HTTP from
@@ -46,7 +46,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -66,7 +65,8 @@ import numpy as np
 from olmo3 import platforms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SRUN_STANDIN = os.path.join(ROOT, "tests", "slurm_standin")
+SRUN_STANDIN = os.path.join(ROOT, "harness", "slurm_standin")
+sys.path.insert(0, ROOT)  # harness/ (the storage servers), beside benchmarks/
 DEVICES = 2  # per process
 BUCKET = "rehearsal"
 STAGE1, STAGE2 = f"gs://{BUCKET}/stage1", f"gs://{BUCKET}/stage2"
@@ -120,16 +120,6 @@ FULL = Plan(processes=4, resized_devices=DEVICES, term_task=2, kill_task=1, step
 QUICK = Plan(processes=2, resized_devices=1, term_task=1, kill_task=1, steps=12, job_steps=10,
              every=2, stage2_steps=0, tasks=(), task_limit=0, max_documents=0, heartbeat_s=10,
              outage_s=4.0, faults_only=True)
-
-
-def _load(relative: str):
-  """A module of this repository outside the installed packages, by path (tests load
-  benchmarks the same way)."""
-  name = os.path.splitext(os.path.basename(relative))[0]
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relative))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 class Failed(Exception):
@@ -299,11 +289,9 @@ class Rehearsal:
   def __init__(self, plan: Plan, directory: str):
     import fiddle as fdl
 
+    from harness import storage_servers as servers
     from launch import refs
     from olmo3.data import embedded
-    from olmo3.data.serve import RangeServer
-
-    servers = _load("tests/storage_servers.py")
 
     self.plan, self.dir = plan, directory
     self.logs = os.path.join(directory, "logs")
@@ -312,7 +300,8 @@ class Rehearsal:
     served = os.path.join(directory, "served")
     shutil.copytree(embedded.corpus_dir(), os.path.join(served, "embedded"),
                     ignore=shutil.ignore_patterns(".lock"))
-    self.http = RangeServer(served, latency_s=LATENCY_S, error_rate=ERROR_RATE, seed=0)
+    self.http = servers.InstrumentedRangeServer(served, latency_s=LATENCY_S,
+                                                error_rate=ERROR_RATE, seed=0)
     self.gcs = servers.GcsServer(os.path.join(directory, "gcs"))
     self.checks = Checks()
     self.keep = fdl.build(refs.resolve("experiments.olmo3_tiny:stage1")).checkpoint.keep
@@ -629,10 +618,7 @@ class Rehearsal:
       raise Failed(f"python -m olmo3.eval failed:\n{done.stderr[-3000:]}")
     with open(report) as f:
       result = json.load(f)["steps"][str(step)]
-    again = {f"eval/{s}/{k}": v for s, r in result["heldout"].items() for k, v in r.items()
-             if k != "tokens"}
-    again.update({f"downstream/{t}/{k}": v for t, r in result["tasks"].items()
-                  for k, v in r.items() if k != "docs"})
+    again = result["metrics"]  # olmo3.eval names what it scored as the run logs it
     self.checks(f"e: the {p.processes}-process evaluation logged every held-out set and task",
                 bool(logged) and again.keys() == logged.keys() and any(
                     k.startswith("eval/") for k in logged) and all(
@@ -697,7 +683,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
       "mode": "quick" if args.quick else "full",
       "job": {"devices_per_process": DEVICES,
-              "started_as": "launch/slurm.py's sbatch script, tests/slurm_standin/srun",
+              "started_as": "launch/slurm.py's sbatch script, harness/slurm_standin/srun",
               "recipe": "experiments.olmo3_tiny:stage1 (+ stage2), 8 x 128 tokens per step",
               **dataclasses.asdict(plan)},
       "budgets_s": {"heartbeat": plan.heartbeat_s, "storage_retry": RETRY_S,

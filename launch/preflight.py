@@ -1,7 +1,7 @@
 """What a launch works out and checks before it writes anything or starts JAX (the experiment
-its flags name, the workdir, the config's revision, the plan), the two modes that stop there
-(--dry_run, --compile_only), and the closing summary with the next stage's command. Each
-mistake is one line: `config_error` for the command line, `error: ...` for the rest."""
+its flags name, the workdir, the config's revision, the plan), and the two modes that stop there
+(--dry_run, --compile_only). Each mistake is one line: `config_error` for the command line,
+`error: ...` for the rest."""
 
 from __future__ import annotations
 
@@ -18,19 +18,22 @@ from olmo3.io import pathnames
 from olmo3.run import record
 from olmo3.train import logs
 
+if typing.TYPE_CHECKING:
+  from olmo3.train.closing import NextStage
 
-def dry_run(cfg: fdl.Config, exp, workdir: str, ref: str, fiddlers: list[str],
+
+def dry_run(cfg: fdl.Config, exp, workdir: str, ref: str, next_stage: NextStage | None,
             topology: str | None, cache: str | None) -> None:
-  """The config as Fiddle prints it, then what olmo3.run.dry_run says of the run (on the TPU
-  `topology` when given)."""
-  from olmo3.run import dry_run as dry_run_lib
+  """The config as Fiddle prints it, then what olmo3.train.dry_run says of the run (on the TPU
+  `topology` when given; `next_stage`: the stage after this one, for a finished run's closing
+  summary)."""
+  from olmo3.train import dry_run as dry_run_lib
 
   print(printing.as_str_flattened(cfg))
   print()
   for line in dry_run_lib.lines(
       exp, workdir, ref, topology=topology, topology_devices=topology_devices,
-      compilation_cache=compilation_cache.directory(cache),
-      closing=lambda plan, seconds=None: closing_summary(ref, fiddlers, plan, seconds)):
+      compilation_cache=compilation_cache.directory(cache), next_stage=next_stage):
     print(line)
 
 
@@ -134,18 +137,3 @@ def build_plan(exp, workdir: str, ref: str):
     sys.exit(f"error: CheckpointConfig.init_from={source!r} holds no checkpoint yet: {hint} "
              "(or point checkpoint.init_from at a checkpoint that exists)")
 
-
-def closing_summary(ref: str, fiddlers: list[str], plan, launch_seconds: float | None = None
-                    ) -> list[str]:
-  """What the run in plan.workdir came to, and the commands to run next (olmo3.train.closing),
-  the next stage's among them when the experiment's module defines it (stage<n+1>)."""
-  from olmo3.train import closing
-
-  module, function = refs.split_ref(ref)
-  following, stage = closing.following_function(function), None
-  if following is not None and following in refs.module_functions(
-      refs.import_module(module, f"--fdl_config={ref!r}"), refs.Kind.EXPERIMENT):
-    stage = closing.NextStage(module, function, following,
-                              refs.load(f"{module}:{following}").checkpoint.init_from,
-                              fdl.build(refs.resolve(ref, [], fiddlers)).data)
-  return closing.summary_lines(plan, stage, launch_seconds)

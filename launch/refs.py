@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import enum
 import importlib
+import importlib.util
 import inspect
 import os
 import pkgutil
@@ -28,11 +29,13 @@ import typing
 from typing import Any, Callable
 
 import fiddle as fdl
+from absl import flags
 
 # `experiments` is imported here, before any launch script calls make_cwd_importable, so the
 # installed package (not an `experiments` directory in the working directory) is the one a
 # reference resolves in.
 import experiments  # noqa: F401
+from olmo3 import config as config_lib
 from olmo3.run import record
 
 
@@ -40,6 +43,38 @@ def usage_error(message: str, script: str) -> typing.NoReturn:
   """A command-line mistake: its one line, then where the flags are described (not the whole
   --help, which would bury it). `script` is the program's path as a user types it."""
   sys.exit(f"error: {message}\nRun 'python {script} --help' for the flags.")
+
+
+def config_fields(cls: type | None = None, prefix: str = "") -> list[str]:
+  """Every leaf field of the experiment's config tree as `--fdl_set` names it (train.steps,
+  model.n_layers, ...)."""
+  cls = cls or config_lib.Experiment
+  out = []
+  for field in dataclasses.fields(cls):
+    kind = typing.get_type_hints(cls).get(field.name)
+    if dataclasses.is_dataclass(kind):
+      out += config_fields(kind, f"{prefix}{field.name}.")
+    else:
+      out.append(f"{prefix}{field.name}")
+  return out
+
+
+def parse_flags(argv: list[str], script: str) -> list[str]:
+  """absl's flag parsing for a launch script (app.run's `flags_parser`), its mistakes in one
+  line: a flag that is a config field's name (--steps) points to --fdl_set (absl's own message
+  said only "Unknown command line flag", and where to find help on flags)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.UnrecognizedFlagError as e:
+    name = e.flagname.split("=")[0]
+    fields = [f for f in config_fields() if f.rsplit(".", 1)[-1] == name]
+    close = difflib.get_close_matches(name, list(flags.FLAGS), n=1)
+    hint = (f": a config field is set with --fdl_set, e.g. --fdl_set={fields[0]}=VALUE"
+            + (f" (fields of that name: {', '.join(fields)})" if len(fields) > 1 else "")
+            if fields else f"; did you mean --{close[0]}?" if close else "")
+    usage_error(f"unknown flag --{name}{hint}", script)
+  except flags.Error as e:
+    usage_error(str(e), script)
 
 
 class ConfigRefError(ValueError):
@@ -50,10 +85,28 @@ def split_ref(ref: str) -> tuple[str, str]:
   if ":" in ref:
     module, _, name = ref.partition(":")
   else:
+    _refuse_a_bare_module(ref)
     module, _, name = ref.rpartition(".")
   if not module or not name:
     raise ConfigRefError(f"--fdl_config={ref!r}: expected 'package.module:function'")
   return module, name
+
+
+def _refuse_a_bare_module(ref: str) -> None:
+  """`--fdl_config=experiments.olmo3_tiny` names a module, not one of its experiments: said
+  as such, with them listed (read as module.function it said that `experiments` has no
+  experiment 'olmo3_tiny')."""
+  try:
+    found = importlib.util.find_spec(ref) is not None
+  except (ImportError, ValueError):  # a parent that is no package, an empty name
+    found = False
+  if found:
+    names = module_functions(import_module(ref, f"--fdl_config={ref!r}"), Kind.EXPERIMENT)
+    raise ConfigRefError(
+        f"--fdl_config={ref!r} names a module: add ':' and one of its experiments"
+        + (f", e.g. --fdl_config={ref}:{'stage1' if 'stage1' in names else names[0]} (it "
+           f"defines {', '.join(names)})" if names
+           else " (it defines none)"))
 
 
 def make_cwd_importable() -> None:

@@ -51,7 +51,7 @@ from absl import app, flags
 from launch import refs
 from launch.rankings import describe, ranking, read_rows, write_results
 from olmo3.data import sources
-from olmo3 import platforms, xla_flags as flags_lib
+from olmo3 import program, xla_flags as flags_lib
 
 CONFIG = flags.DEFINE_string(
     "fdl_config", None, "experiment reference: package.module:function", required=True)
@@ -375,7 +375,7 @@ def run_sweep(sweep: Sweep, variant: str | None = None, resume: bool = False,
 
 
 def main(argv: list[str]) -> None:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
+  program.begin()
   if len(argv) > 1:
     refs.usage_error(f"unexpected arguments: {argv[1:]}", "launch/sweep.py")
   refs.make_cwd_importable()

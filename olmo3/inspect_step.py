@@ -11,9 +11,11 @@ from local, bucket or HTTP data; nothing is trained and nothing is written.
 --replay trains the step again (olmo3/train/replay.py): it restores the newest checkpoint
 before N (--from_step S: checkpoint S, 0 for the stage's start), runs the steps up to N on the
 mesh the run trained them on (the first devices here), and reports step N's loss, CE, gradient
-norm and skip decision beside the logged ones (on CPU they are equal bit for bit), and each
-row's loss with the parameters the step started from (--per_token: every position's; --top K:
-only the K highest-loss rows, highest first).
+norm and skip decision beside the logged ones, what they are expected to equal them to and why
+(bit for bit where every sum runs in the run's order: on CPU also after a run of several
+processes, whose cross-process collectives the replay then takes; else to float rounding), and
+each row's loss with the parameters the step started from (--per_token: every position's;
+--top K: only the K highest-loss rows, highest first).
 
 The text shows the first C characters of each row (--chars, default 240; 0: all of it).
 --json prints one JSON object: {"workdir", "step", "data_step", "experiment", "rows": [{"row",
@@ -21,33 +23,45 @@ The text shows the first C characters of each row (--chars, default 240; 0: all 
 per span) | "tokens",
 with --replay "loss", "scored_tokens" and with --per_token "token_losses"}], and with --replay
 "loss", "ce_loss", "grad_norm", "skipped", "replay": {"from_step", "layout", "layout_from",
-"logged", "matches_log"}}. Exit status 0; 2 for options that make no sense; 1 with one `error:`
-line for a step that cannot be read or replayed as asked (it says why and what to ask instead).
+"run_layout", "expected" ("bit for bit" | "to float rounding"), "why", "logged", "matches_log"
+(per logged metric: equal bit for bit)}}. Exit status 0; 2 for options that make no sense; 1
+with one `error:` line for a step that cannot be read or replayed as asked (it says why and
+what to ask instead).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 from etils import epath
 
-from olmo3 import compilation_cache, platforms, xla_flags
+from olmo3 import compilation_cache, program, xla_flags
+from olmo3.config import ConfigError
+from olmo3.eval.__main__ import load_experiment
 from olmo3.io import pathnames
 from olmo3.run import record
 
 DEFAULT_CHARS = 240
 
 
+MAX_STEP = 2**48  # step x batch x sequence length stays within 64 bits
+
+
 def _mistake(args: argparse.Namespace) -> str | None:
   """What is wrong with the options themselves, if anything."""
   if args.step < 1:
     return f"--step {args.step}: steps count from 1"
+  for flag, step in (("--step", args.step), ("--from_step", args.from_step)):
+    if step is not None and step > MAX_STEP:  # numpy's positions are 64-bit
+      return f"{flag} {step}: larger than any run's steps (at most 2**48)"
   needs_replay = [f for f, v in (("--from_step", args.from_step is not None),
                                  ("--per_token", args.per_token), ("--top", args.top is not None))
                   if v]
@@ -69,9 +83,10 @@ def _texts(exp, contents, tokens_only: bool) -> list[list[str] | None]:
   if exp.eval.tokenizer is None:
     raise SystemExit("error: the run's experiment names no tokenizer (EvalConfig.tokenizer): "
                      "use --tokens")
-  from olmo3.data import prepare, sources
+  from olmo3.data import sources, tokenizer as tokenizer_lib
 
-  tokenizer = prepare.load_tokenizer(sources.tokenizer_file(exp.eval.tokenizer))
+  tokenizer = tokenizer_lib.load(sources.tokenizer_file(exp.eval.tokenizer),
+                             what="the run's EvalConfig.tokenizer")
   out = []
   for row in contents.rows:
     ids = contents.batch["input_ids"][row.row]
@@ -90,10 +105,9 @@ def _float(x: float) -> float | str:
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
   """The JSON object (module docstring) of what step `args.step` trained on."""
-  from olmo3.eval.__main__ import load_experiment
   from olmo3.data import step_contents
   from olmo3.run.plan import RunPlan
-  from olmo3.train import replay
+  from olmo3.train import logs, replay
 
   exp = load_experiment(args.workdir, args.step)
   # The run's compiler flags, before JAX starts its backends: another flag set may compile
@@ -102,8 +116,12 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
   if args.replay and (cache := compilation_cache.directory()):
     compilation_cache.enable(cache)  # the launcher's: its compiled train step is there
   plan = RunPlan.build(exp, args.workdir)
-  done = (replay.replay_verified(plan, args.step, args.from_step, per_token=args.per_token)
-          if args.replay else None)
+  done = None
+  if args.replay:
+    logs.for_a_program()  # the replay's phases say they are running (minutes to compile)
+    replay.use_the_runs_collectives(plan, args.step, args.from_step)  # before JAX starts
+    with _stdout_to_stderr():
+      done = replay.replay_verified(plan, args.step, args.from_step, per_token=args.per_token)
   # Train step N reads data step N - 1 + an offset: the replay's own, else its launch's.
   data_step = (done.data_step if done is not None
                else replay.listed_position(plan, args.step).data_step(args.step - 1))
@@ -139,10 +157,26 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
   out.update({k: _float(done.metrics[k]) for k in ("loss", "ce_loss", "grad_norm")})
   out["skipped"] = bool(done.metrics["skipped"])
   out["replay"] = {"from_step": origin.from_step, "layout": done.layout,
-                   "layout_from": origin.layout_from.value,
+                   "layout_from": origin.layout_from.value, "run_layout": origin.layout,
+                   "expected": done.expected.value, "why": done.why,
                    "logged": done.logged and {k: _float(v) for k, v in done.logged.items()},
                    "matches_log": done.matches_log()}
   return out
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+  """Whatever is written to file descriptor 1 meanwhile goes to 2: gloo's C++ prints a line per
+  rank on stdout as its collectives connect, and stdout is the report's (--json)."""
+  sys.stdout.flush()
+  saved = os.dup(1)
+  os.dup2(2, 1)
+  try:
+    yield
+  finally:
+    sys.stdout.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
 
 
 def _show(text: str, chars: int) -> str:
@@ -163,13 +197,18 @@ def lines(out: dict[str, Any], chars: int) -> list[str]:
     start = f"checkpoint {r['from_step']}" if r["from_step"] else "the stage's start"
     said.append(f"replayed from {start} on {layout['devices']} {layout['device_kind']} "
                 f"device(s), mesh {layout['mesh'] or '{}'} (the run's: {r['layout_from']})")
+    said.append(f"against the log, expected {r['expected']}: {r['why']}")
     logged, matches = r["logged"] or {}, r["matches_log"]
+    exact = r["expected"] == "bit for bit"
     for k in ("loss", "ce_loss", "grad_norm", "skipped"):
       value = out[k]
       if k in logged:
         finite = all(isinstance(v, (bool, int, float)) for v in (value, logged[k]))
         verdict = ("equal" if matches.get(k) else
                    f"differs by {float(value) - logged[k]:.3g}" if finite else "differs")
+        if exact and not matches.get(k):
+          verdict += (" (not bit for bit: another state, batch, program or machine than "
+                      "the run's)")
         said.append(f"  {k:<9} {value!s:<22} logged {logged[k]!s:<22} {verdict}")
       else:
         said.append(f"  {k:<9} {value!s:<22} (not logged)")
@@ -197,9 +236,7 @@ def lines(out: dict[str, Any], chars: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
-  parser = argparse.ArgumentParser(prog="python -m olmo3.inspect_step", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python -m olmo3.inspect_step", __doc__)
   parser.add_argument("--workdir", required=True, help="the run's workdir (a path or URL)")
   parser.add_argument("--step", type=int, required=True, help="the global step, from 1")
   parser.add_argument("--tokens", action="store_true", help="token ids instead of text")
@@ -225,7 +262,6 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
   """What this program reports as one `error:` line (OLMO3_TRACEBACK=1 shows the traceback):
   a step that cannot be read or replayed as asked, a run's files that cannot be used, the
   storage's failures."""
-  from olmo3.config import ConfigError
   from olmo3.data.tokens import DataError
   from olmo3.io.checkpoint import CheckpointError
   from olmo3.train.replay import ReplayError
@@ -234,6 +270,4 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
 
 
 if __name__ == "__main__":
-  from olmo3.io import errors
-
-  sys.exit(errors.reported(main, _one_line_errors)())
+  sys.exit(program.reported(main, _one_line_errors)())

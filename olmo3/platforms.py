@@ -1,5 +1,6 @@
 """Which JAX platforms a program on this machine uses: every command-line program calls
-`choose()` first (the launcher through `olmo3.train.logs.configure`).
+`choose()` first, through `olmo3.program`'s opening (the launcher through
+`olmo3.train.logs.configure`; benchmarks directly).
 
 On a machine without a TPU or GPU, JAX is told to use the CPU (`JAX_PLATFORMS=cpu`, unless the
 environment already says which platforms to use): otherwise JAX probes its plugins, and libtpu

@@ -70,26 +70,6 @@ from olmo3.convert import hf  # noqa: E402
 from tests import forked  # noqa: E402
 
 
-def benchmark(name: str):
-  """benchmarks/<name>.py as a module, loaded once per process and registered under its name:
-  its dataclasses look their module up there, and benchmarks that load each other find it."""
-  import importlib.util
-  import sys
-
-  if name not in sys.modules:
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-      spec.loader.exec_module(module)
-    except BaseException:
-      del sys.modules[name]
-      raise
-  return sys.modules[name]
-
-
 def random_params(cfg: ModelConfig, seed: int) -> dict:
   """Weights drawn wide enough that logits spread over several nats and attention is peaked:
   linear weights with std 1.5/sqrt(fan_in) (4/sqrt(fan_in) for the LM head), norm weights
@@ -222,7 +202,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
   workers = getattr(config, "workerinput", {}).get("workercount", 0)
   if waiting:
     head = computing[:len(waiting)]
-    items[:] = [x for pair in zip(head, waiting) for x in pair] + computing[len(waiting):]
+    # (more waiting tests than computing ones, as in a run of tests/test_outages.py alone: the
+    # rest of them follow, never dropped)
+    items[:] = ([x for pair in zip(head, waiting) for x in pair] + waiting[len(head):]
+                + computing[len(head):])
   elif 1 < workers and 2 * workers <= len(items):
     first = items[:2 * workers]
     items[:2 * workers] = [x for i in range(workers) for x in (first[i], first[-1 - i])]

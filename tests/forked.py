@@ -11,7 +11,10 @@ directory, environment and output file, but without an interpreter start and its
   `Child` with Popen's pid, send_signal, poll and wait;
 - `completed`: `subprocess.run(..., capture_output=True, text=True)` of a program, forked by
   the xdist worker's driver for that environment (started at its first use, kept to the end of
-  the session): what most tests that run a program and read its outcome call.
+  the session): what most tests that run a program and read its outcome call;
+- `background`: a program forked by the same driver and left running, its log lines read as
+  they come (`Running`): for tests that act on a run while it trains (stall or stop a store,
+  take its lease).
 
 A child ends as the interpreter would: Python's shutdown (non-daemon threads joined, atexit
 handlers run) before the process exits with the program's code.
@@ -20,15 +23,18 @@ handlers run) before the process exits with the program's code.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +56,8 @@ def run_as_main(program: str, argv: list[str], cwd: str, out: str,
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if err else fd, 2)
+    if os.environ.get("PYTHONFAULTHANDLER"):  # read by an interpreter as it starts
+      faulthandler.enable()
     if program in SCRIPTS:
       path = os.path.join(ROOT, SCRIPTS[program])
       sys.argv, sys.path[0] = [path, *argv], os.path.dirname(path)
@@ -181,11 +189,8 @@ def _close_drivers() -> None:
     driver.proc.wait(timeout=60)
 
 
-def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.PathLike = ROOT,
-              timeout: float = 600) -> subprocess.CompletedProcess:
-  """What `subprocess.run([python, program's file, *argv], env=env, cwd=cwd,
-  capture_output=True, text=True, timeout=timeout)` returns, the program forked by this
-  process's driver for `env` (its imports saw that environment, as the program's would)."""
+def _driver(env: dict[str, str]) -> Driver:
+  """This process's driver for `env`, started at its first use and kept to the end."""
   # (pytest names the running test in the environment: not a reason for another driver)
   key = tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
   driver = _DRIVERS.get(key)
@@ -193,6 +198,15 @@ def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.
     if not _DRIVERS:
       atexit.register(_close_drivers)
     driver = _DRIVERS[key] = Driver(env)
+  return driver
+
+
+def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.PathLike = ROOT,
+              timeout: float = 600) -> subprocess.CompletedProcess:
+  """What `subprocess.run([python, program's file, *argv], env=env, cwd=cwd,
+  capture_output=True, text=True, timeout=timeout)` returns, the program forked by this
+  process's driver for `env` (its imports saw that environment, as the program's would)."""
+  driver = _driver(env)
   with tempfile.TemporaryDirectory(prefix="forked-") as directory:
     out, err = os.path.join(directory, "stdout"), os.path.join(directory, "stderr")
     child = driver.start(program, argv, out, env=env, cwd=cwd, err=err)
@@ -202,6 +216,77 @@ def completed(program: str, argv: list[str], env: dict[str, str], cwd: str | os.
       raise subprocess.TimeoutExpired([program, *argv], timeout) from e
     with open(out) as f_out, open(err) as f_err:
       return subprocess.CompletedProcess([program, *argv], code, f_out.read(), f_err.read())
+
+
+class Running:
+  """A program forked in the background (`background`), its stderr lines read from its file as
+  they come. PYTHONFAULTHANDLER is set, so a run that outlives its test is stopped with SIGABRT
+  and prints every thread's stack into the log the test reports."""
+
+  def __init__(self, program: str, argv: list[str], env: dict[str, str], cwd: str | os.PathLike):
+    self._dir = tempfile.mkdtemp(prefix="forked-")
+    self._err = os.path.join(self._dir, "stderr")
+    open(self._err, "w").close()  # there to read before the child has opened it
+    self._ended: list[str] | None = None  # the log, kept once the program ended
+    self.proc = _driver(env).start(program, argv, os.devnull, env=dict(env, PYTHONFAULTHANDLER="1"),
+                                   cwd=cwd, err=self._err)
+
+  @property
+  def lines(self) -> list[str]:
+    if self._ended is not None:
+      return self._ended
+    with open(self._err) as f:
+      return f.read().splitlines()
+
+  def log(self, last: int = 60) -> str:
+    return "\n".join(self.lines[-last:])
+
+  def until(self, done: Callable[[], bool], seconds: float = 240) -> None:
+    """Waits for done() while the program runs."""
+    deadline = time.time() + seconds
+    while not done():
+      assert self.proc.poll() is None, f"the launch ended ({self.proc.returncode}):\n{self.log()}"
+      assert time.time() < deadline, f"still waiting after {seconds} s:\n{self.log()}"
+      time.sleep(0.05)
+
+  def wait_for(self, text: str, seconds: float = 300) -> None:
+    """Waits for a log line holding `text`."""
+    self.until(lambda: any(text in line for line in self.lines), seconds)
+
+  def finish(self, seconds: float = 120) -> int:
+    """The program's exit code, once it ends within `seconds`; past them its stacks are dumped
+    (SIGABRT, then SIGKILL) and the test fails with its log."""
+    deadline = time.time() + seconds
+    while self.proc.poll() is None and time.time() < deadline:
+      time.sleep(0.05)
+    if self.proc.returncode is None:
+      self.proc.send_signal(signal.SIGABRT)
+      try:
+        self.proc.wait(timeout=10)  # past it, SIGKILL
+      except TimeoutError:
+        pass
+      self._end()
+      raise AssertionError(f"still running after {seconds} s:\n{self.log(150)}")
+    self._end()
+    return self.proc.returncode
+
+  def kill(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGKILL)
+      self.proc.wait(timeout=60)
+    self._end()
+
+  def _end(self) -> None:
+    if self._ended is None:
+      self._ended = self.lines
+      shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def background(program: str, argv: list[str], env: dict[str, str],
+               cwd: str | os.PathLike = ROOT) -> Running:
+  """`program` (as `completed` names it) forked by this process's driver for `env` and left
+  running."""
+  return Running(program, argv, env, cwd)
 
 
 def _serve() -> None:

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import time
 
@@ -411,3 +412,22 @@ def test_a_committed_step_emptied_or_without_its_meta_is_damage_set_aside(traine
   assert _damage_logged(caplog).startswith(f"{step_dir} is damaged: ['meta'] in "
                                            f"{step_dir / 'meta'}: missing")
   assert "4.damaged-1" in _names(workdir / "checkpoints")
+
+
+def test_a_disk_without_room_for_the_next_checkpoint_stops_the_run_before_it_trains(
+    trained, tmp_path, monkeypatch):
+  """A local workdir whose disk has less room than one more checkpoint: a CheckpointError
+  naming both sizes before step 5 is trained (it trained the interval, then failed to save it,
+  and the rerun trained it again to fail the same way)."""
+  exp, _ = trained
+  workdir = _copy(trained, tmp_path, steps=(2, 4))
+  rows = (workdir / "metrics.jsonl").read_text()
+  real = shutil.disk_usage
+  monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
+  with pytest.raises(CheckpointError, match=(
+      rf"^{re.escape(str(workdir / 'checkpoints'))} has 0.00 GiB free; a checkpoint of this run "
+      r"takes \d+\.\d\d GiB: free space there, or give --workdir on a disk with room$")):
+    train(RunPlan.build(exp, str(workdir)))
+  assert (workdir / "metrics.jsonl").read_text() == rows  # nothing trained
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [
+      "2", "4"]

@@ -1,8 +1,11 @@
+import ast
 import dataclasses
 import enum
+import importlib
 import inspect
 import json
 import math
+import pathlib
 import re
 import types
 import typing
@@ -80,6 +83,32 @@ def test_enums_accept_strings_and_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.d_model = 8  # type: ignore[misc]
   assert ModelConfig(**dataclasses.asdict(cfg)) == cfg  # JSON-friendly round trip
+
+
+def _defined_in_config_modules() -> dict[str, str]:
+  """{class name: module} of every class olmo3/config/*.py defines, read from the source (after
+  the import, every re-homed class says olmo3.config, wherever it is defined)."""
+  found = {}
+  for path in sorted(pathlib.Path(config.__file__).parent.glob("*.py")):
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, ast.ClassDef):
+        found[node.name] = f"olmo3.config.{path.stem}"
+  return found
+
+
+def test_every_config_class_and_enum_is_olmo3_config_name():
+  """A run's config.json, a pickle and Fiddle's serialization name each class and enum
+  olmo3.config.<Name> (the only names launch/config_files admits): every Validated class and
+  enum that olmo3/config/*.py defines is that attribute, says that module, and is exported."""
+  recorded = {name: getattr(importlib.import_module(module), name)
+              for name, module in _defined_in_config_modules().items()}
+  recorded = {name: cls for name, cls in recorded.items()
+              if issubclass(cls, (Validated, enum.Enum))}
+  assert {"Experiment", "DataConfig", "Yarn", "InitMode", "LongDocuments"} <= set(recorded)
+  for name, cls in recorded.items():
+    assert getattr(config, name, None) is cls, f"{name} is not imported into olmo3.config"
+    assert cls.__module__ == config.__name__, f"{name} says {cls.__module__}"
+    assert name in config.__all__, f"{name} is not in olmo3.config.__all__"
 
 
 # --- every field of every config is checked ------------------------------------------------------

@@ -169,6 +169,8 @@ def test_export_of_a_run_takes_its_latest_step_and_tokenizer(tmp_path, capsys):
   assert f"exported {run / 'checkpoints' / '4'} -> {out}" in printed
   assert f"tokenizer: {tok_file}" in printed
   assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+  modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}  # others can read
+  assert modes == {name: oct(0o666 & ~_umask()) for name in modes} and "model.safetensors" in modes
   tokenizer = AutoTokenizer.from_pretrained(str(out))
   reference = Tokenizer.from_file(str(tok_file)).encode("some words 7", add_special_tokens=False)
   assert tokenizer("some words 7")["input_ids"] == reference.ids

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from olmo3.data import embedded, overlap, prepare
+from olmo3.data import embedded, manifest as manifest_lib, overlap, prepare
 from olmo3.data.tokens import write_token_file
 from tests import forked
 
@@ -124,7 +124,7 @@ def test_the_audit_reports_a_copied_document_and_finds_the_tiny_run_clean(tmp_pa
   training document, that set is named, the copy as whole (exit 1). Each report is the run's
   record."""
   corpus = embedded.corpus_dir()
-  manifest = prepare.Manifest.load(corpus)
+  manifest = manifest_lib.Manifest.load(corpus)
   train = np.fromfile(manifest.files(corpus, "train")[0], "<u4")
   held = np.fromfile(manifest.files(corpus, "heldout")[0], "<u4")
   ends = np.flatnonzero(train == EOS)

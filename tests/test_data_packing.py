@@ -10,6 +10,8 @@ OLMo-core's prepare() packs each group in a process pool; here each group is pac
 process by the same per-group method the pool would run (`_pack_documents_from_source_into_
 instances`), after which prepare() finds its work_dir files and starts nothing."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -234,3 +236,49 @@ def test_cut_file_is_one_error(tmp_path):
   tokens.write_token_file(paths[file], np.zeros(start + n - 1, np.uint32))
   with pytest.raises(tokens.DataError, match="cut short"):
     ours.read([0])
+
+
+def test_a_source_group_without_documents_packs_like_olmo_core(corpus, tmp_path):
+  """File 7 holds no EOS: packed one file per group, its group has no document and the next
+  groups' instances are numbered on (the running count was read from the empty group's
+  offsets: a bare IndexError)."""
+  paths = corpus[0]
+  config = NumpyPackedFSLDatasetConfig(
+      paths=paths, tokenizer=TokenizerConfig(vocab_size=VOCAB, eos_token_id=EOS,
+                                             pad_token_id=PAD),
+      dtype="uint32", sequence_length=SEQ, generate_doc_lengths=True, source_group_size=1,
+      work_dir=str(tmp_path / "work"))
+  theirs = config.build()
+  for group in theirs._source_path_groups:
+    theirs._pack_documents_from_source_into_instances(*group)
+  theirs.prepare()
+  index = packing.PackedIndex.build(paths, seq_len=SEQ, eos_token_id=EOS, source_group_size=1)
+  ours = packing.PackedInstances(index, pad_token_id=PAD, vocab_size=VOCAB)
+  assert len(ours) == len(theirs)
+  assert index.group_offsets[7] == index.group_offsets[8]  # file 7's group: no instance
+  rows = ours.read(range(len(ours)))
+  for i in range(len(ours)):
+    _check_row(rows, i, theirs[i], f"instance {i}")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "inconsistent"])
+def test_a_damaged_cached_index_is_built_again(corpus, tmp_path, damage):
+  """The cache file of a packed index, cut short, overwritten with bytes of its size, or a
+  well-formed archive whose offsets describe no packing, is built again (the same digest) and
+  written over, never trusted nor a bare traceback in every launch."""
+  paths = corpus[0]
+  settings = dict(seq_len=SEQ, eos_token_id=EOS, source_group_size=8,
+                  source_permutation_seed=123)
+  built = packing.cached_index(paths, tmp_path, **settings)
+  (cached,) = tmp_path.glob("packed-*.npz")
+  data = cached.read_bytes()
+  if damage == "truncated":
+    cached.write_bytes(data[:len(data) // 2])
+  elif damage == "garbage":
+    cached.write_bytes(np.random.default_rng(0).bytes(len(data)))
+  else:
+    broken = dataclasses.replace(built, instance_offsets=built.instance_offsets[::-1].copy())
+    broken.save(cached)
+  again = packing.cached_index(paths, tmp_path, **settings)
+  assert again.digest == built.digest
+  assert packing.PackedIndex.load(cached, built.key).digest == built.digest  # written over

@@ -211,6 +211,12 @@ def test_bad_mix_and_batch_fail_at_startup(tmp_path):
                                       r"data-parallel size 4"):
     pipeline.Loader(_cfg(paths, global_batch_size=6), batch_sharding(4), start_step=0,
                     num_steps=1, vocab_size=100)
+  (tmp_path / "small").mkdir()
+  small = _cfg(write_files(tmp_path / "small", [40]), global_batch_size=4)  # 40 tokens: 2 rows
+  with pytest.raises(DataError, match=(
+      rf"^the training data holds 2 instance\(s\) of DataConfig.seq_len={small.seq_len} tokens, "
+      r"fewer than one global batch \(DataConfig.global_batch_size=4\): give more data")):
+    pipeline.Loader(small, batch_sharding(1), start_step=0, num_steps=1, vocab_size=100)
 
 
 _GRAIN_SCRIPT = """

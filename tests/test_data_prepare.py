@@ -13,6 +13,8 @@ import pytest
 from tokenizers import normalizers
 
 from olmo3.data import embedded, overlap, prepare, sources, tokens
+from olmo3.data import manifest as manifest_lib
+from olmo3.data import tokenizer as tokenizer_lib
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.loss import IGNORE
 from olmo3.run.plan import RunPlan
@@ -70,7 +72,7 @@ def test_prepare_all_formats_split_by_document(tmp_path, tokenizer_file):
   assert manifest.splits["train"]["documents"] + manifest.splits["heldout"]["documents"] == 60
   assert 5 < manifest.splits["heldout"]["documents"] < 30
   assert manifest.vocab_size == 300 and manifest.eos_id == 0
-  tok = prepare.load_tokenizer(tokenizer_file)
+  tok = tokenizer_lib.load(tokenizer_file, what="--tokenizer")
   train = _read_docs(tmp_path / "out", manifest, "train", 0)
   held = _read_docs(tmp_path / "out", manifest, "heldout", 0)
   decoded = {tok.decode(d[:-1].tolist()) for d in train} | {tok.decode(d[:-1].tolist()) for d in held}
@@ -98,7 +100,7 @@ def test_a_held_out_document_copied_into_training_is_moved_there_and_named(tmp_p
                and not prepare.is_heldout(f"note {k}", 0.3))
   docs = [*texts, copy, f"Note {short}", f"note {short}"]
   (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-  tok = prepare.load_tokenizer(tokenizer_file)
+  tok = tokenizer_lib.load(tokenizer_file, what="--tokenizer")
   tok.normalizer = normalizers.Lowercase()
   manifest = prepare.prepare([str(tmp_path / "docs.jsonl")], tok, str(tmp_path / "out"), 0.3,
                              progress=False)
@@ -124,7 +126,7 @@ def test_a_held_out_document_copied_into_training_is_moved_there_and_named(tmp_p
                                       r"training documents and moved to them"):
     prepare.prepare([str(tmp_path / "dup.jsonl")], tok, str(tmp_path / "dup"), 0.3,
                     progress=False, heldout_min_documents=0)
-  assert not (tmp_path / "dup" / prepare.MANIFEST_FILE).exists()
+  assert not (tmp_path / "dup" / manifest_lib.MANIFEST_FILE).exists()
 
 
 @pytest.mark.slow(seconds=3)
@@ -158,10 +160,10 @@ def test_interrupted_prepare_leaves_no_manifest_to_partial_files(tmp_path, token
   with pytest.raises(KeyboardInterrupt):
     prepare.prepare(inputs, tokenizer_file, str(out), 0.2, progress=False)
   assert not (out / "manifest.json").exists()
-  assert sorted(os.listdir(out)) == []  # the staging directory is gone too
+  assert not out.exists()  # the staging directory is gone, and the --out it created
   monkeypatch.setattr(prepare, "write_token_file", real_write)
   manifest = prepare.prepare(inputs, tokenizer_file, str(out), 0.2, progress=False)
-  for split in prepare.SPLITS:
+  for split in manifest_lib.SPLITS:
     for f in manifest.files(out, split):
       assert os.path.getsize(f) > 0
 
@@ -177,16 +179,16 @@ def test_a_token_file_shorter_than_its_manifest_says_is_refused(tmp_path, tokeni
   tokens.write_token_file(victim, data[:-10])
   with pytest.raises(DataError, match=rf"token file {victim} holds {len(data) - 10} tokens; "
                                       rf".*manifest.json says {len(data)}"):
-    prepare.Manifest.load(out)
+    manifest_lib.Manifest.load(out)
   record = json.loads((out / "manifest.json").read_text())
   del record["splits"]["train"]["file_tokens"]  # as manifests written before it was recorded
   (out / "manifest.json").write_text(json.dumps(record))
   with pytest.raises(DataError, match=r"the train files of .* hold \d+ tokens; it says"):
-    prepare.Manifest.load(out)
+    manifest_lib.Manifest.load(out)
   for broken in ('{"splits": {', '{"splits": {}, "vocab_size": 3}', "[]"):  # torn or foreign
     (out / "manifest.json").write_text(broken)
     with pytest.raises(DataError, match=r"manifest\.json is not a readable manifest"):
-      prepare.Manifest.load(out)
+      manifest_lib.Manifest.load(out)
 
 
 # Entries that read as plain paths until percent-decoded, once or twice: an HTTP client
@@ -194,7 +196,11 @@ def test_a_token_file_shorter_than_its_manifest_says_is_refused(tmp_path, tokeni
 ESCAPES = ["%2e%2e/secret.npy", ".%2E/secret.npy", "train/%2e%2e/%2e%2e/secret.npy",
            "%2e%2e%2fsecret.npy", "%2e%2e%5csecret.npy", "train%5c..%5c..%5csecret.npy",
            "%252e%252e/secret.npy", "train/%2e/part-00000.npy", "train%2f%2fpart-00000.npy",
-           "%2fsecret.npy"]
+           "%2fsecret.npy",
+           # Control characters beside dot segments: URL parsers drop tabs and newlines
+           # anywhere and controls at the ends, so "..\t" is requested as "..".
+           "..\t/secret.npy", "..\n/secret.npy", "..\r/secret.npy", "\t../secret.npy",
+           "train/..\t/..\t/secret.npy", "%2e%2e%09/secret.npy", "train/part-00000.npy\x00"]
 
 
 @pytest.mark.slow(seconds=4)
@@ -205,7 +211,7 @@ def test_percent_encoded_manifest_entries_cannot_leave_a_served_directory(tmp_pa
   secret has the training file's size, so nothing but the check stands in the way."""
   import shutil
 
-  from olmo3.data.serve import RangeServer
+  from harness.storage_servers import InstrumentedRangeServer
 
   served = tmp_path / "served"
   shutil.copytree(embedded.corpus_dir(), served / "mine", ignore=shutil.ignore_patterns(".lock"))
@@ -217,12 +223,12 @@ def test_percent_encoded_manifest_entries_cannot_leave_a_served_directory(tmp_pa
     manifest["splits"]["train"]["files"] = [entry]
     (served / "mine" / "manifest.json").write_text(json.dumps(manifest))
 
-  with RangeServer(os.fspath(served)) as server:
+  with InstrumentedRangeServer(os.fspath(served)) as server:
     url = f"{server.url}/mine"
     for entry in ESCAPES:
       listing(entry)
       with pytest.raises(DataError) as refused:
-        prepare.Manifest.load(url)
+        manifest_lib.Manifest.load(url)
       assert str(refused.value).startswith(
           f"{url}/manifest.json: file {entry!r} of split 'train' is not a plain path inside its "
           "directory"), (entry, str(refused.value))
@@ -234,15 +240,37 @@ def test_percent_encoded_manifest_entries_cannot_leave_a_served_directory(tmp_pa
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: {url}/manifest.json: file '%2e%2e/secret.npy' of split 'train' is not a plain "
-        "path inside its directory (no absolute path, URL, '.' or '..', plain or "
-        "percent-encoded); the manifest was not written by olmo3.data.prepare or was edited")
+        "path inside its directory (no absolute path, URL, '.', '..' or control character, "
+        "plain or percent-encoded); the manifest was not written by olmo3.data.prepare or was edited")
     assert server.get_requests("secret.npy") == 0  # never read
     listing("train/part-00000.npy")  # the manifest as prepared still loads
-    assert prepare.Manifest.load(url).files(url, "train") == [f"{url}/train/part-00000.npy"]
+    assert manifest_lib.Manifest.load(url).files(url, "train") == [f"{url}/train/part-00000.npy"]
   assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow(seconds=2)
+def test_prepare_never_removes_files_it_did_not_write(tmp_path, tokenizer_file):
+  """`--out DIR` whose train/ or heldout/ holds a file no earlier preparation wrote (its
+  manifest does not list it): refused before anything is written, the file kept; a directory
+  an earlier prepare wrote is prepared again in place."""
+  _, inputs = _inputs(tmp_path)
+  out = tmp_path / "out"
+  prepare.prepare(inputs, tokenizer_file, str(out), 0.2, progress=False)
+  before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+  stray = out / "heldout" / "notes.txt"
+  stray.write_text("mine")
+  with pytest.raises(DataError, match=(
+      rf"^--out {re.escape(str(out))}: {re.escape(str(stray))} was not written by an earlier "
+      r"prepare \(no manifest\.json there lists it\), and prepare replaces heldout/ whole")):
+    prepare.prepare(inputs, tokenizer_file, str(out), 0.2, progress=False)
+  assert stray.read_text() == "mine" and all(p.read_bytes() == b for p, b in before.items())
+  stray.unlink()
+  prepare.prepare(inputs, tokenizer_file, str(out), 0.3, progress=False)  # its own: replaced
+  (out / "manifest.json").unlink()  # files no manifest vouches for are nobody's to remove
+  with pytest.raises(DataError, match="was not written by an earlier prepare"):
+    prepare.prepare(inputs, tokenizer_file, str(out), 0.2, progress=False)
+
+
+@pytest.mark.slow(seconds=3)
 def test_prepare_cli_and_bad_input(tmp_path, tokenizer_file):
   _, inputs = _inputs(tmp_path)
   cmd = ["--tokenizer", tokenizer_file, "--out", str(tmp_path / "out"), "--heldout_fraction",
@@ -252,6 +280,18 @@ def test_prepare_cli_and_bad_input(tmp_path, tokenizer_file):
   assert done.returncode == 0, done.stderr
   assert "train:" in done.stdout and "manifest.json" in done.stdout
   assert "held-out check: none of the" in done.stdout  # its held-out documents are not in train
+  # An input inside the output's train/ (which prepare replaces whole): refused, kept.
+  own = tmp_path / "own"
+  (own / "train").mkdir(parents=True)
+  mine = own / "train" / "mine.jsonl"
+  mine.write_text('{"text": "a document of mine"}\n')
+  done = forked.completed("olmo3.data.prepare", ["--tokenizer", tokenizer_file, "--out",
+                                                 str(own), "--input", str(mine)],
+                          dict(os.environ), timeout=120)
+  assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+      f"error: --input {mine} lies in --out {own}'s train/, which prepare replaces whole: move "
+      "the input elsewhere or choose another --out"], done.stderr
+  assert mine.exists() and sorted(os.listdir(own)) == ["train"]
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"text": "ok"}\n{"title": "no text"}\n')
   with pytest.raises(DataError, match=r"bad\.jsonl:2: no string field 'text'"):
@@ -278,7 +318,7 @@ def test_embedded_corpus():
   # The machine's corpus, as every run finds it: built by whichever test (or launch) of the
   # session asked first, the others waiting on its lock (a fresh clone's CI builds it once).
   out = embedded.corpus_dir()
-  manifest = prepare.Manifest.load(out)
+  manifest = manifest_lib.Manifest.load(out)
   assert manifest.vocab_size == 8192 and manifest.eos_id == 0
   assert manifest.splits["train"]["tokens"] > 2_000_000
   assert manifest.splits["heldout"]["documents"] > 10
@@ -302,7 +342,9 @@ def _tiny(mix, **eval_changes):
   from experiments import olmo3_tiny
 
   exp = fdl.build(olmo3_tiny.stage1())
-  return dataclasses.replace(exp, data=exp.data.replace(mix=str(mix)),
+  found = sources.prepared(str(mix))  # a prepared directory's tokenizer is the model's
+  model = exp.model if found is None else exp.model.replace(vocab_size=found.manifest.vocab_size)
+  return dataclasses.replace(exp, data=exp.data.replace(mix=str(mix)), model=model,
                              eval=dataclasses.replace(exp.eval, **eval_changes))
 
 
@@ -311,8 +353,8 @@ def test_a_prepared_directory_is_a_mix_with_its_heldout_split_and_tokenizer(tmp_
   _, inputs = _inputs(tmp_path)
   mine = tmp_path / "mine"
   manifest = prepare.prepare(inputs, tokenizer_file, str(mine), 0.3, progress=False)
-  assert (prepare.load_tokenizer(str(mine / "tokenizer.json")).to_str()
-          == prepare.load_tokenizer(tokenizer_file).to_str())  # the tokenizer travels along
+  assert (tokenizer_lib.load(str(mine / "tokenizer.json"), what="--tokenizer").to_str()
+          == tokenizer_lib.load(tokenizer_file, what="--tokenizer").to_str())  # the tokenizer travels along
   def paths(files):
     return [os.fspath(p) for p in files]
 
@@ -371,6 +413,11 @@ def test_held_out_sets_and_tokenizers_that_do_not_match_the_training_data_are_re
                                       r"but ModelConfig.eos_token_id=5"):
     sources.resolve(dataclasses.replace(exp, model=dataclasses.replace(exp.model,
                                                                        eos_token_id=5)))
+  for vocab, side in ((8192, "fewer"), (299, "more")):  # the tiny model's 8,192; one short
+    with pytest.raises(DataError, match=(
+        rf"mine/manifest.json: its tokenizer has 300 tokens, {side} than "
+        rf"ModelConfig.vocab_size={vocab}: set model.vocab_size")):
+      sources.resolve(dataclasses.replace(exp, model=exp.model.replace(vocab_size=vocab)))
   with pytest.raises(DataError, match=r"EvalConfig.tokenizer=None takes the tokenizer of the "
                                       r"training data's prepared directory"):
     sources.resolve(dataclasses.replace(exp, data=exp.data.replace(mix=None, paths=("x.npy",))))

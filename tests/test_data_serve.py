@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 
@@ -80,3 +81,40 @@ def test_serve_binds_this_machine_by_default_and_prints_the_address_it_binds(tmp
 def test_this_machine_s_public_name_is_never_a_loopback_name():
   name = serve.public_name()
   assert name and name != "localhost" and not name.startswith("127."), name
+
+
+def _rss_mib(pid: int) -> float:
+  with open(f"/proc/{pid}/status") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.slow(seconds=4)
+def test_unread_large_responses_are_not_held_in_memory(tmp_path):
+  """Four GETs of a 256 MiB file (whole, and a 256 MiB range) that their clients never read:
+  the server streams each from the file, so its memory grows by a socket's buffers, not by
+  1 GiB (it read each response whole into memory first: 46 -> 1,070 MiB)."""
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "manifest.json").write_text("{}")
+  big = tmp_path / "mine" / "big.npy"
+  with open(big, "wb") as f:
+    f.truncate(256 << 20)  # sparse: costs no disk
+  proc, lines = _serving(tmp_path)
+  clients = []
+  try:
+    port = urllib.parse.urlsplit(lines[0].split(" at ", 1)[1].split(" ", 1)[0]).port
+    before = _rss_mib(proc.pid)
+    for request in ("GET /mine/big.npy HTTP/1.1\r\nHost: x\r\n\r\n",
+                    f"GET /mine/big.npy HTTP/1.1\r\nHost: x\r\nRange: bytes=0-{(256 << 20) - 1}"
+                    "\r\n\r\n") * 2:
+      client = socket.create_connection(("127.0.0.1", port), timeout=10)
+      client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+      client.sendall(request.encode())
+      assert client.recv(12).startswith(b"HTTP/1.1 20")  # answered, its body left unread
+      clients.append(client)
+    time.sleep(1.0)  # what the server would read ahead, it has read by now
+    grown = _rss_mib(proc.pid) - before
+    assert grown < 64, f"the server grew by {grown:.0f} MiB for four unread responses"
+  finally:
+    for client in clients:
+      client.close()
+    _stop(proc)

@@ -13,7 +13,7 @@ import pytest
 
 from olmo3.eval import compare, metric_series, spikes
 
-from conftest import benchmark
+from harness import heldout_ce_olmo_core
 from tests import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -382,7 +382,7 @@ def same_losses(tmp_path_factory):
   are longer than the sequence (cut), one is a lone EOS (no token predicted)."""
   from olmo3.data.tokens import write_token_file
 
-  heldout = benchmark("heldout_ce_olmo_core")
+  heldout = heldout_ce_olmo_core
   vocab, seq_len, eos = 512, 32, 0
   rng = np.random.default_rng(0)
   directory, sets = tmp_path_factory.mktemp("heldout"), {}

@@ -1,5 +1,5 @@
-"""The CPU stand-in of flash-attn 2 (tests/flash_attn_standin, through which
-benchmarks/stage3_parity_olmo_core.py runs OLMo-core's intra-document attention) against a dense
+"""The CPU stand-in of flash-attn 2 (harness/flash_attn_standin, through which
+harness/stage3_parity_olmo_core.py runs OLMo-core's intra-document attention) against a dense
 masked softmax (torch's scaled_dot_product_attention with a boolean mask built here over the
 flattened tokens), outputs and gradients, and against flash-attn's documented conventions by
 hand: window bounds, bottom-right alignment, grouped heads, zeros where nothing is visible."""
@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-_INIT = pathlib.Path(__file__).parent / "flash_attn_standin" / "flash_attn" / "__init__.py"
+_INIT = (pathlib.Path(__file__).resolve().parent.parent / "harness" / "flash_attn_standin" /
+         "flash_attn" / "__init__.py")
 
 
 def _standin():

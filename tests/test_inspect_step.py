@@ -13,11 +13,13 @@ import pytest
 
 from experiments import olmo3_tiny
 from olmo3 import inspect_step as inspect_lib
-from olmo3.data import pipeline, prepare, sources
+from olmo3.config import ConfigError
+from olmo3.data import pipeline, sources
+from olmo3.data import tokenizer as tokenizer_lib
 from olmo3.data.tokens import TOKEN_DTYPE
 from olmo3.run import record
 from olmo3.run.plan import RunPlan
-from olmo3.train.replay import ReplayError
+from olmo3.train.replay import Agreement, ReplayError, agreement, cross_process_collectives
 from tests.data_helpers import batch_sharding
 
 
@@ -59,7 +61,7 @@ def test_a_steps_rows_are_the_loaders_with_their_files_offsets_and_text(tmp_path
   assert (out["step"], out["data_step"], out["past_end"]) == (3, 2, False)
   assert [r["instance"] for r in out["rows"]] == batch["instance"].tolist()
   assert [r["row"] for r in out["rows"]] == list(range(plan.exp.data.global_batch_size))
-  tokenizer = prepare.load_tokenizer(sources.tokenizer_file(plan.exp.eval.tokenizer))
+  tokenizer = tokenizer_lib.load(sources.tokenizer_file(plan.exp.eval.tokenizer), what="test")
   for row, tokens in zip(out["rows"], batch["input_ids"]):
     (span,) = row["spans"]
     assert span["file"] in plan.train_files.paths and span["tokens"] == exp.data.seq_len
@@ -170,3 +172,74 @@ def test_a_replay_starts_at_the_newest_checkpoint_before_the_step_on_its_launchs
   again = replay.origin(SimpleNamespace(workdir=record.Workdir(os.fspath(fell_back))), 8,
                         from_step=0)
   assert (again.launch.launch, again.layout["mesh"], again.restarts) == (3, {}, (3,))
+
+
+def test_a_replay_promises_bit_for_bit_only_where_every_sum_runs_in_the_runs_order(monkeypatch):
+  """What a replay is expected to equal the log to, from the run's layout and the replay's: bit
+  for bit on the run's devices with its process count, or (CPU) with its cross-process
+  collectives; to float rounding after a run on several processes of an accelerator, on other
+  devices, on GPU without deterministic reductions, or without a recorded layout. The report
+  says which, and calls a difference where bit for bit was expected a mismatch."""
+  def layout(processes, mesh=None, devices=4, kind="cpu"):
+    return {"mesh": {"fsdp": 4} if mesh is None else mesh, "devices": devices,
+            "device_kind": kind, "processes": processes}
+
+  monkeypatch.setenv("XLA_FLAGS", "")
+  here = layout(1)
+  bit, rounding = Agreement.BIT_FOR_BIT, Agreement.ROUNDING
+  assert [cross_process_collectives(l) for l in (None, layout(1), layout(2),
+                                                 layout(2, kind="TPU v4"))] == [
+      False, False, True, False]
+  assert agreement(layout(1), here, "cpu", False)[0] is bit
+  assert agreement(layout(2), here, "cpu", True) == (bit, (
+      "the run's devices; its 2 processes' cross-device sums in their order (gloo, one rank per "
+      "device)"))
+  # 2 processes' sums replayed with the in-process collectives: another order
+  assert agreement(layout(2), here, "cpu", False) == (rounding, (
+      "the run's 2 processes summed across devices in another order than one process does"))
+  assert agreement(layout(2, kind="TPU v4"), layout(1, kind="TPU v4"), "tpu", False)[0] is rounding
+  assert agreement(layout(1, kind="TPU v4"), layout(1, kind="TPU v4"), "tpu", False)[0] is bit
+  assert agreement(layout(1, mesh={}, devices=1), here, "cpu", False)[0] is rounding
+  assert agreement(None, here, "cpu", False)[0] is rounding
+  gpu = layout(1, kind="NVIDIA H100")
+  assert agreement(gpu, gpu, "gpu", False)[0] is rounding
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+  assert agreement(gpu, gpu, "gpu", False)[0] is bit
+
+  logged = {"loss": 2.5, "ce_loss": 2.25, "grad_norm": 1.0, "skipped": 0.0}
+  out = {"step": 5, "workdir": "run", "experiment": "experiment.json", "data_step": 4,
+         "past_end": False, "rows": [], "loss": 2.5, "ce_loss": 2.25, "grad_norm": 1.0000001,
+         "skipped": False,
+         "replay": {"from_step": 4, "layout": here, "layout_from": "the launch's record",
+                    "run_layout": layout(2), "expected": "bit for bit", "why": "the reason",
+                    "logged": logged, "matches_log": {"loss": True, "ce_loss": True,
+                                                      "grad_norm": False, "skipped": True}}}
+  said = inspect_lib.lines(out, 0)
+  assert said[2] == "against the log, expected bit for bit: the reason"
+  assert said[5].endswith("differs by 1e-07 (not bit for bit: another state, batch, program or "
+                          "machine than the run's)")
+  out["replay"]["expected"] = "to float rounding"
+  assert inspect_lib.lines(out, 0)[5].endswith("differs by 1e-07")
+
+
+def test_a_step_past_any_runs_and_a_garbled_record_are_one_line_each(tmp_path, capsys,
+                                                                     monkeypatch):
+  """A --step past 64-bit positions (an OverflowError deep in numpy) and an experiment.json
+  cut short or edited (a JSON or config traceback) each end in one `error:` line naming it."""
+  plan = _workdir(tmp_path, fdl.build(olmo3_tiny.stage1()))
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+  assert inspect_lib.main(["--workdir", plan.workdir.root, "--step", str(10**20)]) == 2
+  assert capsys.readouterr().err.strip() == (
+      f"error: --step {10**20}: larger than any run's steps (at most 2**48)")
+  path = tmp_path / "run" / "experiment.json"
+  text = path.read_text()
+  path.write_text(text[:len(text) // 2])
+  with pytest.raises(SystemExit) as refused:
+    inspect_lib.main(["--workdir", plan.workdir.root, "--step", "3"])
+  assert str(refused.value).startswith(
+      f"error: {path} is not a readable experiment record (JSONDecodeError: ")
+  assert str(refused.value).endswith(
+      "); it was edited, cut short or not written by olmo3's launcher")
+  path.write_text(json.dumps({"model": 3}))  # well-formed, not an experiment: the field named
+  with pytest.raises(ConfigError, match=r"^Experiment.model=3: expected a ModelConfig"):
+    inspect_lib.main(["--workdir", plan.workdir.root, "--step", "3"])

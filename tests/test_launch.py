@@ -638,13 +638,13 @@ flags.FLAGS(["launch/main.py"])
 launcher.start_jax()
 import jax
 from orbax.checkpoint._src.metadata import array_metadata_store
-from olmo3.io import errors
+from olmo3 import program
 from olmo3.io.checkpoint import CheckpointError
 from olmo3.train.run_checkpoints import RunCheckpoints
 
 # Process 1's commit threads wait at a barrier process 0 never reaches: its exit need not wait
 # the launcher's 10 s for them (tests/test_one_line_errors.py tests that grace).
-errors.EXIT_GRACE_S = 2.0
+program.EXIT_GRACE_S = 2.0
 if jax.process_index() == 1:
   async def refused(*args, **kwargs):
     raise PermissionError("the store refused process 1's write")
@@ -662,7 +662,7 @@ def main():
       checkpoints.check()
       time.sleep(0.1)
 
-errors.reported(main, lambda: (CheckpointError,))()
+program.reported(main, lambda: (CheckpointError,))()
 """
 
 
@@ -686,7 +686,7 @@ def test_a_save_that_fails_in_one_process_ends_the_whole_job_at_once(tmp_path):
 def test_a_dry_run_on_a_multislice_topology_shows_the_experiment_s_dcn_axes(tmp_path):
   """`--compile_only=KIND:AxBxC*SLICES --dry_run` builds the mesh the run would train on: the
   experiment's DCN axes (here fsdp across the 2 slices), not the default (slices as data)."""
-  from olmo3.run import dry_run
+  from olmo3.train import dry_run
   from olmo3.train import aot
 
   cfg = refs.resolve("experiments.olmo3_tiny:stage1",

@@ -13,8 +13,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -24,9 +22,10 @@ import pytest
 from olmo3.io import settings, storage
 from olmo3.run import lease as lease_lib
 from olmo3.run.lease import Lease, LeaseHeld, LeaseLost
-from tests import forked, storage_servers
-from tests.background import Background
-from tests.test_reliability import MAIN, ROOT, TINY, _env, _losses
+from harness import storage_servers
+from tests import forked
+from tests.lagging_clock import LaggingClock
+from tests.test_reliability import TINY, _env, _losses
 
 TAKEOVER = 2.4  # seconds: the lease heartbeats every 0.2 s
 STILL = 1.0  # the takeover age where no holder renews (only the watch is timed)
@@ -35,11 +34,14 @@ DAY = 86400.0
 
 def _holder(workdir, **fields):
   """Writes a lease.json as another launch on this machine would (this process's boot and pid
-  namespace), with `fields` changed; returns the record."""
-  record = {**Lease(workdir).record, "token": "theirs", "heartbeat": time.time(), **fields}
+  namespace), with `fields` changed; returns the record. Its takeover age is STILL: a taker
+  waits the longer of its own and the holder's."""
+  record = {**Lease(workdir).record, "token": "theirs", "heartbeat": time.time(),
+            "takeover_s": STILL, **fields}
   # whole, as a launch writes it: a run renewing meanwhile never reads half a file (it then
   # said only "gone or unreadable", not who took the lease)
-  storage.write_bytes_atomic(workdir / "lease.json", json.dumps(record).encode())
+  storage.write_bytes_atomic(workdir / "lease.json", json.dumps(record).encode(),
+                             durability=storage.Durability.FLUSHED)
   return record
 
 
@@ -58,9 +60,8 @@ def _takes(workdir, takeover=TAKEOVER) -> float:
 def test_a_live_holder_here_is_refused_at_once_and_the_lease_goes_with_its_run(
     tmp_path, monkeypatch):
   # Its clock a day behind (the times it writes): this machine's process table says it runs.
-  monkeypatch.setenv(lease_lib.CLOCK_SHIFT_ENV, str(-DAY))
+  monkeypatch.setattr(lease_lib, "time", LaggingClock(-DAY))
   held = Lease(tmp_path, takeover=TAKEOVER)
-  monkeypatch.delenv(lease_lib.CLOCK_SHIFT_ENV)
   held.acquire()
   assert json.loads((tmp_path / "lease.json").read_text())["heartbeat"] < time.time() - DAY + 60
   start = time.monotonic()
@@ -109,9 +110,8 @@ def test_a_holder_this_launch_cannot_check_is_taken_over_only_once_it_stops_rene
     assert STILL - 0.3 < _takes(tmp_path, STILL) < STILL + 2
   # A live holder elsewhere, its clock a day behind, renews its lease: refused as soon as it
   # does, however often a launch tries, and its run never loses the lease.
-  monkeypatch.setenv(lease_lib.CLOCK_SHIFT_ENV, str(-DAY))
+  monkeypatch.setattr(lease_lib, "time", LaggingClock(-DAY))
   live = Lease(tmp_path, takeover=TAKEOVER)
-  monkeypatch.delenv(lease_lib.CLOCK_SHIFT_ENV)
   live.record.update(host="elsewhere")
   live.acquire()
   for _ in range(3):
@@ -183,8 +183,8 @@ def _launch(workdir, steps, env=(), timeout=300):
                           dict(_env(1), **dict(env)), timeout=timeout)
 
 
-def _background(args, env) -> Background:
-  return Background(MAIN, [*TINY, *args], env, ROOT)
+def _background(args, env) -> forked.Running:
+  return forked.background("main", [*TINY, *args], env)
 
 
 @pytest.mark.slow(seconds=12, waits=True)
@@ -219,9 +219,10 @@ def test_a_live_run_whose_clock_lags_is_refused_and_one_whose_lease_was_taken_sa
   Then another launch takes the lease (written as a taker would): the run stops at its next
   step in one line and saves nothing into the workdir it no longer holds."""
   workdir = tmp_path / "run"
-  run = _background(["--fdl_set=train.steps=100000", f"--workdir={workdir}"],
-                    dict(_env(1), **{lease_lib.TAKEOVER_ENV: "6",
-                                     lease_lib.CLOCK_SHIFT_ENV: str(-DAY)}))
+  # The launcher through tests/lagging_clock.py: its lease's clock a day behind.
+  run = forked.background("tests.lagging_clock", [str(-DAY), *TINY, "--fdl_set=train.steps=100000",
+                                                  f"--workdir={workdir}"],
+                          dict(_env(1), **{lease_lib.TAKEOVER_ENV: "6"}))
   try:
     run.until(lambda: (workdir / "checkpoints" / "3").exists())
     assert json.loads((workdir / "lease.json").read_text())["heartbeat"] < time.time() - DAY + 600
@@ -392,19 +393,18 @@ def test_a_run_that_cannot_renew_its_lease_stops_at_a_step_boundary_in_one_line(
   """Renewals fail (the lease became a directory): past half the takeover age the run stops at
   its next step, saves it and exits 1 with one line saying why; it never trains on."""
   workdir = tmp_path / "run"
-  proc = subprocess.Popen([sys.executable, MAIN, *TINY, "--fdl_set=train.steps=100000",
-                           f"--workdir={workdir}"], cwd=ROOT,
-                          env=dict(_env(1), **{lease_lib.TAKEOVER_ENV: "6"}),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-  deadline = time.time() + 300
-  while not (workdir / "checkpoints" / "3").exists():
-    assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:]
-    time.sleep(0.05)
-  (workdir / "lease.json").unlink()
-  (workdir / "lease.json").mkdir()
-  broken = time.monotonic()
-  _, err = proc.communicate(timeout=120)
-  assert proc.returncode == 1, err[-3000:]
+  run = _background(["--fdl_set=train.steps=100000", f"--workdir={workdir}"],
+                    dict(_env(1), **{lease_lib.TAKEOVER_ENV: "6"}))
+  try:
+    run.until(lambda: (workdir / "checkpoints" / "3").exists(), 300)
+    (workdir / "lease.json").unlink()
+    (workdir / "lease.json").mkdir()
+    broken = time.monotonic()
+    code = run.finish(120)
+  finally:
+    run.kill()
+  err = run.log(10**6)
+  assert code == 1, err[-3000:]
   assert time.monotonic() - broken < 30
   last = err.strip().splitlines()[-1]
   assert last.startswith(f"error: the workdir lease {workdir / 'lease.json'} could not be "

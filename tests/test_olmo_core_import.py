@@ -19,7 +19,6 @@ from olmo3.config import (CheckpointConfig, ConfigError, DataConfig, Experiment,
 from olmo3.convert import olmo_core_params, olmo_core_import, parity
 from olmo3.convert.__main__ import main as convert_main
 from olmo3.data import tokens
-from olmo3.data.serve import RangeServer
 from olmo3.data.tokens import DataError
 from olmo3.io import checkpoint, olmo_core_checkpoints
 from olmo3.run.plan import InitFromError, RunPlan, data_identity
@@ -29,7 +28,9 @@ from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.state import StateLayout, restore_or_init
 
 import forked
-from conftest import benchmark, random_params
+from conftest import random_params
+from harness import continue_olmo_core
+from harness.storage_servers import InstrumentedRangeServer
 
 MICRO = config.olmo3_micro()
 SEQ, BATCH, SEED, STEP = 32, 4, 5, 3  # the fixture's run: 3 steps of 4 instances of 32 tokens
@@ -122,8 +123,8 @@ def test_both_modes_continue_as_olmo_core_does(tmp_path):
   """The benchmark, shortened: OLMo-core's Trainer trains 11 steps and saves; OLMo-core and
   olmo3 each continue it 4 steps (the stage, across the epoch's end at step 13; and a new stage
   on other data from the weights and optimizer state)."""
-  result = benchmark("continue_olmo_core").main(["--steps", "11", "--continue_steps", "4",
-                                                 "--spike_at", "0", "--workdir", str(tmp_path)])
+  result = continue_olmo_core.main(["--steps", "11", "--continue_steps", "4",
+                                   "--spike_at", "0", "--workdir", str(tmp_path)])
   for mode in ("continue", "new_stage"):
     assert result[mode]["steps"] == result[mode]["steps_olmo_core"] == 4, mode
     assert result[mode]["instances_equal"] and result[mode]["skip_decisions_equal"], mode
@@ -165,7 +166,7 @@ def test_import_over_http_is_the_local_import(ai2, tmp_path):
   step_dir, _, _ = ai2
   local = olmo_core_import.import_checkpoint(step_dir, str(tmp_path / "local"), MICRO)
   root, name = os.path.split(step_dir)
-  with RangeServer(root) as server:
+  with InstrumentedRangeServer(root) as server:
     remote = olmo_core_import.import_checkpoint(f"{server.url}/{name}", str(tmp_path / "http"),
                                                 MICRO)
     assert server.requests  # every byte came over HTTP, by range

@@ -19,8 +19,10 @@ import pytest
 
 from olmo3.data.serve import RangeServer
 from olmo3.data import embedded
-from olmo3.io import errors, settings
-from tests import forked, storage_servers, test_launch_errors
+from olmo3 import program
+from olmo3.io import settings
+from harness import storage_servers
+from tests import forked, test_launch_errors
 
 TINY = test_launch_errors.TINY
 
@@ -160,7 +162,7 @@ def test_storage_and_record_failures_are_one_line(tmp_path):
   _check(cases, results)
   # The traceback, on request.
   with RangeServer(os.fspath(tmp_path / "served")):
-    shown = _drive(tmp_path, cases[-1:], {errors.TRACEBACK_ENV: "1"})
+    shown = _drive(tmp_path, cases[-1:], {program.TRACEBACK_ENV: "1"})
   assert "Traceback" in shown[0]["output"] and "ConfigError" in shown[0]["output"]
 
 
@@ -185,9 +187,9 @@ def test_a_run_stopped_by_its_skip_limit_says_so_in_one_line(tmp_path):
 _STUCK_PROGRAM = """
 import pathlib, sys, threading, time
 from absl import logging
-from olmo3.io import errors
+from olmo3 import program
 
-errors.EXIT_GRACE_S = 2.0
+program.EXIT_GRACE_S = 2.0
 def main():
   # A library's leftover (as Orbax's commit threads of a failed save): waits for ever.
   threading.Thread(target=threading.Event().wait, name="stuck").start()
@@ -213,7 +215,7 @@ def main():
       raise PermissionError("the store refused the write")
     threading.Thread(target=leftover, name="leftover").start()
     raise OSError("the store is down")
-errors.reported(main, lambda: (OSError,))()
+program.reported(main, lambda: (OSError,))()
 """
 
 

@@ -18,9 +18,9 @@ import pytest
 
 from olmo3.io import settings
 from olmo3.run import lease as lease_lib
-from tests import storage_servers
-from tests.background import Background
-from tests.test_reliability import MAIN, ROOT, TINY, _env, straight  # noqa: F401
+from harness import storage_servers
+from tests import forked
+from tests.test_reliability import TINY, _env, straight  # noqa: F401
 
 BUDGET_S = 8  # OLMO3_STORAGE_RETRY_S in these runs
 LIMITS = {settings.RETRY_ENV: str(BUDGET_S), settings.TIMEOUT_ENV: "5",
@@ -55,8 +55,8 @@ class _S3Server:
   close = stop
 
 
-def _launch(args, env) -> Background:
-  return Background(MAIN, [*TINY, *args], env, ROOT)
+def _launch(args, env) -> forked.Running:
+  return forked.background("main", [*TINY, *args], env)
 
 
 @pytest.mark.parametrize("store", ["gs", "s3"])

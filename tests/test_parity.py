@@ -2,6 +2,7 @@
 only), and proof that the check catches the bugs it exists for."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
@@ -130,19 +131,24 @@ def test_yarn_export_round_trips_and_says_what_transformers_5_3_runs(tmp_path, c
   write_random_hf_dir(tmp_path / "hf", YARN, seed=4)
   imported, params, _ = hf.read_hf_dir(tmp_path / "hf")
   assert imported.rope_scaling == YARN.rope_scaling
-  assert hf.hf_runs_differently(YARN) is not None
+  assert "transformers 5.0-5.3 apply YaRN to every layer" in hf.hf_runs_differently(YARN)
   every_layer = YARN.replace(rope_scaling=YARN.rope_scaling.replace(
       layers=config.ScaledLayers.ALL))
-  assert hf.hf_runs_differently(every_layer) is None
+  assert "transformers 4.57 applies YaRN to the full-attention layers only" in (
+      hf.hf_runs_differently(every_layer))
+  assert hf.hf_runs_differently(YARN.replace(rope_scaling=None)) is None
   tokens = parity.random_tokens(YARN, 1, 4 * YARN.rope_scaling.original_context)
-  ref_logits, _ = parity.reference_forward(tmp_path / "hf", tokens)
-  as_hf_runs = parity.compare_logits(ref_logits, parity.our_forward(every_layer, params,
+  ref = parity.reference_forward(tmp_path / "hf", tokens)
+  as_hf_runs = parity.compare_logits(ref.logits, parity.our_forward(every_layer, params,
                                                                     tokens)[0])
-  as_trained = parity.compare_logits(ref_logits, parity.our_forward(YARN, params, tokens)[0])
+  as_trained = parity.compare_logits(ref.logits, parity.our_forward(YARN, params, tokens)[0])
   print(f"transformers 5.3 vs YaRN on full-attention layers only: max KL "
         f"{as_trained['max_kl']:.3e}, top-1 {as_trained['top1_agreement']:.4f}")
   assert as_hf_runs["max_kl"] <= 1e-6 and as_hf_runs["top1_agreement"] == 1.0, as_hf_runs
   assert as_trained["max_kl"] > 1e-3
+  # Its RoPE per layer says the same, without the logits: ours with YaRN on every layer.
+  assert parity.rope_differences(every_layer, ref.ropes, ref.version) == ()
+  assert len(parity.rope_differences(YARN, ref.ropes, ref.version)) == 1
 
 
 def test_a_flat_yarn_config_is_read_as_olmo_3_was_trained():
@@ -159,3 +165,47 @@ def test_a_flat_yarn_config_is_read_as_olmo_3_was_trained():
   odd["rope_parameters"]["full_attention"]["rope_type"] = "longrope"
   with pytest.raises(hf.ConversionError, match="longrope"):
     hf.model_config_from_hf(odd)
+
+
+def test_the_export_spells_rope_for_transformers_4_57_as_ai2_released_configs_do():
+  """`rope_theta` and a flat yarn `rope_scaling` without theta (4.57 reads only these, and warns
+  about keys a yarn entry does not have), as AI2's released OLMo 3 7B config; a config whose two
+  spellings disagree is refused: transformers versions would run different models from it."""
+  written = hf.model_config_to_hf(YARN)
+  assert written["rope_theta"] == YARN.rope_theta
+  assert written["rope_scaling"] == {
+      "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+      "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": YARN.rope_scaling.attention_factor}
+  assert hf.model_config_to_hf(MICRO)["rope_scaling"] is None
+  released = {k: v for k, v in written.items() if k != "rope_parameters"}
+  released["rope_scaling"] = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32,
+                              "beta_slow": 1, "original_max_position_embeddings": 64,
+                              "attention_factor": 1.2079441541679836}
+  assert hf.model_config_from_hf(released) == hf.model_config_from_hf(written)
+  for key, value in (("rope_theta", 10_000.0), ("rope_scaling", None)):
+    disagree = {**written, key: value}
+    with pytest.raises(hf.ConversionError, match="disagree: transformers 4.57 reads the first"):
+      hf.model_config_from_hf(disagree)
+
+
+def test_rope_differences_name_what_transformers_runs():
+  """Tables as transformers 4.57.1 built them from a config.json without `rope_theta`: theta
+  10,000 everywhere and no YaRN, named per layer type; ours: no line."""
+  n = 40
+
+  def tables(theta, scaling):
+    cos, sin = attention_lib.rope_tables(n, YARN.head_dim, theta, jnp.float32, scaling)
+    return np.stack([np.asarray(cos), np.asarray(sin)])
+
+  ours = [tables(YARN.rope_theta, YARN.rope_scaling if YARN.layer_rope_scaled(i) else None)
+          for i in range(YARN.n_layers)]
+  assert parity.rope_differences(YARN, ours, "4.57.1") == ()
+  misread = [tables(10_000.0, None)] * YARN.n_layers
+  assert parity.rope_differences(YARN, misread, "4.57.1") == (
+      "sliding-window layers [0, 1, 2, 4, 5, 6]: transformers 4.57.1 runs plain RoPE, theta "
+      "10,000; ours plain RoPE, theta 500,000",
+      "full-attention layers [3, 7]: transformers 4.57.1 runs plain RoPE, theta 10,000; ours "
+      "YaRN (factor 8, original context 64), theta 500,000")
+  other = [tables(123.0, None)] + ours[1:]
+  assert parity.rope_differences(YARN, other, "x")[0].startswith(
+      "sliding-window layers [0]: transformers x runs none of plain RoPE, theta 500,000; ")

@@ -10,7 +10,8 @@ from olmo_core.nn.transformer import TransformerConfig
 from olmo3 import config
 from olmo3.convert import olmo_core_params, parity
 
-from conftest import benchmark, random_params
+from conftest import random_params
+from harness import restart_olmo_core, train_parity_olmo_core
 
 MICRO = config.olmo3_micro()
 
@@ -48,7 +49,7 @@ def test_training_steps_match_olmo_cores_train_module():
   acts from step 8 and the odd batch at step 26 trips it: the same weights and batches through
   our train step and through OLMo-core's TransformerTrainModule (its model, loss, 2
   micro-batches, clipping, SkipStepAdamW and schedulers), in float32."""
-  result = benchmark("train_parity_olmo_core").main(
+  result = train_parity_olmo_core.main(
       ["--steps", "28", "--spike_window", "16", "--spike_step", "26"])
   assert result["steps"] == 28 and result["skip_decisions_equal"]
   assert result["skipped_steps"] == [26]  # the odd batch trips the rule on both sides
@@ -63,7 +64,7 @@ def test_float64_training_steps_match_olmo_cores_train_module_to_1e9():
   """The same in float64 (JAX x64, OLMo-core's model and optimizer state in float64), 12 steps
   with the odd batch at 10: the losses agree to 1e-9 only if every float32 rounding OLMo-core
   makes in its update (its step factor's products) is made alike, and the clipping is torch's."""
-  result = benchmark("train_parity_olmo_core").main(
+  result = train_parity_olmo_core.main(
       ["--dtype", "float64", "--steps", "12", "--spike_window", "16", "--spike_step", "10"])
   assert result["skipped_steps"] == [10] and result["skip_decisions_equal"]
   assert result["max_abs_loss_diff"] < 1e-9 and result["max_rel_grad_norm_diff"] < 1e-8
@@ -153,8 +154,8 @@ def test_restart_with_an_empty_window_is_olmo_cores_restart(tmp_path):
   been seen again, so the odd batch at step 9 is trained on, where the run that never stopped
   skips it. spike_window_on_restart=empty is the first (CE losses, skip decisions, final
   parameters), keep the second."""
-  result = benchmark("restart_olmo_core").main(["--restart_at", "5", "--steps", "10",
-                                                "--spike_at", "9", "--workdir", str(tmp_path)])
+  result = restart_olmo_core.main(["--restart_at", "5", "--steps", "10",
+                                  "--spike_at", "9", "--workdir", str(tmp_path)])
   assert result["skipped_steps"] == {"olmo3 keep": [9], "olmo3 empty": [],
                                      "OLMo-core uninterrupted": [9], "OLMo-core restarted": []}
   for mode in ("keep", "empty"):

@@ -23,7 +23,8 @@ from olmo3.train import aot
 from olmo3 import xla_flags as flags_lib
 from olmo3.xla_flags import FLAG_SETS
 
-from conftest import FAST_COMPILE_XLA_FLAGS, benchmark, random_params
+from conftest import FAST_COMPILE_XLA_FLAGS, random_params
+from harness import eval_price_7b, restart_price
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Compile-only needs no TPU; let several test processes load libtpu at once.
@@ -175,7 +176,7 @@ def test_evaluation_programs_compile_with_their_forward_flops():
 def test_eval_price_benchmark_smoke_mode(capsys):
   """Two of the 7B's tasks (20 documents, the embedded tokenizer) and assumed held-out sets:
   the table, and fewer padded tokens than the old per-task batching."""
-  result = benchmark("eval_price_7b").main(["--smoke"])
+  result = eval_price_7b.main(["--smoke"])
   assert result["real_tokens"] < result["padded_tokens_now"] < result["padded_tokens_before"]
   assert 0 < result["fraction_of_10k_steps"] < 0.01 and result["programs"] >= 2
   out = capsys.readouterr().out
@@ -471,19 +472,19 @@ def test_flag_sets_are_applied_once_whatever_the_environment_already_holds(monke
 
 
 def test_a_restart_is_priced_as_the_sum_of_its_phases_and_youngs_interval_maximises_goodput():
-  """benchmarks/restart_7b.py's arithmetic (its measurements need minutes: RESULTS.md)."""
-  r7 = benchmark("restart_7b")
+  """The arithmetic of benchmarks/restart_7b.py (harness/restart_price.py; its measurements need
+  minutes: RESULTS.md)."""
   save = {"gb": 1.37, "checksums_s": 8.0, "save_blocking_s": 10.0, "restore_s": 16.0}
   measured = {"imports": {"imports_s": 2.0}, "plan": {"sizes_s": 1.5},
               "lower": {"trace_and_lower_s": 40.0}, "checkpoint_gcs": save}
-  result = r7.price(measured, {"first_batch_cold_s": 83.0}, preemptions_per_day=1.0)
-  step_s, _ = r7.step_seconds()
+  result = restart_price.price(measured, {"first_batch_cold_s": 83.0}, preemptions_per_day=1.0)
+  step_s, _ = restart_price.step_seconds()
   assert step_s == pytest.approx(195_275e12 / (512 * 2307e12 / 2 * 0.445), rel=1e-3)
   assert result["restart_s"] == pytest.approx(100 + 120 + 2 + 1.5 + 360 + 40 + 10 + 8 + 83)
   assert result["state_gb"] == pytest.approx(1.37 * 64)
   # The loop's stall per save is the blocking part less the checksums (2 s): Young's interval.
   best = result["best_cadence_steps"]
   assert best == round((2 * 2.0 * 86_400) ** 0.5 / step_s)
-  at = lambda cadence: r7.goodput(cadence, step_s, 2.0, result["restart_s"], 86_400)
+  at = lambda cadence: restart_price.goodput(cadence, step_s, 2.0, result["restart_s"], 86_400)
   assert at(best) > max(at(best // 2), at(best * 2)) and 0.97 < at(best) < 1
-  assert r7.goodput(1000, step_s, 0.0, 0.0, float("inf")) == 1.0
+  assert restart_price.goodput(1000, step_s, 0.0, 0.0, float("inf")) == 1.0

@@ -20,7 +20,7 @@ from tests import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "launch", "main.py")
-SRUN_STANDIN = os.path.join(ROOT, "tests", "slurm_standin")
+SRUN_STANDIN = os.path.join(ROOT, "harness", "slurm_standin")
 # No XLA_FLAGS (each test sets its devices), and nothing that would join the processes other
 # than the SLURM environment the srun stand-in gives them.
 BASE = {k: v for k, v in os.environ.items()
@@ -42,7 +42,7 @@ def _run(workdir, steps, devices=1, processes=1, extra=()):
   """The launcher on `processes` local processes of `devices` CPU devices each. Several
   processes run as a SLURM job would: the batch script `launch/cluster.py --target=slurm`
   renders (one node per process, its `devices` as the node's GPUs), run by bash with the srun
-  stand-in (tests/slurm_standin/srun) first on PATH; JAX's own SLURM detection joins them."""
+  stand-in (harness/slurm_standin/srun) first on PATH; JAX's own SLURM detection joins them."""
   args = [*TINY, f"--fdl_set=train.steps={steps}", f"--workdir={workdir}", "--force_workdir",
           *extra]
   if processes == 1:
@@ -200,19 +200,31 @@ def test_two_processes_train_save_and_resume_on_another_mesh(tmp_path, request):
 
 def _check_replayed_as_logged(workdir):
   """`python -m olmo3.inspect_step --replay` in one process of 4 devices trains a step again as the
-  run logged it, bit for bit: step 5 from checkpoint 4, after the resume onto 4 devices in 2
-  processes; step 4 from the stage's start, on 1 device as launch 1 trained it (its layout
-  taken from the run's record, not from the devices in view)."""
+  run logged it, bit for bit, and says so: step 5 from checkpoint 4, after the resume onto 4
+  devices in 2 processes (the replay sums across its devices with the run's cross-process
+  collectives, gloo, whose order differs from XLA:CPU's in-process ones: olmo3/train/replay.py);
+  step 4 from the stage's start, on 1 device as launch 1 trained it (its layout taken from the
+  run's record, not from the devices in view)."""
+  logged = {r["step"]: r for r in metrics_lib.read_jsonl(workdir / "metrics.jsonl") if "loss" in r}
   replayed = {}
-  for step, start, mesh in ((5, 4, {"fsdp": 4}), (4, 0, {})):
+  for step, start, mesh, processes in ((5, 4, {"fsdp": 4}, 2), (4, 0, {}, 1)):
     done = forked.completed("olmo3.inspect_step", [f"--workdir={workdir}", f"--step={step}",
                                               "--replay", "--json"], _env(4))
     assert done.returncode == 0, done.stderr[-3000:]
-    out = replayed[step] = json.loads(done.stdout)
-    assert (out["replay"]["from_step"], out["replay"]["layout"]["mesh"]) == (start, mesh)
-    assert out["replay"]["matches_log"] == dict.fromkeys(
-        ("loss", "ce_loss", "grad_norm", "skipped"), True), out["replay"]
-    assert out["loss"] == out["replay"]["logged"]["loss"]
+    out = replayed[step] = json.loads(done.stdout)  # gloo's lines went to stderr
+    # Its phases say they are running (a 7B's replay compiles for minutes), on stderr.
+    assert f"restoring the train state at {f'checkpoint {start}' if start else 'the stage'}" in (
+        done.stderr) and f"training step {step} again ({step - start} of {step - start}" in (
+        done.stderr), done.stderr[-3000:]
+    r = out["replay"]
+    assert (r["from_step"], r["layout"]["mesh"], r["layout"]["processes"]) == (start, mesh, 1)
+    assert (r["run_layout"]["mesh"], r["run_layout"]["processes"]) == (mesh, processes)
+    assert (r["expected"], "gloo" in r["why"]) == ("bit for bit", processes > 1), r["why"]
+    assert r["matches_log"] == dict.fromkeys(("loss", "ce_loss", "grad_norm", "skipped"), True), r
+    metrics = ("loss", "ce_loss", "grad_norm")
+    assert [out[k] for k in metrics] == [logged[step][k] for k in metrics]
+    # Equal to this step's log and to no neighbour's: the check tells a step from another.
+    assert all(out[k] != logged[s][k] for s in (step - 1, step + 1) for k in metrics)
     assert len(out["rows"]) == 8 and all(r["scored_tokens"] == 127 for r in out["rows"])
     # the rows' losses make up the step's: summed over the batch's 8 x 127 scored tokens
     assert sum(r["loss"] * r["scored_tokens"] for r in out["rows"]) / 1016 == pytest.approx(
@@ -368,9 +380,7 @@ def _check_evaluated_as_one_process(workdir, step, labels):
                                          f"--out={report}"], _env(2))
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(report.read_text())["steps"][str(step)]
-  again = {f"eval/{s}/{k}": v for s, r in result["heldout"].items() for k, v in r.items()}
-  again.update({f"downstream/{t}/{k}": v for t, r in result["tasks"].items() for k, v in r.items()
-                if k != "docs"})
+  again = result["metrics"]  # the report's own names for what the run logs
   assert again.keys() == {k for k in logged if k.startswith(("eval/", "downstream/"))}
   for key, value in again.items():  # float32 sums in another order on another mesh
     assert value == pytest.approx(logged[key], rel=1e-5, abs=1e-6), key

@@ -2,6 +2,8 @@
 (olmo3.run.record), fed the launcher's config files (launch.config_files.revision)."""
 
 import json
+import logging
+import re
 
 import fiddle as fdl
 import pytest
@@ -31,10 +33,22 @@ def test_each_checkpoint_belongs_to_the_last_launch_that_started_before_it():
   assert record.producer([], 3) is None
 
 
-def test_a_broken_history_line_is_named(tmp_path):
-  (tmp_path / "history.jsonl").write_text(_launch(1, 0, 0).to_json() + "\n{\"launch\": 2}\n")
-  with pytest.raises(record.RecordError, match=r"history\.jsonl:2: not a launch record"):
-    record.read_history(tmp_path)
+def test_a_broken_history_line_is_named_skipped_and_set_aside_by_the_next_launch(tmp_path,
+                                                                                caplog):
+  """A history line cut short or edited blocked every resume until edited by hand: now it is
+  named in a warning and skipped, and the next launch keeps it in history.jsonl.set-aside."""
+  cfg = refs.load("experiments.olmo3_tiny:stage1")
+  run_record = record.RunRecord(str(tmp_path))
+  _begin(run_record, cfg, {"steps": 1}, ["first"], 0)
+  history = tmp_path / "history.jsonl"
+  history.write_text(history.read_text() + '{"launch": 2}\n')
+  with caplog.at_level(logging.WARNING):
+    assert [h.launch for h in record.read_history(tmp_path)] == [1]
+  assert re.search(r"history\.jsonl:2: not a launch record \(KeyError: .*\); skipped \(the "
+                   r"next launch sets it aside in history\.jsonl\.set-aside\)", caplog.text)
+  _begin(record.RunRecord(str(tmp_path)), cfg, {"steps": 1}, ["again"], 4)
+  assert [h.command for h in record.read_history(tmp_path)] == [("first",), ("again",)]
+  assert (tmp_path / "history.jsonl.set-aside").read_text() == '{"launch": 2}\n'
 
 
 def test_the_record_appends_revisions_never_rewrites_them_and_undo_takes_a_launch_back(

@@ -21,7 +21,8 @@ from flax import nnx
 
 from olmo3 import config
 from olmo3 import model as model_lib
-from olmo3.io import checkpoint, errors
+from olmo3 import program
+from olmo3.io import checkpoint
 from olmo3.sample import decode
 from olmo3.sample.__main__ import _one_line_errors, main
 
@@ -133,14 +134,30 @@ def test_user_mistakes_are_one_line(tmp_path, capsys, monkeypatch, request):
   assert error("--prompt", "x") == f"error: {run} has no checkpoint"
   (run / "checkpoints" / "4").mkdir()
   # The wrapper ends a program: its failure quiets what the process's threads say afterwards
-  # (errors.quiet_leftovers). Called here in pytest's process, that is put back.
+  # (program.quiet_leftovers). Called here in pytest's process, that is put back.
   monkeypatch.setattr(threading, "excepthook", threading.excepthook)
   monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
   request.addfinalizer(lambda: py_logging.disable(py_logging.NOTSET))
   with pytest.raises(SystemExit) as exited:
-    errors.reported(main, _one_line_errors)(["--workdir", str(run), "--prompt", "x"])
+    program.reported(main, _one_line_errors)(["--workdir", str(run), "--prompt", "x"])
   assert str(exited.value).startswith("error: ") and "\n" not in str(exited.value)
 
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_named_as_the_runs_field(tmp_path):
+  """The one tokenizer loader names the caller's own setting: here the run's
+  EvalConfig.tokenizer, not `prepare`'s --tokenizer flag."""
+  from olmo3.data.tokens import DataError
+
+  run, _ = _run(tmp_path, steps=(-4,))
+  exp = json.loads((run / "experiment.json").read_text())
+  gone = tmp_path / "gone" / "tokenizer.json"
+  exp["eval"]["tokenizer"] = str(gone)
+  (run / "experiment.json").write_text(json.dumps(exp))
+  with pytest.raises(DataError) as raised:
+    main(["--workdir", str(run), "--prompt", "x"])
+  assert str(raised.value).startswith(f"the run's EvalConfig.tokenizer {str(gone)!r}: not a "
+                                      "tokenizer.json file"), raised.value
 
 @pytest.mark.slow(seconds=30)
 def test_greedy_text_equals_transformers_generate(tmp_path, capsys):

@@ -1,6 +1,6 @@
-"""Stage 3 against AI2's trainer code: benchmarks/stage3_parity_olmo_core.py run in process,
+"""Stage 3 against AI2's trainer code: harness/stage3_parity_olmo_core.py run in process,
 shortened. OLMo-core's own TransformerTrainModule (YaRN on its full-attention layers, its
-flash_2 backend's intra-document attention through tests/flash_attn_standin) fed its own
+flash_2 backend's intra-document attention through harness/flash_attn_standin) fed its own
 NumpyPackedFSLDataset's batches, against our train step fed by our packed loader.
 
 The suite's OLMo-core is 3.0.0, which restarts RoPE positions at each document: these tests
@@ -10,7 +10,7 @@ benchmarks/olmo_core_2_4_env.sh, and its numbers are in benchmarks/RESULTS.md.""
 
 import pytest
 
-from conftest import benchmark
+from harness import stage3_parity_olmo_core
 
 
 @pytest.mark.seconds(15)
@@ -23,7 +23,7 @@ def test_stage3_steps_match_olmo_cores_train_module_in_float64():
 
   from olmo_core.nn.attention import flash_attn_api
 
-  result = benchmark("stage3_parity_olmo_core").main(["--dtype", "float64", "--steps", "4"])
+  result = stage3_parity_olmo_core.main(["--dtype", "float64", "--steps", "4"])
   assert result["olmo_core_version"] == "3.0.0"
   assert result["rope_positions"] == result["olmo_core_rope_positions"] == "document"
   assert result["instances_equal"] and result["doc_lengths_equal"]

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import errno
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ from olmo3.io import retry, settings, storage
 from olmo3.io import metrics as metrics_lib
 from olmo3.data.heldout import HeldoutDocs
 from olmo3.data.tokens import DataError, TokenFiles, write_token_file
-from tests import storage_servers
+from harness import storage_servers
 from tests.test_reliability import MAIN, ROOT, TINY, _env, straight  # noqa: F401  (a fixture)
 
 VOCAB = 1000
@@ -48,7 +49,7 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
   local = TokenFiles([token_dir / f"{i}.npy" for i in range(3)], 128, VOCAB)
   instances = np.random.default_rng(1).permutation(len(local))
   cache = tmp_path / "sizes.json"
-  with RangeServer(os.fspath(token_dir), latency_s=0.02) as server:
+  with storage_servers.InstrumentedRangeServer(os.fspath(token_dir), latency_s=0.02) as server:
     urls = [f"{server.url}/{i}.npy" for i in range(3)]
     sizes = file_sizes.SizeCache(cache)
     remote = TokenFiles(urls, 128, VOCAB, size_cache=sizes)
@@ -74,22 +75,24 @@ def test_http_token_files_read_the_local_bytes_by_range_concurrently_with_sizes_
 @pytest.mark.seconds(3, waits=True)
 def test_transient_errors_are_retried_and_lasting_ones_are_named(token_dir):
   local = TokenFiles([token_dir / "0.npy"], 128, VOCAB)
-  with RangeServer(os.fspath(token_dir), fail_first=3) as server:  # 503, 503, 503, then fine
+  # 503, 503, 503, then fine
+  with storage_servers.InstrumentedRangeServer(os.fspath(token_dir), fail_first=3) as server:
     remote = TokenFiles([f"{server.url}/0.npy"], 128, VOCAB)
     np.testing.assert_array_equal(remote.read([0, 5, 9]), local.read([0, 5, 9]))
   # A flaky host (HTTP 500 for a random fifth of all requests): retried all the same.
-  with RangeServer(os.fspath(token_dir), error_rate=0.2, seed=3) as server:
+  with storage_servers.InstrumentedRangeServer(os.fspath(token_dir), error_rate=0.2,
+                                               seed=3) as server:
     remote = TokenFiles([f"{server.url}/0.npy"], 128, VOCAB)
     np.testing.assert_array_equal(remote.read(list(range(10))), local.read(list(range(10))))
     assert server.errors_injected > 0
-  with RangeServer(os.fspath(token_dir), fail_first=100) as server:
+  with storage_servers.InstrumentedRangeServer(os.fspath(token_dir), fail_first=100) as server:
     with pytest.raises(errors.StorageError, match=rf"{server.url}/0.npy failed: .*503.*after "
                        rf"\d+ attempts in \d+ s"):
       TokenFiles([f"{server.url}/0.npy"], 128, VOCAB)
   with RangeServer(os.fspath(token_dir)) as server:
     with pytest.raises(DataError, match=rf"token file {server.url}/nope.npy does not exist"):
       TokenFiles([f"{server.url}/0.npy", f"{server.url}/nope.npy"], 128, VOCAB)
-  with RangeServer(os.fspath(token_dir), honour_range=False) as server:
+  with storage_servers.InstrumentedRangeServer(os.fspath(token_dir), honour_range=False) as server:
     url = f"{server.url}/0.npy"
     with pytest.raises(errors.StorageError, match=f"{url}: the server does not support HTTP "
                        "Range requests"):  # at the first look at the file
@@ -152,7 +155,7 @@ def test_held_out_documents_over_http_equal_local(tmp_path):
   docs = np.concatenate([np.arange(1, 40), [0], np.arange(5, 300), [0]]).astype(np.uint32)
   write_token_file(tmp_path / "h.npy", docs)
   local = HeldoutDocs([tmp_path / "h.npy"], 64, eos_id=0, pad_id=1)
-  with RangeServer(os.fspath(tmp_path), latency_s=0.01) as server:
+  with storage_servers.InstrumentedRangeServer(os.fspath(tmp_path), latency_s=0.01) as server:
     remote = HeldoutDocs([f"{server.url}/h.npy"], 64, eos_id=0, pad_id=1)
   assert len(remote) == len(local) == 2
   a, b = (docs.rows(range(len(docs)), docs.seq_len, len(docs)) for docs in (remote, local))
@@ -188,7 +191,7 @@ def test_the_loader_reads_a_mix_under_an_http_root_as_it_reads_it_from_disk(tmp_
     return list(loader.host_batches())
 
   local = steps(cfg)
-  with RangeServer(os.fspath(root), latency_s=0.02) as server:
+  with storage_servers.InstrumentedRangeServer(os.fspath(root), latency_s=0.02) as server:
     remote = steps(dataclasses.replace(cfg, root=server.url))
     # The 3 files' sizes, then one ranged request per instance.
     assert server.get_requests() == 3 + sum(len(b["instance"]) for b in local)
@@ -220,6 +223,49 @@ def test_join_keeps_urls():
     clients.check_supported("https://h/run", writable=True, what="workdir")
 
 
+@pytest.mark.parametrize("durability", list(storage.Durability))
+def test_a_whole_file_write_is_whole_uniquely_staged_and_synced_when_asked(
+    tmp_path, monkeypatch, durability):
+  """The one whole-file writer: the content whole, through a temporary of its own in the same
+  directory (never a fixed name two writers would share), fsync of the file and its directory
+  only when SYNCED; a failed write leaves the old file and no temporary."""
+  path = tmp_path / "sub" / "f.json"
+  renamed, synced = [], []
+  real_replace, real_fsync = os.replace, os.fsync
+  monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(a), real_replace(a, b))[1])
+  monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+  for content in (b"old", b"new contents"):
+    storage.write_bytes_atomic(path, content, durability=durability)
+  assert path.read_bytes() == b"new contents" and os.listdir(path.parent) == ["f.json"]
+  assert len(set(renamed)) == 2 and all(os.path.dirname(t) == str(path.parent) for t in renamed)
+  assert not any(t.endswith(("f.json.tmp", ".tmp-" + str(os.getpid()))) for t in renamed)
+  assert len(synced) == (4 if durability is storage.Durability.SYNCED else 0)  # file, dir: x2
+  array = np.arange(6, dtype=np.uint32)
+  storage.write_bytes_atomic(path, memoryview(array).cast("B"), durability=durability)
+  assert np.array_equal(np.fromfile(path, np.uint32), array)  # a buffer, not copied to bytes
+
+  def refused(a, b):
+    raise PermissionError("the rename failed")
+
+  monkeypatch.setattr(os, "replace", refused)
+  with pytest.raises(PermissionError):
+    storage.write_bytes_atomic(path, b"never", durability=durability)
+  with pytest.raises(TypeError):  # failing while it writes
+    storage.write_bytes_atomic(path, "not bytes", durability=durability)  # type: ignore[arg-type]
+  assert np.array_equal(np.fromfile(path, np.uint32), array)
+  assert os.listdir(path.parent) == ["f.json"]  # no temporary left behind
+
+  def disk_full(a, b):  # as the kernel says it: an errno, no file named
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(os, "replace", disk_full)
+  with pytest.raises(OSError) as full:
+    storage.write_bytes_atomic(path, b"never", durability=durability)
+  assert full.value.errno == errno.ENOSPC and str(full.value) == (
+      f"[Errno {errno.ENOSPC}] writing {path}: No space left on device")
+  assert os.listdir(path.parent) == ["f.json"]
+
+
 # Session-scoped: a server restarted on a new port would leave fsspec's (and etils') cached
 # filesystems pointing at the old one. Under xdist a worker interleaves modules, which would
 # tear module-scoped servers down and up again.
@@ -239,7 +285,7 @@ def test_a_file_another_process_removed_does_not_exist_for_this_one(s3_env):
   clients.configure_clients()
   url = "s3://olmo3-test/listed/array_metadatas"
   for name in ("process_0", "process_1"):
-    storage.write_bytes_atomic(f"{url}/{name}", b"{}")
+    storage.write_bytes_atomic(f"{url}/{name}", b"{}", durability=storage.Durability.FLUSHED)
   here = clients.filesystem(url)
   assert len(here.ls(url)) == 2  # a listing of the directory
   elsewhere = fsspec.filesystem("s3", skip_instance_cache=True)  # another process's client
@@ -311,7 +357,8 @@ def test_orbax_checkpoints_on_s3_commit_by_file_and_restore(s3_env, tmp_path):
   restored = checkpoint.restore_params(url, checkpoint.host_target(target))
   jax.tree.map(np.testing.assert_array_equal, restored, params)
   # A step directory written but not committed (a crash mid-save) is not a checkpoint.
-  storage.write_bytes_atomic("s3://olmo3-test/models/9/params/_METADATA", b"{}")
+  storage.write_bytes_atomic("s3://olmo3-test/models/9/params/_METADATA", b"{}",
+                             durability=storage.Durability.FLUSHED)
   assert checkpoint.run_steps("s3://olmo3-test/models") == [7]
   assert orbax_s3.is_committed(url) and not orbax_s3.is_committed("s3://olmo3-test/models/9")
 
@@ -385,7 +432,8 @@ def test_object_store_leases_are_taken_and_replaced_only_under_a_precondition(s3
   with pytest.raises(errors.PreconditionFailed):  # judged on what is no longer there
     conditional.replace_if(url, b"four", first)
   assert conditional.read_versioned(url).data == b"three"
-  storage.write_bytes_atomic(url, b"")  # an empty lease just written: taken once it is stale
+  # An empty lease just written: taken once it is stale.
+  storage.write_bytes_atomic(url, b"", durability=storage.Durability.FLUSHED)
   held = lease_lib.Lease(f"{bucket}/run", takeover=2.4)
   held.acquire()
   with pytest.raises(lease_lib.LeaseHeld, match="in use by pid"):
@@ -420,12 +468,12 @@ def _prepare_args(documents, out):
 
 def _same_prepared(url, local) -> None:
   """The prepared directory at `url` holds what the one at `local` does, byte for byte."""
-  from olmo3.data import prepare
+  from olmo3.data import manifest as manifest_lib
 
-  manifest = prepare.Manifest.load(url)  # its files checked against it, over the store
-  assert manifest == prepare.Manifest.load(local)
-  names = [prepare.MANIFEST_FILE, prepare.TOKENIZER_FILE] + [
-      f for split in prepare.SPLITS for f in manifest.splits[split]["files"]]
+  manifest = manifest_lib.Manifest.load(url)  # its files checked against it, over the store
+  assert manifest == manifest_lib.Manifest.load(local)
+  names = [manifest_lib.MANIFEST_FILE, manifest_lib.TOKENIZER_FILE] + [
+      f for split in manifest_lib.SPLITS for f in manifest.splits[split]["files"]]
   for name in names:
     assert storage.read_bytes(pathnames.join(url, name)) == storage.read_bytes(
         os.path.join(local, name)), name
@@ -502,14 +550,18 @@ def served(documents, tmp_path):
 
 
 def _tiny_on(mix):
-  """The tiny stage 1 on data.mix=`mix`, with batches this data fills."""
+  """The tiny stage 1 on data.mix=`mix`, with batches this data fills, its model's vocabulary
+  the test tokenizer's (a prepared directory's tokenizer is the model's)."""
   import fiddle as fdl
 
   from experiments import olmo3_tiny
+  from olmo3.data import manifest as manifest_lib
 
   exp = fdl.build(olmo3_tiny.stage1())
+  vocab = manifest_lib.Manifest.load(os.fspath(mix)).vocab_size
   return dataclasses.replace(exp, data=exp.data.replace(mix=os.fspath(mix), seq_len=32,
-                                                        global_batch_size=8))
+                                                        global_batch_size=8),
+                             model=exp.model.replace(vocab_size=vocab))
 
 
 @pytest.mark.seconds(3)

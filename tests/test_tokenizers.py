@@ -147,3 +147,25 @@ def test_the_suggested_sample_prompt_fits_the_built_in_corpus_python_source():
   exp = fdl.build(olmo3_tiny.stage1())
   assert exp.data.mix == "embedded"
   assert sources.sample_prompt(exp.data) == "def main("
+
+
+@pytest.mark.parametrize("what", ["--tokenizer", "the run's EvalConfig.tokenizer"])
+def test_the_one_loader_names_its_callers_flag_or_field(tmp_path, what):
+  """A name that is neither a file nor a hub repository name, and a file that is no
+  tokenizer: one DataError line that starts with the caller's own flag or field."""
+  from olmo3.data import tokenizer as tokenizer_lib
+  from olmo3.data.tokens import DataError
+
+  missing = str(tmp_path / "nope" / "tokenizer.json")
+  with pytest.raises(DataError) as raised:
+    tokenizer_lib.load(missing, what=what)
+  assert str(raised.value) == (f"{what} {missing!r}: not a tokenizer.json file (no such file), "
+                               "nor a Hugging Face hub repository name")
+  broken = tmp_path / "broken.json"
+  broken.write_text("{not json")
+  with pytest.raises(DataError) as raised:
+    tokenizer_lib.load(str(broken), what=what)
+  assert str(raised.value).startswith(f"{what} '{broken}': not a readable tokenizer.json file")
+  good = tmp_path / "good.json"
+  embedded.train_tokenizer(["a b c", "b c d"], 300).save(str(good))
+  assert tokenizer_lib.load(str(good), what=what).get_vocab_size() > 0

@@ -12,9 +12,11 @@ these modules never breaks loading an existing run (launch/config_files.py admit
 this package by that name).
 """
 
+import enum as _enum
 from typing import Any  # (annotations name it: type hints resolve in this namespace)
 
 from olmo3.config_checks import ConfigError
+from olmo3.config_checks import Validated as _Validated
 from olmo3.config.data import DataConfig, LongDocuments, Packing, RepetitionFilter
 from olmo3.config.experiment import (EvalConfig, Experiment, WandbConfig, WandbMode,
                                      resumable_fields)
@@ -23,15 +25,19 @@ from olmo3.config.model import (INT32_MAX, PRESETS, AttentionKernel, DType, Mode
                                 olmo3_32b, olmo3_micro, olmo3_tiny)
 from olmo3.config.training import (SEED_MAX, CheckpointConfig, InitMode, MeshConfig,
                                    OptimizerConfig, Schedule, SpikeWindowOnRestart, TrainConfig)
+from olmo3.config import data as _data, experiment as _experiment, model as _model
+from olmo3.config import training as _training
 from olmo3.remat import Remat  # (annotations name it)
 
-# The one name of each class and enum (the module docstring): set once, here.
-for _cls in (DType, AttentionKernel, ScaledLayers, RopePositions, Yarn, ModelConfig,
-             RepetitionFilter, LongDocuments, Packing, DataConfig, Schedule, SpikeWindowOnRestart,
-             OptimizerConfig, MeshConfig, TrainConfig, InitMode, CheckpointConfig, EvalConfig,
-             WandbMode, WandbConfig, Experiment):
-  _cls.__module__ = __name__
-del _cls
+# The one name of each class and enum (the module docstring): set once, here, for every one
+# the four modules define, so none keeps its defining module's name (tests/test_config.py checks
+# that each is also imported above and listed in __all__).
+for _part in (_data, _experiment, _model, _training):
+  for _cls in vars(_part).values():
+    if (isinstance(_cls, type) and issubclass(_cls, (_Validated, _enum.Enum))
+        and _cls.__module__ == _part.__name__):
+      _cls.__module__ = __name__
+del _part, _cls
 
 __all__ = [
     "Any", "ConfigError", "Remat", "INT32_MAX", "SEED_MAX", "PRESETS", "resumable_fields",

@@ -95,7 +95,8 @@ class DataConfig(Validated):
             or self.max_target_seq_len % self.seq_len == 0,
             f"must be a multiple of seq_len ({self.seq_len}), as OLMo-core requires, or None")
     require(self, "packing", self.packing is None or self.repetition_filter is None,
-            "packed instances take no repetition_filter (OLMo-core's packed dataset has none)")
+            "packed instances take no repetition_filter: olmo3's packing does not apply one "
+            "(OLMo-core's packed dataset can; AI2's stage 3 sets none)")
 
   @property
   def chunk_instances(self) -> int:

@@ -59,13 +59,29 @@ _YARN_KEYS = {"factor": "factor", "beta_fast": "beta_fast", "beta_slow": "beta_s
 def _rope(hf: dict[str, Any], where: str) -> tuple[float, Yarn | None]:
   """RoPE theta (one for every layer type) and the YaRN scaling, if any, or a ConversionError.
 
-  transformers 5.0-5.3 read one flat `rope_parameters` dict for every layer; later 5.x one per
-  layer type. Per-type entries say which layers YaRN scales; a flat-only yarn config (AI2's
-  released OLMo 3 7B, and transformers 4.x's `rope_scaling`) is taken as OLMo 3 was trained:
-  YaRN on the full-attention layers only (docs/architecture.md#yarn)."""
-  params = hf.get("rope_parameters")
-  if params is None:  # transformers 4.x layout
-    params = {"rope_theta": hf.get("rope_theta", 500_000.0), **(hf.get("rope_scaling") or {})}
+  transformers 4.57 reads `rope_theta` and a flat `rope_scaling`, 5.0-5.3 one flat
+  `rope_parameters` dict for every layer, later 5.x one per layer type. Per-type entries say
+  which layers YaRN scales; a flat-only yarn config (AI2's released OLMo 3 7B, transformers
+  4.57's `rope_scaling`) is taken as OLMo 3 was trained: YaRN on the full-attention layers only
+  (docs/architecture.md#yarn). A config with both spellings must have them agree: else
+  transformers versions would run different models from it."""
+  legacy = {"rope_theta": hf.get("rope_theta", 500_000.0), **(hf.get("rope_scaling") or {})}
+  if "rope_parameters" in hf and ("rope_theta" in hf or hf.get("rope_scaling")):
+    both = [_read_rope(p, hf, where) for p in (legacy, hf["rope_parameters"])]
+    said = [f"theta {theta:g}, " + ("no YaRN" if y is None else (
+        f"YaRN factor {y.factor:g}, beta {y.beta_fast:g}/{y.beta_slow:g}, original context "
+        f"{y.original_context}")) for theta, y in both]  # which layers: only per type
+    if said[0] != said[1]:
+      raise ConversionError(
+          f"{where}: rope_theta / rope_scaling ({said[0]}) and rope_parameters ({said[1]}) "
+          "disagree: transformers 4.57 reads the first, 5.x the second")
+    return both[1]
+  return _read_rope(hf.get("rope_parameters") or legacy, hf, where)
+
+
+def _read_rope(params: dict[str, Any], hf: dict[str, Any], where: str
+               ) -> tuple[float, Yarn | None]:
+  """`_rope` of one spelling: a flat dict, per-layer-type dicts, or both in one."""
   per_type = {k: v for k, v in params.items() if isinstance(v, dict)}
   flat = {k: v for k, v in params.items() if not isinstance(v, dict)}
   if flat and (per_type.keys() != {"full_attention", "sliding_attention"}):
@@ -151,18 +167,24 @@ def model_config_from_hf(hf: dict[str, Any], where: str = "config.json") -> Mode
 
 
 def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
-  """An Olmo3Config dict. RoPE theta is written both flat (transformers 5.0-5.3 read
-  rope_parameters["rope_type"] / ["rope_theta"]) and per layer type (later 5.x read
-  rope_parameters[layer_type], where a bare `rope_theta` reaches only the full-attention
-  layers, docs/architecture.md#hugging-face-parity-settings). No one spelling serves both: 5.3
-  fails without the flat keys, later 5.x would give the sliding layers theta 10,000 without
-  the nested ones. So 5.0-5.3 warn "Unrecognized keys in `rope_parameters`" naming the two
-  layer types, and load the right theta; its `ignore_keys_at_rope_validation` cannot come from
-  a config.json (a JSON list, where 5.3 subtracts a set).
+  """An Olmo3Config dict that every transformers version with OLMo 3 reads as the same RoPE,
+  written three ways because each reads another (docs/architecture.md#hugging-face-parity-
+  settings):
+
+  - 4.57 (the first with OLMo 3) reads `rope_theta` (its default 10,000) and the flat
+    `rope_scaling`, which it applies to the full-attention layers only, as OLMo 3 was trained;
+    it ignores `rope_parameters`. These two are what AI2's released configs carry.
+  - 5.0-5.3 read `rope_scaling` when present, else the flat keys of `rope_parameters`
+    (`rope_type`, `rope_theta`), with one rotary embedding for every layer: YaRN reaches the
+    sliding layers too (`hf_runs_differently`). They warn "Unrecognized keys in
+    `rope_parameters`" naming the two layer types.
+  - Later 5.x (5.24 checked) read `rope_parameters[layer_type]`, merging `rope_scaling` into the
+    full-attention entry; without the per-type entries the sliding layers' theta would be a
+    default.
 
   YaRN (stage 3) is written per layer type as trained (the full-attention layers' entry
-  scaled, the sliding layers' plain unless `ScaledLayers.ALL`), and flat as yarn: 5.0-5.3 then
-  scale every layer, which is not the trained model (`hf_runs_differently` says so)."""
+  scaled, the sliding layers' plain unless `ScaledLayers.ALL`); `rope_scaling` carries no
+  theta (4.57 warns about keys a yarn entry does not have)."""
   plain = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   yarn = cfg.rope_scaling
   scaled = plain if yarn is None else {
@@ -187,6 +209,9 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, An
       "attention_dropout": 0.0,
       "sliding_window": cfg.sliding_window,
       "layer_types": ["full_attention" if g else "sliding_attention" for g in cfg.layer_is_global],
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None if yarn is None else {
+          k: v for k, v in scaled.items() if k != "rope_theta"},
       "rope_parameters": {**scaled, "full_attention": dict(scaled),
                           "sliding_attention": dict(sliding)},
       "tie_word_embeddings": False,
@@ -199,15 +224,20 @@ def model_config_to_hf(cfg: ModelConfig, dtype: str = "float32") -> dict[str, An
 
 
 def hf_runs_differently(cfg: ModelConfig) -> str | None:
-  """Why transformers 5.0-5.3 would run an export of `cfg` otherwise than it was trained, or
-  None: their Olmo3 builds one rotary embedding from the flat `rope_parameters` for every
-  layer, so YaRN meant for the full-attention layers scales the sliding layers too."""
-  if cfg.rope_scaling is None or cfg.rope_scaling.layers == ScaledLayers.ALL:
+  """Which transformers versions run an export of `cfg` otherwise than it was trained, or None:
+  5.0-5.3's Olmo3 builds one rotary embedding from the flat `rope_parameters` for every layer,
+  so YaRN meant for the full-attention layers scales the sliding layers too; 4.57's gives the
+  sliding layers plain RoPE whatever `rope_scaling` says."""
+  if cfg.rope_scaling is None:
     return None
+  if cfg.rope_scaling.layers == ScaledLayers.ALL:
+    return ("transformers 4.57 applies YaRN to the full-attention layers only (its Olmo3 gives "
+            "the sliding layers plain RoPE), but this model scales every layer: logits differ "
+            "from training's; transformers 5.x run it as trained")
   return ("transformers 5.0-5.3 apply YaRN to every layer (their Olmo3 has one rotary "
           "embedding), but this model was trained with YaRN on its full-attention layers only: "
-          "logits differ from training's (docs/architecture.md#yarn); transformers versions "
-          "that read rope_parameters per layer type run it as trained")
+          "logits differ from training's (docs/architecture.md#yarn); transformers 4.57 and "
+          "the 5.x that read rope_parameters per layer type (5.24) run it as trained")
 
 
 # --- tensors -----------------------------------------------------------------------------------
@@ -342,7 +372,8 @@ def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
                  dtype: str = "float32", extra_files: dict[str, str] | None = None) -> None:
   """Writes config.json + safetensors (sharded past 5 GiB, with an index) and `extra_files`
   (name -> text: the tokenizer's) atomically: into a temporary sibling directory, renamed
-  into place when complete, with a normal directory's permissions (mkdtemp's are 0700)."""
+  into place when complete, with a normal directory's and files' permissions (mkdtemp's are
+  0700, safetensors' files 0600: another user of a shared model directory could not read it)."""
   out = os.fspath(out)
   if os.path.exists(out):
     raise ConversionError(f"{out} already exists; refusing to overwrite")
@@ -383,6 +414,8 @@ def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
+    for name in os.listdir(tmp):  # safetensors writes its files 0600 whatever the umask
+      os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     os.rename(tmp, out)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -392,9 +425,9 @@ def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
 def tokenizer_files(tokenizer_json: str, cfg: ModelConfig) -> dict[str, str]:
   """tokenizer.json and the tokenizer_config.json with which transformers' AutoTokenizer loads
   it (PreTrainedTokenizerFast, EOS and PAD named as the model's ids)."""
-  from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
+  from olmo3.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
-  tok = Tokenizer.from_file(tokenizer_json)
+  tok = tokenizer_lib.load(tokenizer_json, what="the run's tokenizer")
   special = {}
   for key, token_id in (("eos_token", cfg.eos_token_id), ("pad_token", cfg.pad_token_id)):
     token = tok.id_to_token(token_id) if token_id is not None else None

@@ -22,8 +22,6 @@ from absl import logging
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from olmo3.data import prepare as prepare_lib
-
 FORMAT = 2  # bump when the corpus or its preparation changes (2: the held-out split disjoint)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")  # ids 0 (EOS) and 1 (PAD)
 
@@ -46,20 +44,24 @@ def documents() -> list[tuple[str, str]]:
   stdlib = Path(sysconfig.get_paths()["stdlib"])
   docs = [(str(path.relative_to(stdlib)), path.read_text(encoding="utf-8", errors="replace"))
           for path in _source_paths()]
-  from pydoc_data import topics
-
-  docs.extend((f"pydoc:{name}", topics.topics[name]) for name in sorted(topics.topics))
+  docs.extend((f"pydoc:{name}", text) for name, text in sorted(_topics().items()))
   return [(n, t) for n, t in docs if t.strip()]
 
 
 def _fingerprint() -> list:
   """What the corpus is made of, cheaply: every source file's name and size, every topic's
   length. Reading the 13 MB of text is left to the one process that prepares it."""
-  from pydoc_data import topics
-
   stdlib = Path(sysconfig.get_paths()["stdlib"])
   return ([(str(p.relative_to(stdlib)), p.stat().st_size) for p in _source_paths()]
-          + [(name, len(topics.topics[name])) for name in sorted(topics.topics)])
+          + [(name, len(text)) for name, text in sorted(_topics().items())])
+
+
+def _topics() -> dict[str, str]:
+  """pydoc's help topics (name -> text). Imported here, not at the top: a 1 MB module only the
+  corpus's preparation and fingerprint read."""
+  from pydoc_data import topics
+
+  return topics.topics
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -93,6 +95,10 @@ def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: 
     fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer at a time; the others wait, then reuse it
     if (out / "manifest.json").exists():
       return out
+    # Imported only to build the corpus (once per machine): a run that finds it built never
+    # loads the preparation tool (tests/test_imports.py).
+    from olmo3.data import prepare as prepare_lib  # pylint: disable=import-outside-toplevel
+
     started = time.perf_counter()
     logging.info("preparing the embedded corpus in %s (once per machine: about a minute)", out)
     docs = documents()

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from olmo3 import platforms
+from olmo3 import program
 from olmo3.config import DataConfig
 
 
@@ -203,8 +203,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m olmo3.data.exactly_once", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python -m olmo3.data.exactly_once", __doc__)
   parser.add_argument("--paths", nargs="+", help="token files, in mix order")
   parser.add_argument("--seq_len", type=int)
   parser.add_argument("--max_target_seq_len", type=int, default=None,
@@ -230,8 +229,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, data: DataConfig | None = None) -> int:
   """The CLI; `data` audits a given config (launch/audit.py passes an experiment's)."""
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
-  args = parse(argv)
+  args = parse(argv)  # the program's opening (olmo3.program.parser)
   if args._worker:
     worker(args)
     return 0
@@ -245,4 +243,4 @@ def main(argv: list[str] | None = None, data: DataConfig | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(program.reported(main, lambda: ())())  # Ctrl-C and settings: one line

@@ -18,7 +18,6 @@ they drift from it), or to ship another of its mixes:
 
 from __future__ import annotations
 
-import argparse
 import importlib.resources
 import importlib.util
 import os
@@ -26,7 +25,7 @@ import re
 import shutil
 import sys
 
-from olmo3 import platforms
+from olmo3 import program
 
 SUFFIX = ".txt"
 # A mix name, as opposed to a path: it never leaves the directory it is looked up in.
@@ -92,9 +91,7 @@ def regenerate(names: list[str] | None = None, out: str | None = None) -> list[s
 
 
 def main(argv: list[str] | None = None) -> int:
-  platforms.choose()  # as every program: nothing here touches JAX, nor probes for a TPU
-  parser = argparse.ArgumentParser(prog="python -m olmo3.data.mixes", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python -m olmo3.data.mixes", __doc__)
   parser.add_argument("names", nargs="*", help="ai2-olmo-core mixes to ship besides the shipped")
   parser.add_argument("--list", action="store_true",
                       help="list the shipped mixes and ai2-olmo-core's, copy nothing")

@@ -12,7 +12,6 @@ only the step.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import functools
 import json
@@ -21,6 +20,8 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+
+from olmo3.io import storage
 
 
 def epoch_permutation(n_instances: int, seed: int, epoch: int, chunk: int = 1) -> np.ndarray:
@@ -54,8 +55,8 @@ def order_path(n_instances: int, seed: int, epoch: int, chunk: int,
 
 
 class KeptOrder:
-  """An epoch's order kept in `cache_dir`, computed once per machine and memory-mapped, so every
-  process and loader worker of a job on that machine shares one copy in the page cache (AI2's
+  """An epoch's order kept in `cache_dir`, computed once per machine and read from there, so
+  every process and loader worker of a job on that machine shares one copy in the page cache (AI2's
   stage 1: 724M instances, 2.9 GB, about a minute to compute). Never trusted unchecked: its
   sidecar (JSON) names the order's inputs, its size and a CRC-32 per 64 MiB block, and each
   block is checked the first time this process reads it (`rows`), so a restart reads the blocks
@@ -97,39 +98,42 @@ class KeptOrder:
         if blocks is None or (recompute and not replaced):
           order = epoch_permutation(*self.args)
           blocks = _block_crcs(order)
-          _write_atomic(self.path, order.data)  # (no copy: the order alone is 2.9 GB for AI2's 7B)
-          _write_atomic(self.meta_path, json.dumps(
-              {"key": self.key, "bytes": order.nbytes, "block_crc32": blocks}).encode())
+          # Synced: a minute of computing for AI2's 7B, shared by every process on the machine.
+          # (order.data: no copy, the order alone is 2.9 GB.)
+          storage.write_bytes_atomic(self.path, order.data, durability=storage.Durability.SYNCED)
+          storage.write_bytes_atomic(self.meta_path, json.dumps(
+              {"key": self.key, "bytes": order.nbytes, "block_crc32": blocks}).encode(),
+              durability=storage.Durability.SYNCED)
     self.blocks, self.checked = blocks, set()
     self.inode = self.path.stat().st_ino
-    self.array = (np.zeros(0, np.uint32) if self.args[0] == 0  # np.memmap refuses an empty file
-                  else np.memmap(self.path, dtype=np.uint32, mode="r"))
+
+  def _read(self, start: int, stop: int) -> np.ndarray | None:
+    """Indices [start, stop) as the file holds them now, or None when it holds fewer. Read, not
+    memory-mapped: a kept order cut short in place while a run maps it killed the run with
+    SIGBUS; read, it is one more damaged order, computed again. (Reads go through the page
+    cache all the same: the processes of a machine still share one copy.)"""
+    if stop <= start:
+      return np.zeros(0, np.uint32)
+    with open(self.path, "rb") as f:
+      data = os.pread(f.fileno(), 4 * (stop - start), 4 * start)
+    return np.frombuffer(data, np.uint32) if len(data) == 4 * (stop - start) else None
 
   def rows(self, start: int, stop: int) -> np.ndarray:
     """Indices [start, stop) of the order, their blocks checked (once per process)."""
-    per_block = _BLOCK_BYTES // 4
+    per_block, n = _BLOCK_BYTES // 4, self.args[0]
     for block in range(start // per_block, -(-stop // per_block)):
       if block in self.checked:
         continue
-      data = self.array[block * per_block:(block + 1) * per_block]
-      if zlib.crc32(memoryview(data).cast("B")) != self.blocks[block]:
+      data = self._read(block * per_block, min((block + 1) * per_block, n))
+      if data is None or zlib.crc32(memoryview(data).cast("B")) != self.blocks[block]:
         self._open(recompute=True, seen=self.inode)  # damaged: computed again, then re-read
         return self.rows(start, stop)
       self.checked.add(block)
-    return self.array[start:stop]
-
-
-def _write_atomic(path: Path, data: bytes | memoryview) -> None:
-  tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-  try:
-    with open(tmp, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(tmp)
+    out = self._read(start, stop)
+    if out is None:  # cut short since its blocks were checked
+      self._open(recompute=True, seen=self.inode)
+      return self.rows(start, stop)
+    return out
 
 
 class GlobalOrder:
@@ -150,7 +154,7 @@ class GlobalOrder:
 
   def prepare(self, epoch: int) -> None:
     """Computes `epoch`'s kept order here when the machine has none yet (the loader's process,
-    before its workers start: they then only map it)."""
+    before its workers start: they then only read it)."""
     if self.cache_dir is not None:
       self._epoch(epoch)
 

@@ -57,10 +57,12 @@ import io
 import json
 import os
 import random
+import zipfile
 from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
+from absl import logging
 
 from olmo3.data import tokens as token_files
 from olmo3.data.tokens import TOKEN_DTYPE, DataError
@@ -213,6 +215,7 @@ class PackedIndex:
     key = _key(texts, counts, seq_len, eos_token_id, source_group_size,
                source_permutation_seed, long_doc_strategy)
     files, starts, lens, per_instance, per_group = [], [], [], [np.zeros(1, np.int64)], [0]
+    placed = 0  # documents placed in earlier groups (a group without any EOS places none)
     for group in source_groups(len(texts), source_group_size):
       members = [order[p] for p in group]
       spans = [cap_long_documents(document_spans(find_eos(texts[f], counts[f], eos_token_id)),
@@ -223,7 +226,8 @@ class PackedIndex:
       files.append(doc_file[docs])
       starts.append(doc_span[docs, 0])
       lens.append((doc_span[docs, 1] - doc_span[docs, 0]).astype(np.int32))
-      per_instance.append(bins[1:] + per_instance[-1][-1])
+      per_instance.append(bins[1:] + placed)
+      placed += len(docs)
       per_group.append(per_group[-1] + len(bins) - 1)
     index = cls(key, texts, np.concatenate(per_instance), np.concatenate(files),
                 np.concatenate(starts), np.concatenate(lens), np.asarray(per_group, np.int64))
@@ -238,7 +242,8 @@ class PackedIndex:
     np.savez(buffer, key=np.array(json.dumps(self.key)),
              **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("key", "paths")})
-    storage.write_bytes_atomic(path, buffer.getvalue())
+    # Flushed: a cache, its key checked when read and built again when it does not match.
+    storage.write_bytes_atomic(path, buffer.getvalue(), durability=storage.Durability.FLUSHED)
 
   @classmethod
   def load(cls, path: str | os.PathLike, expected_key: dict | None = None) -> PackedIndex | None:
@@ -246,12 +251,37 @@ class PackedIndex:
     settings than `expected_key` (a `build`'s key)."""
     if not storage.exists(path):
       return None
-    with np.load(io.BytesIO(storage.read_bytes(path))) as saved:
-      key = json.loads(str(saved["key"]))
-      if expected_key is not None and key != json.loads(json.dumps(expected_key)):
-        return None
-      arrays = {name: saved[name] for name in saved.files if name != "key"}
-    return cls(key=key, paths=tuple(key["paths"]), **arrays)
+    try:
+      with np.load(io.BytesIO(storage.read_bytes(path))) as saved:
+        key = json.loads(str(saved["key"]))
+        if expected_key is not None and key != json.loads(json.dumps(expected_key)):
+          return None
+        arrays = {name: saved[name] for name in saved.files if name != "key"}
+      index = cls(key=key, paths=tuple(key["paths"]), **arrays)
+      index.check()
+    # What a truncated or overwritten file raises inside numpy's and zipfile's readers (a
+    # storage failure is a StorageError, raised on): the index is a cache, built again.
+    except (zipfile.BadZipFile, EOFError, ValueError, KeyError, TypeError) as e:
+      logging.warning("packed-document index %s is damaged (%s: %s); building it again",
+                      path, type(e).__name__, e)
+      return None
+    return index
+
+  def check(self) -> None:
+    """Raises ValueError unless the arrays describe a packing: offsets that start at 0, never
+    fall and end at the document count, one file, start and length per document."""
+    n_docs = len(self.doc_file)
+    for name, offsets, end in (("instance_offsets", self.instance_offsets, n_docs),
+                               ("group_offsets", self.group_offsets, len(self))):
+      if (offsets.ndim != 1 or not len(offsets) or offsets[0] != 0 or offsets[-1] != end
+          or (np.diff(offsets) < 0).any()):
+        raise ValueError(f"{name} is not an offset table over {end} entries")
+    if len(self.doc_start) != n_docs or len(self.doc_len) != n_docs:
+      raise ValueError(f"{n_docs} documents but {len(self.doc_start)} starts and "
+                       f"{len(self.doc_len)} lengths")
+    if n_docs and (self.doc_file.min() < 0 or self.doc_file.max() >= len(self.paths)
+                   or self.doc_len.min() < 1 or self.doc_len.max() > self.seq_len):
+      raise ValueError("a document's file or length is out of range")
 
 
 def _key(paths: Sequence[str], counts: Sequence[int], seq_len: int, eos_token_id: int,

@@ -135,9 +135,15 @@ SHARED_ORDER_MIN_INSTANCES = 1 << 20  # below: milliseconds to compute, kept in 
 def order_for(cfg: DataConfig, source: TokenFiles | PackedInstances) -> GlobalOrder:
   """The global order `source`'s instances are drawn in. A large one takes seconds to compute
   (AI2's stage 1, 724M instances: 48 s, 2.9 GB) in every process and loader worker, at each
-  launch: computed once per machine instead, and shared memory-mapped
+  launch: computed once per machine instead, and shared through the page cache
   (olmo3.data.order.KeptOrder)."""
   n = instances(cfg, source)
+  if n < cfg.global_batch_size:
+    packed = " (documents packed)" if isinstance(source, PackedInstances) else ""
+    raise DataError(f"the training data holds {n} instance(s) of DataConfig.seq_len="
+                    f"{cfg.seq_len} tokens{packed}, fewer than one global batch "
+                    f"(DataConfig.global_batch_size={cfg.global_batch_size}): give more data "
+                    "or a smaller global_batch_size")
   shared = embedded.cache_root() / "order" if n >= SHARED_ORDER_MIN_INSTANCES else None
   return GlobalOrder(n, cfg.global_batch_size, cfg.seed, cfg.chunk_instances, shared)
 

@@ -39,7 +39,7 @@ input reproduces the same bytes.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -52,7 +52,6 @@ import os
 import shutil
 import sys
 import tempfile
-import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -60,17 +59,16 @@ from etils import epath
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from olmo3 import platforms
-from olmo3.data import hub, overlap
+from olmo3 import program
+from olmo3.data import overlap
+from olmo3.data import tokenizer as tokenizer_lib
+from olmo3.data.manifest import MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
 from olmo3.io import clients, errors, pathnames, retry, storage
 
-SPLITS = ("train", "heldout")
 DEFAULT_HELDOUT_FRACTION = 0.01  # of the documents, held out unless --heldout_fraction 0
 DEFAULT_HELDOUT_MIN_DOCUMENTS = 100  # the floor: a held-out loss over fewer is mostly noise
 _FLOOR_SHARE = 10  # the floor never holds out more than 1/_FLOOR_SHARE of the documents
-MANIFEST_FILE = "manifest.json"  # what makes a directory a prepared one: written last
-TOKENIZER_FILE = "tokenizer.json"  # beside manifest.json: the tokenizer of the token files
 TOKENS_PER_FILE = 1 << 27  # 512 MB per token file
 _DOCS_PER_CHUNK = 256
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
@@ -155,15 +153,6 @@ def heldout_cut(texts: Iterable[str], fraction: float, min_documents: int) -> in
   if below >= floor or floor == 0:
     return cut
   return sorted(-r for r in smallest)[floor - 1] + 1
-
-
-def load_tokenizer(name: str) -> Tokenizer:
-  if os.path.exists(name):
-    return Tokenizer.from_file(name)
-  try:  # a hub name: fetched once, or one line within seconds (hub.py: not from_pretrained)
-    return Tokenizer.from_file(hub.tokenizer_json(name))
-  except DataError as e:
-    raise DataError(f"--tokenizer {name!r}: {e}") from None
 
 
 def eos_id(tokenizer: Tokenizer, eos: str | None) -> int:
@@ -255,105 +244,6 @@ class _SplitWriter:
     self.pending, self.pending_tokens = [], 0
 
 
-def _decodings(entry: str) -> list[str]:
-  """`entry`, then it percent-decoded, again, ... until decoding changes nothing."""
-  out = [entry]
-  while (decoded := urllib.parse.unquote(out[-1])) != out[-1]:
-    out.append(decoded)
-  return out
-
-
-def _plain_path(entry: str) -> bool:
-  """A relative path of named parts: no absolute path, drive, URL, '.', '..' or empty part
-  (a doubled slash), backslashes taken as slashes (as Windows and browsers' URL parsers
-  read them)."""
-  parts = entry.replace("\\", "/").split("/")
-  return not (entry.startswith(("/", "\\")) or "://" in entry or ":" in parts[0]
-              or any(p in ("", ".", "..") for p in parts))
-
-
-@dataclasses.dataclass(frozen=True)
-class Manifest:
-  """DIR/manifest.json: per split the token files (relative to DIR), each file's token count
-  (`file_tokens`; manifests written before it have the split's total only) and counts. Loading
-  checks the files against it: a missing, shortened or grown file is a DataError naming it."""
-
-  splits: dict
-  vocab_size: int
-  eos_id: int
-  tokenizer: str
-  heldout_fraction: float
-  # The held-out split's check against the training split (overlap.disjoint); None: prepared
-  # before the check existed.
-  overlap: dict | None = None
-
-  @classmethod
-  def load(cls, directory: str | os.PathLike) -> Manifest:
-    """The manifest of `directory` (a local path or a URL, http(s):// included), its files
-    checked."""
-    path = pathnames.join(pathnames.normalized(directory), MANIFEST_FILE)
-    if not storage.exists(path):
-      raise DataError(f"{directory}: no {MANIFEST_FILE} (run python -m olmo3.data.prepare)")
-    try:
-      manifest = cls(**json.loads(storage.read_text(path)))
-      manifest.splits["train"]["tokens"]  # a manifest has at least the training split
-    except (ValueError, TypeError, KeyError) as e:  # malformed JSON, missing or unknown keys
-      raise DataError(f"{path} is not a readable manifest ({type(e).__name__}: {e}); prepare "
-                      "the data again (python -m olmo3.data.prepare)") from None
-    manifest._check_entries(directory, path)
-    manifest._check_files(directory, path)
-    return manifest
-
-  def _check_entries(self, directory: str | os.PathLike, path: str) -> None:
-    """Every listed file lies inside `directory`: a relative path without '..' (or a URL, or a
-    drive) that no symbolic link leads out of. A manifest is data someone else may have
-    written: one naming ../x or /etc/passwd would have a run train on (and an error quote)
-    whatever file that is. The rule holds for each spelling an entry has once percent-escapes
-    are decoded, as often as they decode: an HTTP client decodes and normalises the URL it
-    requests (aiohttp's yarl turns `d/%2e%2e/x` into `/x`), and a server may decode again."""
-    root = os.fspath(directory)
-    local = not pathnames.is_url(root)
-    real_root = os.path.realpath(root) if local else None
-    for split, info in self.splits.items():
-      entries = info.get("files") if isinstance(info, dict) else None
-      if not isinstance(entries, list):
-        raise DataError(f"{path}: split {split!r} has no list of files; prepare the data again "
-                        "(python -m olmo3.data.prepare)")
-      for entry in entries:
-        if not isinstance(entry, str) or not all(map(_plain_path, _decodings(entry))):
-          raise DataError(f"{path}: file {entry!r} of split {split!r} is not a plain path "
-                          "inside its directory (no absolute path, URL, '.' or '..', plain or "
-                          "percent-encoded); the manifest was not written by "
-                          "olmo3.data.prepare or was edited")
-        if local:
-          real = os.path.realpath(os.path.join(root, entry))
-          if os.path.commonpath([real, real_root]) != real_root:
-            raise DataError(f"{path}: file {entry!r} of split {split!r} leads outside its "
-                            f"directory through a symbolic link (to {real})")
-
-  def _check_files(self, directory: str | os.PathLike, path: str) -> None:
-    for split, info in self.splits.items():
-      files = self.files(directory, split)
-      found = storage.sizes(files)  # remote ones concurrently
-      for file, size in zip(files, found):
-        if size is None:
-          raise DataError(f"token file {file} is missing (listed in {path})")
-      have = [size // TOKEN_DTYPE.itemsize for size in found]
-      for file, tokens, want in zip(files, have, info.get("file_tokens", ())):
-        if tokens != want:
-          raise DataError(f"token file {file} holds {tokens} tokens; {path} says {want}: the "
-                          "file was changed or cut short since it was prepared (prepare again)")
-      if sum(have) != info["tokens"]:
-        raise DataError(f"the {split} files of {path} hold {sum(have)} tokens; it says "
-                        f"{info['tokens']}: a file was changed or cut short since it was prepared "
-                        f"({files})")
-
-  def files(self, directory: str | os.PathLike, split: str) -> list[str]:
-    """The paths (or URLs) of a split's token files."""
-    root = pathnames.normalized(directory)
-    return [pathnames.join(root, f) for f in self.splits[split]["files"]]
-
-
 def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
             heldout_fraction: float = DEFAULT_HELDOUT_FRACTION, workers: int = 1,
             eos: str | None = None, progress: bool = True, tokenizer_name: str | None = None,
@@ -369,7 +259,9 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
   except ValueError as e:
     raise DataError(str(e)) from None
   files = expand_inputs(inputs)
-  tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+  _refuse_to_replace_foreign_files(out, files)
+  tok = (tokenizer if isinstance(tokenizer, Tokenizer)
+         else tokenizer_lib.load(tokenizer, what="--tokenizer"))
   eos_token = eos_id(tok, eos)
   cut = heldout_cut(_documents(files), heldout_fraction, heldout_min_documents)
   remote = pathnames.is_url(out)
@@ -377,6 +269,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
     _remove_output(out)
     root = out
   else:
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     root = tempfile.mkdtemp(prefix=".staging-", dir=out)
   try:
@@ -404,25 +297,18 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
         vocab_size=tok.get_vocab_size(), eos_id=eos_token,
         tokenizer=tokenizer_name or (tokenizer if isinstance(tokenizer, str) else "<in memory>"),
         heldout_fraction=heldout_fraction, overlap=disjoint)
-    if manifest.splits["train"]["tokens"] == 0:
-      raise DataError(f"{inputs}: no training tokens (all documents empty or held out)")
-    if cut and manifest.splits["heldout"]["documents"] == 0:
-      raise DataError(f"{inputs}: every held-out document overlaps the training documents and "
-                      "moved to them: no held-out split is left (deduplicate the input, or "
-                      "raise --heldout_fraction)")
+    _check_splits(manifest, inputs, cut)
+    if not remote:
+      _into_place(root, out)
+    # Flushed, as the token files: a tool that can run again, and a manifest whose files are
+    # checked against it whenever it is read.
+    flushed = storage.Durability.FLUSHED
     # The tokenizer travels with its tokens: whoever reads DIR tokenizes tasks and compares
     # tokenizers with this very file, whatever the name it was loaded by points at later.
-    storage.write_bytes_atomic(pathnames.join(root, TOKENIZER_FILE), tok.to_str().encode())
-    if not remote:  # old manifest out first, then the files into place
-      manifest_path = os.path.join(out, MANIFEST_FILE)
-      if os.path.exists(manifest_path):
-        os.remove(manifest_path)
-      for split in SPLITS:
-        shutil.rmtree(os.path.join(out, split), ignore_errors=True)
-        os.replace(os.path.join(root, split), os.path.join(out, split))
-      os.replace(os.path.join(root, TOKENIZER_FILE), os.path.join(out, TOKENIZER_FILE))
+    storage.write_bytes_atomic(pathnames.join(out, TOKENIZER_FILE), tok.to_str().encode(),
+                               durability=flushed)
     storage.write_bytes_atomic(pathnames.join(out, MANIFEST_FILE), json.dumps(
-        dataclasses.asdict(manifest), indent=2, sort_keys=True).encode())
+        dataclasses.asdict(manifest), indent=2, sort_keys=True).encode(), durability=flushed)
     return manifest
   except BaseException as e:
     if remote:  # nothing of a failed run stays in the bucket
@@ -432,6 +318,76 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
   finally:
     if not remote:
       shutil.rmtree(root, ignore_errors=True)
+      if created:  # a failed or interrupted first preparation leaves no empty --out behind
+        with contextlib.suppress(OSError):
+          os.rmdir(out)
+
+
+def _check_splits(manifest: Manifest, inputs: Sequence[str], cut: bool) -> None:
+  """Refuses a preparation with no training tokens, or asked for held-out documents and left
+  with none."""
+  if manifest.splits["train"]["tokens"] == 0:
+    raise DataError(f"{inputs}: no training tokens (all documents empty or held out)")
+  if cut and manifest.splits["heldout"]["documents"] == 0:
+    raise DataError(f"{inputs}: every held-out document overlaps the training documents and "
+                    "moved to them: no held-out split is left (deduplicate the input, or "
+                    "raise --heldout_fraction)")
+
+
+def _into_place(root: str, out: str) -> None:
+  """The staged splits of a local `out` into place: the old manifest out first (from then on
+  `out` is no prepared directory until the new one lands), then each split directory."""
+  manifest_path = os.path.join(out, MANIFEST_FILE)
+  if os.path.exists(manifest_path):
+    os.remove(manifest_path)
+  for split in SPLITS:
+    shutil.rmtree(os.path.join(out, split), ignore_errors=True)
+    os.replace(os.path.join(root, split), os.path.join(out, split))
+
+
+def _refuse_to_replace_foreign_files(out: str, inputs: Sequence[str]) -> None:
+  """`prepare` replaces OUT/train and OUT/heldout whole. Before anything is read or written:
+  refuses an input that lies in one of them, and a file there that no earlier preparation
+  wrote (the manifest beside them, if any, does not list it): the user's files are never
+  removed to make room."""
+  splits = {split: pathnames.join(out, split) for split in SPLITS}
+  if not pathnames.is_url(out):
+    for path in inputs:
+      real = os.path.realpath(path)
+      for split, where in splits.items():
+        inside = os.path.realpath(where)
+        if os.path.commonpath([real, inside]) == inside:
+          raise DataError(f"--input {path} lies in --out {out}'s {split}/, which prepare "
+                          "replaces whole: move the input elsewhere or choose another --out")
+  listed: set[str] = set()
+  manifest_path = pathnames.join(out, MANIFEST_FILE)
+  if storage.exists(manifest_path):
+    try:
+      earlier = json.loads(storage.read_text(manifest_path))
+      listed = {f for info in earlier["splits"].values() for f in info["files"]}
+    except (ValueError, TypeError, KeyError, AttributeError):
+      listed = set()  # a torn or foreign manifest vouches for no file
+  for split, where in splits.items():
+    directory = epath.Path(where)
+    if not directory.exists():
+      continue
+    for found in _files_under(directory):
+      entry = f"{split}/{os.fspath(found.relative_to(directory))}"
+      if entry not in listed:
+        raise DataError(f"--out {out}: {pathnames.join(out, entry)} was not written by an "
+                        f"earlier prepare (no {MANIFEST_FILE} there lists it), and prepare "
+                        f"replaces {split}/ whole: choose an empty or new --out, or move the "
+                        "file")
+
+
+def _files_under(directory: epath.Path) -> Iterator[epath.Path]:
+  """Every file below `directory`, a local one or in a bucket (epath has no recursive glob for
+  buckets), in sorted order."""
+  for child in sorted(directory.iterdir()):
+    if child.is_dir():
+      yield from _files_under(child)
+    else:
+      yield child
 
 
 def _remove_output(out: str) -> None:
@@ -445,9 +401,7 @@ def _remove_output(out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
-  parser = argparse.ArgumentParser(prog="python -m olmo3.data.prepare", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python -m olmo3.data.prepare", __doc__)
   parser.add_argument("--input", action="append", required=True,
                       help="a file or glob pattern (repeatable): .txt, .jsonl[.gz], .parquet")
   parser.add_argument("--tokenizer", required=True, help="tokenizer.json path or hub name")
@@ -468,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = prepare(args.input, args.tokenizer, args.out, args.heldout_fraction,
                        args.workers, args.eos, heldout_min_documents=args.heldout_min_documents)
   except (DataError, OSError) as e:  # OSError: the output's store (olmo3.io.storage)
-    if errors.traceback_wanted():  # OLMO3_TRACEBACK=1
+    if program.traceback_wanted():  # OLMO3_TRACEBACK=1
       raise
     print(f"error: {errors.first_line(e)}", file=sys.stderr)
     return 2
@@ -483,5 +437,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
   # Whatever else it raises from the stores ends as one line too, and the process ends even
-  # if a client's thread does not (errors.reported).
-  sys.exit(errors.reported(main, lambda: (DataError, OSError))())
+  # if a client's thread does not (program.reported).
+  sys.exit(program.reported(main, lambda: (DataError, OSError))())

@@ -14,23 +14,19 @@ listings, no symbolic link out of it), read-only, without authentication: bind i
 the machines that should read the data reach it. `python -m http.server` is no substitute: it
 ignores Range requests, and a run refuses such a server at its first request.
 
-`RangeServer` is the same server in a thread (a test's or benchmark's), with what they need
-besides: a fixed latency added to every request (a far-away host), transient failures injected
-on purpose (HTTP 503 for the first k requests of each file; HTTP 500 for a random fraction of
-all requests, seeded: a flaky host), Range requests ignored (a plain file server), request
-counts and the most requests it served at once.
+`RangeServer` is the same server in a thread (the command's, a test's or a benchmark's; the
+tests' and benchmarks' latency, injected failures and request counts are a subclass of theirs,
+harness/storage_servers.py's `InstrumentedRangeServer`):
 
-  with RangeServer(directory, latency_s=0.02) as server:
+  with RangeServer(directory) as server:
       server.url  # http://127.0.0.1:PORT ; file DIR/a/b.npy is server.url + "/a/b.npy"
 """
 
 from __future__ import annotations
 
-import argparse
-import collections
+import dataclasses
 import http.server
 import os
-import random
 import re
 import signal
 import socket
@@ -38,26 +34,40 @@ import sys
 import threading
 import time
 
-from olmo3 import platforms
-from olmo3.data.prepare import MANIFEST_FILE
+from olmo3 import program
+from olmo3.data.manifest import MANIFEST_FILE
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  """The bytes a response carries: `length` bytes of the file `path` from `start`."""
+  path: str
+  start: int
+  length: int
 
 
 class RangeServer:
   """Serves `directory` on `host`:`port` (0: a free port) from a thread, between `__enter__`
   and `__exit__`."""
 
-  def __init__(self, directory: str, latency_s: float = 0.0, fail_first: int = 0,
-               honour_range: bool = True, host: str = "127.0.0.1", port: int = 0,
-               error_rate: float = 0.0, seed: int = 0):
+  def __init__(self, directory: str, host: str = "127.0.0.1", port: int = 0):
     self.directory = os.path.realpath(directory)
-    self.latency_s, self.fail_first, self.honour_range = latency_s, fail_first, honour_range
-    self.error_rate, self._errors = error_rate, random.Random(seed)
-    self.errors_injected = 0  # requests answered 500 for `error_rate`
-    self.requests: collections.Counter[str] = collections.Counter()  # "GET /a.npy" -> count
-    self.in_flight = self.max_in_flight = 0  # requests being served: now, and at most at once
-    self._lock = threading.Lock()
+
+    class Server(http.server.ThreadingHTTPServer):
+      request_queue_size = 1024  # the default listen backlog (5) stalls concurrent clients 1 s
+      address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+      daemon_threads = True
+
+      def handle_error(self, request, client_address):  # a client that hung up: not news
+        pass
+
+    self._server = Server((host, port), self.handler())
+    self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+  def handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+    """The request handler class (a subclass may extend its `_serve` and `_reply`)."""
     server = self
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -72,77 +82,45 @@ class RangeServer:
         ok = path.startswith(server.directory + os.sep) and os.path.isfile(path)
         return path if ok else None
 
-      def _count(self) -> int:
-        with server._lock:
-          server.requests[f"{self.command} {self.path}"] += 1
-          return server.requests[f"{self.command} {self.path}"]
-
-      def _reply(self, status: int, headers: dict[str, str], body: bytes = b"") -> None:
+      def _reply(self, status: int, headers: dict[str, str], body: Span | None = None
+                 ) -> None:
         self.send_response(status)
         for k, v in headers.items():
           self.send_header(k, v)
         self.end_headers()
-        if self.command != "HEAD" and body:
-          self.wfile.write(body)
+        if self.command != "HEAD" and body is not None and body.length:
+          # Streamed from the file (sendfile where the system has it): a response is never
+          # held in memory whole, so unread large GETs cost a socket's buffers, not their size.
+          with open(body.path, "rb") as f:
+            self.connection.sendfile(f, body.start, body.length)
 
       def _serve(self) -> None:
-        with server._lock:
-          server.in_flight += 1
-          server.max_in_flight = max(server.max_in_flight, server.in_flight)
-        try:
-          self._respond()
-        finally:
-          with server._lock:
-            server.in_flight -= 1
-
-      def _respond(self) -> None:
-        if server.latency_s:
-          time.sleep(server.latency_s)
-        n = self._count()
-        if n <= server.fail_first:
-          self._reply(503, {"Content-Length": "0", "Retry-After": "0"})
-          return
-        if server.error_rate and server._fails():
-          self._reply(500, {"Content-Length": "0"})
-          return
         path = self._file()
         if path is None:
           self._reply(404, {"Content-Length": "0"})
           return
         size = os.path.getsize(path)
         match = _RANGE.match(self.headers.get("Range", ""))
-        if match and server.honour_range and self.command == "GET":
+        if match and self.command == "GET":
           start = int(match[1])
           end = min(int(match[2]) + 1 if match[2] else size, size)
           if start >= size or start >= end:
             self._reply(416, {"Content-Range": f"bytes */{size}", "Content-Length": "0"})
             return
-          with open(path, "rb") as f:
-            f.seek(start)
-            body = f.read(end - start)
-          self._reply(206, {"Content-Length": str(len(body)), "Accept-Ranges": "bytes",
+          self._reply(206, {"Content-Length": str(end - start), "Accept-Ranges": "bytes",
                             "Content-Range": f"bytes {start}-{end - 1}/{size}",
-                            "Content-Type": "application/octet-stream"}, body)
+                            "Content-Type": "application/octet-stream"},
+                      Span(path, start, end - start))
           return
-        body = b""
-        if self.command == "GET":
-          with open(path, "rb") as f:
-            body = f.read()
         self._reply(200, {"Content-Length": str(size), "Content-Type": "application/octet-stream",
-                          **({"Accept-Ranges": "bytes"} if server.honour_range else {})}, body)
+                          "Accept-Ranges": "bytes"}, Span(path, 0, size))
 
-      do_GET = do_HEAD = _serve  # noqa: N815
+      def do_GET(self) -> None:  # noqa: N802
+        self._serve()
 
-    class Server(http.server.ThreadingHTTPServer):
-      request_queue_size = 1024  # the default listen backlog (5) stalls concurrent clients 1 s
-      address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-      daemon_threads = True
+      do_HEAD = do_GET  # noqa: N815
 
-      def handle_error(self, request, client_address):  # a client that hung up: not news
-        pass
-
-    self._server = Server((host, port), Handler)
-    self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+    return Handler
 
   @property
   def url(self) -> str:
@@ -152,19 +130,6 @@ class RangeServer:
     if host in ("0.0.0.0", "::"):
       host = public_name()
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
-
-  def _fails(self) -> bool:
-    """Whether this request is one of the `error_rate` answered 500."""
-    with self._lock:
-      failed = self._errors.random() < self.error_rate
-      self.errors_injected += failed
-      return failed
-
-  def get_requests(self, path_suffix: str = "") -> int:
-    """GET requests served (or refused) for paths ending with `path_suffix`."""
-    with self._lock:
-      return sum(n for k, n in self.requests.items()
-                 if k.startswith("GET ") and k.endswith(path_suffix))
 
   def __enter__(self) -> RangeServer:
     self._thread.start()
@@ -203,9 +168,7 @@ def announcement(directory: str, url: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  platforms.choose()  # first, as every program (tests/test_imports.py): no TPU probing
-  parser = argparse.ArgumentParser(prog="python -m olmo3.data.serve", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python -m olmo3.data.serve", __doc__)
   parser.add_argument("directory", metavar="DIR", help="the directory whose files are served")
   parser.add_argument("--port", type=int, default=8000, help="0: any free port")
   parser.add_argument("--host", default="127.0.0.1",

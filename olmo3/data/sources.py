@@ -21,12 +21,13 @@ from typing import NamedTuple
 
 from olmo3.io import clients, file_sizes, pathnames, storage
 from olmo3.config import DataConfig, Experiment, ModelConfig
-from olmo3.data import embedded, mixes, packing, prepare
+from olmo3.data import embedded, mixes, packing
+from olmo3.data import tokenizer as tokenizer_lib
+from olmo3.data.manifest import MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest
 from olmo3.data.tokens import UNLABELLED, DataError, TokenFiles
 
 EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout"}  # the built-in corpus's splits
 EMBEDDED_LABEL = "embedded"  # the built-in corpus is one source; both splits carry its label
-_MANIFEST = prepare.MANIFEST_FILE
 
 
 class MixFile(NamedTuple):
@@ -41,7 +42,7 @@ class Prepared:
   directory: str  # pathnames.normalized: the spelling its token files' paths start with
   split: str
   label: str  # the source / held-out set name: the directory's name ("embedded" built in)
-  manifest: prepare.Manifest
+  manifest: Manifest
   builtin: bool  # the embedded corpus, named by its mix names
 
   @property
@@ -49,7 +50,7 @@ class Prepared:
     """What tasks load the tokenizer from: the copy `prepare` writes beside the tokens."""
     if self.builtin:
       return "embedded"
-    return pathnames.join(self.directory, prepare.TOKENIZER_FILE)
+    return pathnames.join(self.directory, TOKENIZER_FILE)
 
   def mix(self, split: str) -> str:
     """The mix name of a split of this directory."""
@@ -72,16 +73,16 @@ def prepared(mix: str, split: str = "train") -> Prepared | None:
       raise DataError(str(e)) from None
     directory = pathnames.normalized(mix)
     parent, name = pathnames.split(directory)
-    has_manifest = storage.exists(pathnames.join(directory, _MANIFEST))
-    if (name in prepare.SPLITS and not has_manifest
-        and storage.exists(pathnames.join(parent, _MANIFEST))):
+    has_manifest = storage.exists(pathnames.join(directory, MANIFEST_FILE))
+    if (name in SPLITS and not has_manifest
+        and storage.exists(pathnames.join(parent, MANIFEST_FILE))):
       directory, split = parent, name
     elif not has_manifest:
       return None
     label = pathnames.split(directory)[1]
-  manifest = prepare.Manifest.load(directory)
+  manifest = Manifest.load(directory)
   if split not in manifest.splits:
-    raise DataError(f"{pathnames.join(directory, _MANIFEST)} has no {split!r} split")
+    raise DataError(f"{pathnames.join(directory, MANIFEST_FILE)} has no {split!r} split")
   return Prepared(directory, split, label, manifest, builtin)
 
 
@@ -102,7 +103,7 @@ def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, fiel
     return [MixFile(split.label, p) for p in split.manifest.files(split.directory, split.split)]
   mix_path = mix
   if storage.is_dir(mix):
-    raise DataError(f"{field}={mix!r} is a directory without {_MANIFEST}: expected a directory "
+    raise DataError(f"{field}={mix!r} is a directory without {MANIFEST_FILE}: expected a directory "
                     "written by python -m olmo3.data.prepare (or a mix file)")
   if not storage.exists(mix):
     if pathnames.is_url(mix):
@@ -183,7 +184,7 @@ def tokenizer_file(name: str) -> str:
   a URL (a prepared directory's copy in a bucket) a local copy of it in the cache; any other
   name (a tokenizer.json path or a Hugging Face hub name) is itself."""
   if name == "embedded":
-    return os.fspath(embedded.corpus_dir() / prepare.TOKENIZER_FILE)
+    return os.fspath(embedded.corpus_dir() / TOKENIZER_FILE)
   if pathnames.is_url(name):  # tokenizers opens local files only: a copy in the cache
     return _remote_copy(name)
   return name
@@ -200,7 +201,8 @@ def _remote_copy(url: str) -> str:
     raise DataError(f"tokenizer file {url} does not exist")
   content = storage.read_bytes(url)
   if not local.exists() or local.read_bytes() != content:
-    storage.write_bytes_atomic(local, content)
+    # Flushed: a cache, compared with the original at every first use in a process.
+    storage.write_bytes_atomic(local, content, durability=storage.Durability.FLUSHED)
   return os.fspath(local)
 
 
@@ -215,7 +217,8 @@ def _file_digest(path: str) -> str:
 @functools.lru_cache(maxsize=16)
 def _digest(path: str, mtime_ns: int, size: int) -> str:  # keyed by the file's state
   del mtime_ns, size
-  return hashlib.sha256(prepare.load_tokenizer(path).to_str().encode()).hexdigest()
+  return hashlib.sha256(tokenizer_lib.load(path, what="tokenizer file").to_str().encode()
+                        ).hexdigest()
 
 
 def _same_tokenizer(a: str, b: str) -> bool:
@@ -267,22 +270,12 @@ class Resolved:
   no_heldout: str | None = None
 
 
-def resolve(exp: Experiment, sizes: file_sizes.SizeCache | None = None) -> Resolved:
-  """The experiment a run executes and its files: `eval.heldout=None` becomes the held-out
-  split of the training data (`data.mix` a prepared directory; `()` when it has none or the
-  data is no prepared directory), a prepared directory named in `eval.heldout` becomes its
-  heldout split, `eval.heldout_root=None` becomes `data.root` (the one place that default
-  lives: `heldout_root`) and `eval.tokenizer=None` the training data's tokenizer. Explicit values are kept.
-  Refuses (DataError, one line naming both) a data.root that does not exist or that nothing
-  reads, a held-out set or task tokenizer whose tokenizer differs from the training data's, a
-  held-out set that lists a training file, and a tokenizer whose EOS or vocabulary the model
-  does not share. Idempotent: resolving the resolved experiment changes nothing.
-
-  With `sizes` (a run's size cache), the training files are also opened and checked
-  (`Resolved.train_files`) as soon as they are listed: a missing token file is the error a
-  launch reports first, before what follows from the data's other settings."""
-  data, ev, model = exp.data, exp.eval, exp.model
-  train = prepared(data.mix) if data.mix else None
+def _heldout_mixes(exp: Experiment, train: Prepared | None
+                   ) -> tuple[tuple[str, ...], list[Prepared | None], str | None]:
+  """`resolve`'s held-out sets: (the mixes, each one's prepared split or None, why there is
+  none when there is none). `eval.heldout=None` takes the training data's held-out split; a
+  prepared directory named bare means its held-out split, spelled out."""
+  data, ev = exp.data, exp.eval
   no_heldout = None
   if ev.heldout is None:
     has_docs = (train is not None
@@ -308,9 +301,32 @@ def resolve(exp: Experiment, sizes: file_sizes.SizeCache | None = None) -> Resol
     splits = [prepared(m, "heldout") for m in ev.heldout]
     heldout = tuple(p.mix("heldout") if p is not None and p.split == "heldout" else m
                     for p, m in zip(splits, ev.heldout))
+  return heldout, splits, no_heldout
+
+
+def resolve(exp: Experiment, sizes: file_sizes.SizeCache | None = None) -> Resolved:
+  """The experiment a run executes and its files: `eval.heldout=None` becomes the held-out
+  split of the training data (`data.mix` a prepared directory; `()` when it has none or the
+  data is no prepared directory), a prepared directory named in `eval.heldout` becomes its
+  heldout split, `eval.heldout_root=None` becomes `data.root` (the one place that default
+  lives: `heldout_root`) and `eval.tokenizer=None` the training data's tokenizer. Explicit values are kept.
+  Refuses (DataError, one line naming both) a data.root that does not exist or that nothing
+  reads, a held-out set or task tokenizer whose tokenizer differs from the training data's, a
+  held-out set that lists a training file, and a tokenizer whose EOS or vocabulary the model
+  does not share. Idempotent: resolving the resolved experiment changes nothing.
+
+  With `sizes` (a run's size cache), the training files are also opened and checked
+  (`Resolved.train_files`) as soon as they are listed: a missing token file is the error a
+  launch reports first, before what follows from the data's other settings."""
+  data, ev, model = exp.data, exp.eval, exp.model
+  train = prepared(data.mix) if data.mix else None
+  heldout, splits, no_heldout = _heldout_mixes(exp, train)
   root = heldout_root(exp)
   follows = ev.heldout_root in (None, data.root)  # held-out mix files relative to data.root
   _check_root(exp, [train] * bool(data.mix) + splits * follows)
+  for field, mix, mix_root in ([("DataConfig.mix", data.mix, data.root)] * bool(data.mix)
+                                + [("EvalConfig.heldout", m, root) for m in heldout]):
+    _refuse_a_named_mix_without_root(field, mix, mix_root)
   training = (_listed(data.mix, train, data.root, data.tokenizer_id, "DataConfig.mix")
               if data.mix else training_files(data))
   opened = (token_files(data, model.vocab_size, sizes, files=training, model=model)
@@ -340,11 +356,11 @@ def resolve(exp: Experiment, sizes: file_sizes.SizeCache | None = None) -> Resol
     per_mix.append((mix, tuple(files)))
     if split is None:
       continue  # a mix file: its tokenizer is not recorded anywhere to compare
-    _check_model(split, model)
     if train is not None and not _same_tokenizer(split.tokenizer, train.tokenizer):
       raise DataError(f"EvalConfig.heldout={mix!r} was tokenized with {split.tokenizer}, the "
                       f"training data ({data.mix}) with {train.tokenizer}: a held-out loss "
                       "is only comparable on the training tokenizer")
+    _check_model(split, model)
   resolved = dataclasses.replace(exp, eval=dataclasses.replace(
       ev, heldout=heldout, heldout_root=root, tokenizer=tokenizer))
   return Resolved(resolved, tuple(training), tuple(per_mix), opened, no_heldout)
@@ -374,6 +390,17 @@ def by_set(files: list[MixFile]) -> dict[str, tuple[str, ...]]:
   return {k: tuple(v) for k, v in sets.items()}
 
 
+def _refuse_a_named_mix_without_root(field: str, mix: str, root: str) -> None:
+  """A named mix of AI2's (a list olmo3 ships) lists paths relative to AI2's token store: with
+  no root to put them under, a launch named a file inside the installed package as missing."""
+  if (not root and mix not in EMBEDDED and not pathnames.is_url(mix) and not storage.exists(mix)
+      and mixes.find(mix) is not None):
+    setting = "DataConfig.root" if field == "DataConfig.mix" else "eval.heldout_root (or data.root)"
+    raise DataError(f"{field}={mix!r} is a named mix of AI2's token files, listed relative to "
+                    f"where they are stored: set {setting} to that directory or URL "
+                    "(--fdl_set=data.root='\"gs://bucket/olmo3-data\"')")
+
+
 def _check_root(exp: Experiment, found: list[Prepared | None]) -> None:
   """DataConfig.root, if given, exists and is used: only token files given as `paths` and the
   files of a mix file are relative to it (also held-out mix files while eval.heldout_root is
@@ -394,12 +421,18 @@ def _check_root(exp: Experiment, found: list[Prepared | None]) -> None:
 
 def _check_model(split: Prepared, model) -> None:
   """A prepared directory's tokens fit the model: its EOS ends the model's documents (held-out
-  sets are cut at it) and its vocabulary fits the embedding."""
+  sets are cut at it) and its tokenizer's vocabulary is the model's."""
   m = split.manifest
-  where = pathnames.join(split.directory, _MANIFEST)
+  where = pathnames.join(split.directory, MANIFEST_FILE)
   if m.eos_id != model.eos_token_id:
     raise DataError(f"{where}: its documents end with EOS id {m.eos_id} ({split.tokenizer}), "
                     f"but ModelConfig.eos_token_id={model.eos_token_id}")
-  if m.vocab_size > model.vocab_size:
-    raise DataError(f"{where}: its tokenizer has {m.vocab_size} tokens, more than "
-                    f"ModelConfig.vocab_size={model.vocab_size}")
+  if m.vocab_size != model.vocab_size:
+    # More tokens than the model's vocabulary would index past its embedding; fewer leave the
+    # model's extra rows untrained and its vocabulary not the tokenizer's (a 4,096-entry
+    # tokenizer trained the tiny 8,192-entry model silently).
+    raise DataError(f"{where}: its tokenizer has {m.vocab_size} tokens, "
+                    f"{'more' if m.vocab_size > model.vocab_size else 'fewer'} than "
+                    f"ModelConfig.vocab_size={model.vocab_size}: set model.vocab_size (and "
+                    "model.padded_vocab_size, model.eos_token_id, model.pad_token_id) to "
+                    "the tokenizer's")

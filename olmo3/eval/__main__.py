@@ -7,7 +7,9 @@ rule is olmo3/run/record.py's):
 held-out LM loss per set (CE, PPL) and downstream tasks (every metric OLMo-core logs, and the
 documents scored), on a mesh that fills this machine's devices. Writes one JSON report (default
 WORKDIR/eval_report.json):
-{"workdir", "steps": {"<step>": {"heldout": {set: {ce_loss, ppl}}, "tasks": {task: {...}}}}}.
+{"workdir", "steps": {"<step>": {"heldout": {set: {ce_loss, ppl, ...}}, "tasks": {task: {...}},
+"metrics": {name: value}}}}, where "metrics" holds both under the names a run logs them by
+(eval/<set>/<metric>, downstream/<task>/<metric>: compare it with metrics.jsonl by key).
 
 --like RUN2 scores the checkpoints with RUN2's evaluation settings and sequence length (the
 model stays the one the checkpoint trained): e.g. stage 2's model on stage 3's long held-out
@@ -16,7 +18,6 @@ documents, CE per position band, to compare with stage 3's own.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -24,9 +25,9 @@ import sys
 
 from etils import epath
 
-from olmo3 import platforms
-from olmo3.io import pathnames
-from olmo3.config import Experiment, MeshConfig
+from olmo3 import program
+from olmo3.io import pathnames, storage
+from olmo3.config import ConfigError, Experiment, MeshConfig
 from olmo3.run import record
 
 
@@ -39,13 +40,19 @@ def load_experiment(workdir: str, step: int | None = None) -> Experiment:
     raise SystemExit(f"error: {e}") from None
   if not path.exists():
     raise SystemExit(f"error: {path} not found (not a run workdir of olmo3's launcher)")
-  return Experiment.from_dict(json.loads(path.read_text()))
+  try:
+    return Experiment.from_dict(json.loads(path.read_text()))
+  # Torn, edited into another shape, or foreign (a value out of its bounds is the config's own
+  # one-line ConfigError, naming the field).
+  except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+    why = (str(e).strip().splitlines() or [""])[0]
+    raise SystemExit(f"error: {path} is not a readable experiment record ({type(e).__name__}: "
+                     f"{why}); it was edited, cut short or not written by olmo3's launcher"
+                     ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
-  parser = argparse.ArgumentParser(prog="python -m olmo3.eval", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python -m olmo3.eval", __doc__)
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
   parser.add_argument("--all_steps", action="store_true", help="every checkpoint of the run")
@@ -62,29 +69,60 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
   from olmo3.io.checkpoint import restore_params, run_steps
-  from olmo3.eval.evaluator import Evaluator
-  from olmo3.placement import ShardedModel
 
-  workdir = epath.Path(args.workdir)  # a local path or an object-store URL alike
   directory = record.Workdir(args.workdir).checkpoints
-  steps = run_steps(directory)
+  steps = _chosen_steps(args, run_steps(directory))
+  if steps is None:
+    return 2
+  evaluator_for = _Evaluators(args, like)
+  report = {"workdir": os.fspath(pathnames.absolute(args.workdir)), "steps": {}}
+  for step in steps:
+    evaluator = evaluator_for(step)
+    if not evaluator.exp.eval.heldout and not evaluator.tasks:
+      print(f"nothing to evaluate at step {step}: the run has no held-out sets and no "
+            "downstream tasks available", file=sys.stderr)
+      return 2
+    params = restore_params(directory / str(step), evaluator.model.param_target)
+    report["steps"][str(step)] = _evaluated(evaluator, params, step)
+  # Scored like another run: a report of its own beside the run's own report.
+  default = (f"eval_report.like-{pathnames.split(pathnames.absolute(args.like))[1]}.json"
+             if args.like else "eval_report.json")
+  out = epath.Path(args.out) if args.out else epath.Path(args.workdir) / default
+  # Flushed: a report, written again by evaluating again.
+  storage.write_bytes_atomic(out, json.dumps(report, indent=1).encode(),
+                             durability=storage.Durability.FLUSHED)
+  print(f"wrote {out}")
+  return 0
+
+
+def _chosen_steps(args, steps: list[int]) -> list[int] | None:
+  """The checkpoints to score (--step, --all_steps, else the latest); None after printing why
+  there are none."""
   if not steps:
     print(f"error: {args.workdir} has no checkpoint", file=sys.stderr)
-    return 2
+    return None
   if args.step is not None:
     if args.step not in steps:
       print(f"error: no checkpoint at step {args.step} (have {steps})", file=sys.stderr)
-      return 2
-    steps = [args.step]
-  elif not args.all_steps:
-    steps = steps[-1:]
+      return None
+    return [args.step]
+  return steps if args.all_steps else steps[-1:]
 
-  evaluators: dict[str, Evaluator] = {}
 
-  def evaluator_for(step: int) -> Evaluator:
-    """The evaluator of the revision that wrote `step`: its held-out sets, tasks and model."""
+class _Evaluators:
+  """The evaluator of the revision that wrote a step (its held-out sets, tasks and model), one
+  per revision, with --like, --tasks and --task_limit applied."""
+
+  def __init__(self, args, like: Experiment | None):
+    self.args, self.like, self.built = args, like, {}
+
+  def __call__(self, step: int):
+    from olmo3.eval.evaluator import Evaluator
+    from olmo3.placement import ShardedModel
+
+    args, like = self.args, self.like
     key = os.fspath(record.experiment_file(args.workdir, step))
-    if key not in evaluators:
+    if key not in self.built:
       exp = load_experiment(args.workdir, step)
       if like is not None:  # the model may then read past the length it trained at
         exp = dataclasses.replace(
@@ -96,37 +134,24 @@ def main(argv: list[str] | None = None) -> int:
       if args.task_limit is not None:
         eval_cfg = dataclasses.replace(eval_cfg, task_limit=args.task_limit)
       exp = dataclasses.replace(exp, eval=eval_cfg, mesh=MeshConfig())
-      evaluators[key] = Evaluator(exp, ShardedModel.for_experiment(exp))
-    return evaluators[key]
+      self.built[key] = Evaluator(exp, ShardedModel.for_experiment(exp))
+    return self.built[key]
 
-  report = {"workdir": os.fspath(pathnames.absolute(args.workdir)), "steps": {}}
-  for step in steps:
-    evaluator = evaluator_for(step)
-    if not evaluator.exp.eval.heldout and not evaluator.tasks:
-      print(f"nothing to evaluate at step {step}: the run has no held-out sets and no "
-            "downstream tasks available", file=sys.stderr)
-      return 2
-    params = restore_params(directory / str(step), evaluator.model.param_target)
-    heldout = evaluator.heldout_metrics(params)
-    tasks = evaluator.task_metrics(params)
-    report["steps"][str(step)] = {"heldout": heldout, "tasks": tasks}
-    print(f"step {step}: " + ", ".join(
-        [f"{n} ce {r['ce_loss']:.4f} ppl {r['ppl']:.1f}" for n, r in heldout.items()]
-        + [f"{t.name} {t.headline} {tasks[t.name][t.headline]:.4f} ({t.docs} docs)"
-           for t in evaluator.tasks]))
-    for name, result in heldout.items():
-      bands = band_lines(result)
-      if bands:
-        print(f"  {name} CE by position: {bands}")
-  # Scored like another run: a report of its own beside the run's own report.
-  default = (f"eval_report.like-{pathnames.split(pathnames.absolute(args.like))[1]}.json"
-             if args.like else "eval_report.json")
-  out = epath.Path(args.out) if args.out else workdir / default
-  tmp = out.parent / f"{out.name}.tmp"  # whole or not at all
-  tmp.write_text(json.dumps(report, indent=1))
-  tmp.replace(out)
-  print(f"wrote {out}")
-  return 0
+
+def _evaluated(evaluator, params, step: int) -> dict:
+  """One step's report entry (held-out sets, tasks, and both under the names a run logs them
+  by), its line printed."""
+  scores = evaluator.score(params)
+  heldout, tasks = scores["heldout"], scores["tasks"]
+  print(f"step {step}: " + ", ".join(
+      [f"{n} ce {r['ce_loss']:.4f} ppl {r['ppl']:.1f}" for n, r in heldout.items()]
+      + [f"{t.name} {t.headline} {tasks[t.name][t.headline]:.4f} ({t.docs} docs)"
+         for t in evaluator.tasks]))
+  for name, result in heldout.items():
+    bands = band_lines(result)
+    if bands:
+      print(f"  {name} CE by position: {bands}")
+  return scores
 
 
 def band_lines(result: dict[str, float]) -> str:
@@ -140,7 +165,6 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
   """What this program reports as one `error:` line (OLMO3_TRACEBACK=1 shows the traceback):
   a run's files that cannot be used (config, checkpoint, data, tasks, record) and the
   storage's failures (a missing file, a store down past the retry budget)."""
-  from olmo3.config import ConfigError
   from olmo3.data.tokens import DataError
   from olmo3.eval.tasks import TaskError
   from olmo3.io.checkpoint import CheckpointError
@@ -149,6 +173,4 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
 
 
 if __name__ == "__main__":
-  from olmo3.io import errors
-
-  sys.exit(errors.reported(main, _one_line_errors)())
+  sys.exit(program.reported(main, _one_line_errors)())

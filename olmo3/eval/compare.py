@@ -56,7 +56,7 @@ from typing import Any
 
 from etils import epath
 
-from olmo3 import platforms
+from olmo3 import program
 from olmo3.eval import ce_definitions, spikes
 from olmo3.eval.ce_definitions import OlmoCoreEvaluation
 from olmo3.eval.metric_series import CompareError, Source, load
@@ -427,9 +427,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
-  parser = argparse.ArgumentParser(prog="python -m olmo3.eval.compare", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python -m olmo3.eval.compare", __doc__)
   parser.add_argument("ours", help="run workdir, metrics.jsonl, .jsonl or .csv")
   parser.add_argument("reference", help="run workdir, metrics.jsonl, .jsonl or .csv")
   parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
@@ -489,4 +487,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(program.reported(main, lambda: ())())  # Ctrl-C and settings: one line

@@ -215,19 +215,32 @@ class Evaluator:
       return tasks_lib.evaluate(self.tasks, self.buckets, exp.eval.batch_size,
                                 exp.model.pad_token_id, row_logprob, choice_logprobs)
 
+  def score(self, params: Any, stop: Callable[[], bool] | None = None) -> dict[str, dict]:
+    """{"heldout": {set: metrics}, "tasks": {task: metrics}, "metrics": both under the names a
+    run logs them by (`logged_names`)}: what `python -m olmo3.eval` reports for a step."""
+    heldout, tasks = self.heldout_metrics(params, stop), self.task_metrics(params, stop)
+    return {"heldout": heldout, "tasks": tasks, "metrics": logged_names(heldout, tasks)}
+
   def evaluate(self, params: Any, stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """Held-out metrics per set and downstream task metrics, as flat metric names
     (eval/<set>/ce_loss, eval/<set>/ppl, eval/<set>/tokens, ..., downstream/<task>/<metric>).
     `stop` is asked before each batch: when it says so, Stopped is raised and nothing is
     scored."""
-    out = {}
-    for name, result in self.heldout_metrics(params, stop).items():
-      out.update({f"eval/{name}/{k}": v for k, v in result.items()})
-    for name, result in self.task_metrics(params, stop).items():
-      out.update({f"downstream/{name}/{k}": v for k, v in result.items() if k != "docs"})
+    out = self.score(params, stop)["metrics"]
     if jax.process_count() > 1:
       _check_same_on_every_process(out)
     return out
+
+
+def logged_names(heldout: dict[str, dict[str, float]], tasks: dict[str, dict[str, float]]
+                 ) -> dict[str, float]:
+  """Held-out and task results under the names a run logs them by: eval/<set>/<metric> and
+  downstream/<task>/<metric> (a task's document count is not a metric). The one naming: the
+  loop logs these and `python -m olmo3.eval`'s report holds them, so the two compare by key."""
+  out = {f"eval/{name}/{k}": v for name, result in heldout.items() for k, v in result.items()}
+  out.update({f"downstream/{name}/{k}": v for name, result in tasks.items()
+              for k, v in result.items() if k != "docs"})
+  return out
 
 
 def _banded(logprobs: list[jax.Array], masks: list[np.ndarray], band: int, seq_len: int

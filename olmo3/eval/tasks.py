@@ -199,7 +199,9 @@ def load_tasks(labels: Sequence[str], tokenizer: str, eos_id: int, pad_id: int, 
       loaded = load_tokenizer(tokenizer, eos_id, pad_id)
     task = load_task(label, loaded, seq_len, limit)
     try:
-      storage.write_bytes_atomic(path, json.dumps(dataclasses.asdict(task)).encode())
+      # Flushed: a cache; a file a crash cut short fails to parse and is prepared again.
+      storage.write_bytes_atomic(path, json.dumps(dataclasses.asdict(task)).encode(),
+                                 durability=storage.Durability.FLUSHED)
     except OSError:  # a read-only cache: prepare again next time
       pass
     out.append(task)

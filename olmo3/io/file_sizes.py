@@ -61,7 +61,8 @@ class SizeCache:
     merged = {**self._recorded, **self._checked}
     if merged == self._recorded or self.path is None:
       return
+    # Flushed: a cache of what the store says, re-checked at every launch.
     storage.write_bytes_atomic(self.path, json.dumps(
         {url: [stat.size, stat.version] for url, stat in merged.items()}, indent=0,
-        sort_keys=True).encode())
+        sort_keys=True).encode(), durability=storage.Durability.FLUSHED)
     self._recorded = merged

@@ -202,10 +202,9 @@ def _drop_after(path: str | os.PathLike, step: int, name: str) -> None:
     with open(f"{os.fspath(path)}{SET_ASIDE}", "a", errors="surrogateescape") as f:
       f.writelines(aside)
   if len(kept) != len(lines) - 1 or lines[-1]:
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w", errors="surrogateescape") as f:
-      f.writelines(kept)
-    os.replace(tmp, path)
+    # Flushed: the rows are appended unsynced too, and a crash's torn tail is what this repairs.
+    storage.write_bytes_atomic(path, "".join(kept).encode(errors="surrogateescape"),
+                               durability=storage.Durability.FLUSHED)
 
 
 def create_writer(workdir: str | os.PathLike, is_main_process: bool, resumed_at: int = 0
@@ -259,7 +258,9 @@ class MirroredWriter(MetricWriter):
         stat = os.stat(path)
         if self._uploaded.get(rel) != (stat.st_size, stat.st_mtime_ns):
           with open(path, "rb") as f:
-            storage.write_bytes_atomic(pathnames.join(self.remote, *rel.split(os.sep)), f.read())
+            # Flushed (an upload, durable once acknowledged): the next flush uploads again.
+            storage.write_bytes_atomic(pathnames.join(self.remote, *rel.split(os.sep)), f.read(),
+                                       durability=storage.Durability.FLUSHED)
           self._uploaded[rel] = (stat.st_size, stat.st_mtime_ns)
 
 

@@ -1,6 +1,7 @@
 """Files, local or remote, behind one small API: whether a file is there, its size (and version),
-its bytes (whole or by range), a whole file written so that a reader never sees a part of it,
-and its removal. Local paths, `gs://`, `s3://` (read and write) and `http(s)://` (read only, how
+its bytes (whole or by range), a whole file written so that a reader never sees a part of it
+(the one whole-file writer, `write_bytes_atomic`, each caller choosing its `Durability`), and
+its removal. Local paths, `gs://`, `s3://` (read and write) and `http(s)://` (read only, how
 AI2 serves its token files publicly), through the clients olmo3.io.clients sets up.
 
 Reads of token files are ranged (only the bytes an instance needs), concurrent (a bounded number
@@ -22,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import os
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -219,25 +222,62 @@ def read_text(path: str | os.PathLike) -> str:
   return read_bytes(path).decode()
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-  """Writes a whole file so that a reader sees the old contents or the new, never a part:
-  a local file through a temporary file and a rename, an object with one upload (object
-  stores publish an object only when its upload completes)."""
+class Durability(enum.Enum):
+  """How far a whole-file write goes before it returns, chosen by each caller (a line says why).
+  Either way the file is whole or absent; the difference is a machine's crash or power loss
+  (a process's crash loses nothing the write returned from)."""
+
+  # The bytes are the operating system's: a reader sees them at once, but a power loss may
+  # lose them (the old file, an empty one or none in their place). For what is rewritten often,
+  # cached, or checked when read (metrics, caches, prepared data checked against its manifest).
+  FLUSHED = "flushed"
+  # The file and its directory entry fsynced: on the disk when the write returns. For what a
+  # later launch relies on unchecked (the run record) or is costly to redo (an epoch's order).
+  SYNCED = "synced"
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes | memoryview, *,
+                       durability: Durability) -> None:
+  """Writes a whole file so that a reader sees the old contents or the new, never a part.
+  Local: into a temporary file of a name no other writer uses, in the same directory (the
+  rename stays within one filesystem), renamed over `path` (POSIX rename is atomic); the
+  temporary removed if anything fails. An object (gs://, s3://): one upload, which object
+  stores publish only when it completes, durable once acknowledged (`durability` is met). The
+  one whole-file writer: `olmo3.io.conditional`'s writes that check nobody else wrote are
+  another job."""
   text = os.fspath(path)
   clients.check_supported(text, writable=True)
-  if not pathnames.is_url(text):
-    os.makedirs(os.path.dirname(os.path.abspath(text)), exist_ok=True)
-    tmp = f"{text}.tmp-{os.getpid()}"
-    try:
-      with open(tmp, "wb") as f:
-        f.write(data)
-      os.replace(tmp, text)
-    finally:
-      if os.path.exists(tmp):
-        os.remove(tmp)
+  if pathnames.is_url(text):
+    fs = clients.filesystem(text)
+    payload = data if isinstance(data, bytes) else bytes(data)
+    retry.retried(lambda: fs.pipe_file(text, payload), text, "writing")
     return
-  fs = clients.filesystem(text)
-  retry.retried(lambda: fs.pipe_file(text, data), text, "writing")
+  directory, name = os.path.split(os.path.abspath(text))
+  os.makedirs(directory, exist_ok=True)
+  # Hidden, and unique ("x": created here or an error, never another writer's file): two
+  # writers of one file (two processes of a job, two runs of a tool) never share a temporary.
+  tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:16]}.tmp")
+  try:
+    with open(tmp, "xb") as f:
+      f.write(data)
+      if durability is Durability.SYNCED:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, text)
+  except BaseException as e:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+    if isinstance(e, OSError) and e.filename in (None, tmp):
+      # A full disk's ENOSPC names no file (and the temporary is gone): say which file was
+      # being written, keeping the error's type and errno for whoever handles it.
+      raise type(e)(e.errno, f"writing {text}: {e.strerror}") from None
+    raise
+  if durability is Durability.SYNCED:  # the rename itself: the directory's entry
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+      os.fsync(descriptor)
+    finally:
+      os.close(descriptor)
 
 
 def remove(path: str | os.PathLike) -> None:

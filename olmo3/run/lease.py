@@ -1,9 +1,10 @@
 """One live run per workdir: WORKDIR/lease.json names the launch that holds it (a token of its
-own, its host, pid and that process's start, the machine's boot and pid namespace, a renewal
-count and, for people, the times it started and last renewed by its own clock), written by the
-job's first process when it starts, renewed while it runs and removed when it ends. A second
-launch on the same workdir refuses, naming the holder, instead of writing the same checkpoints
-and metric lines.
+own, its host, pid and that process's start, the machine's boot and pid namespace, its takeover
+age, a renewal count and, for people, the times it started and last renewed by its own clock),
+written by the job's first process before it writes anything else there (the launcher takes it
+before it records the launch), renewed while it runs and removed when it ends. A second launch
+on the same workdir refuses, naming the holder, instead of writing the same checkpoints and
+metric lines; refused, it has written nothing there, so it has nothing to take back.
 
 No wall clock decides anything. A holder's clock may be off by any amount (hosts drift, a VM
 resumes with a stale clock, a container's clock is set wrong), so the times in the lease are
@@ -14,6 +15,8 @@ never compared with the reader's, nor the store's modification times. What is tr
   changes it (its bytes, with the renewal count, and its GCS generation / S3 ETag), so a lease
   that stays exactly as it was for the takeover age (`OLMO3_LEASE_TAKEOVER_S`, default 360 s)
   belongs to a holder that stopped renewing (a live holder renews it every takeover age / 12);
+  the age watched is the longer of the taker's own and the one the holder recorded in its
+  lease, so a launch set to a shorter age never takes over a holder that renews less often;
 - the store's conditional writes (below), so that only one launch wins any change.
 
 When is a holder dead (its lease is taken over)?
@@ -60,15 +63,13 @@ import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
-from olmo3.io import conditional, errors, pathnames, retry, settings, storage
+from olmo3 import program
+from olmo3.io import conditional, errors, pathnames, retry, storage
 from olmo3.run.record import Workdir
 
 TAKEOVER_ENV = "OLMO3_LEASE_TAKEOVER_S"
 DEFAULT_TAKEOVER_S = 360.0  # twice the storage retry budget: a renewal outlasts an outage
 _BEATS_PER_TAKEOVER = 12  # the heartbeat's period is the takeover age / 12 (30 s by default)
-# Seconds added to the wall-clock times this launch writes into its lease: a host whose clock
-# is off (tests set it to show that no decision reads those times).
-CLOCK_SHIFT_ENV = "OLMO3_LEASE_CLOCK_SHIFT_S"
 
 
 class LeaseHeld(RuntimeError):
@@ -91,18 +92,7 @@ class _Verdict(enum.Enum):
 
 
 def takeover_s() -> float:
-  return settings.seconds_setting(TAKEOVER_ENV, DEFAULT_TAKEOVER_S)
-
-
-def _clock_shift_s() -> float:
-  value = os.environ.get(CLOCK_SHIFT_ENV) or "0"
-  try:
-    shift = float(value)
-  except ValueError:
-    shift = math.nan
-  if not math.isfinite(shift):
-    raise errors.StorageError(f"{CLOCK_SHIFT_ENV}={value!r}: expected a number of seconds")
-  return shift
+  return program.seconds_setting(TAKEOVER_ENV, DEFAULT_TAKEOVER_S)
 
 
 def _read_first_line(path: str) -> str | None:
@@ -162,11 +152,12 @@ class Lease:
     self.url = os.fspath(self.path)
     self.takeover_s = takeover_s() if takeover is None else takeover
     self.beat_s = self.takeover_s / _BEATS_PER_TAKEOVER
-    self._clock_shift = _clock_shift_s()
     pid = os.getpid()
+    # "takeover_s": how long a taker watches this lease unchanged at least (it is renewed every
+    # takeover_s / 12): a launch watching with a shorter age of its own waits this one.
     self.record = {"host": socket.gethostname(), "pid": pid, "token": uuid.uuid4().hex,
-                   "started": time.time() + self._clock_shift, "pid_start": _start_time(pid),
-                   **_machine()}
+                   "started": time.time(), "pid_start": _start_time(pid),
+                   "takeover_s": self.takeover_s, **_machine()}
     self._writes = itertools.count(1)  # the renewal count: every write's bytes differ
     self._version = ""  # the object's generation / ETag as this launch last wrote it
     self._renewed = 0.0  # time.monotonic() when the last write that landed was sent
@@ -201,18 +192,19 @@ class Lease:
         raise LeaseHeld(self._held(holder))
       if verdict is _Verdict.UNKNOWN:
         seen = (current.data, current.version)
+        age = self._age(holder)
         if watched is None:
-          watched = (seen, time.monotonic() + self.takeover_s)
+          watched = (seen, time.monotonic() + age)
           logging.warning("%s: %s, which this launch cannot check; waiting up to %s for it to "
                           "change (renewed: a live run holds it, this launch stops) or not "
-                          "(taken over)", self.url, why, _ago(self.takeover_s))
+                          "(taken over)", self.url, why, _ago(age))
         elif seen != watched[0]:
           raise LeaseHeld(self._held(holder) if holder else self._race())
         if time.monotonic() < watched[1]:
           time.sleep(max(0.1, min(self.beat_s / 2, 5.0)))
           continue
-        why = (f"{why}, and it did not change for the takeover age ({self.takeover_s:g} s, "
-               f"{TAKEOVER_ENV}) while this launch watched it")
+        why = (f"{why}, and it did not change for the takeover age ({self._age_words(holder)}) "
+               "while this launch watched it")
       logging.warning("taking over the workdir lease %s: %s", self.url, why)
       sent = time.monotonic()
       try:
@@ -263,14 +255,32 @@ class Lease:
     return (f"{self.path.parent} is in use by {_who(holder)} ({since}lease {self.url}). Wait "
             "for that run to end or stop it; a lease whose holder died is taken over "
             "automatically (at once where this machine can tell its process ended, else once "
-            f"the lease has not changed for {self.takeover_s:g} s, {TAKEOVER_ENV}).")
+            f"the lease has not changed for {self._age_words(holder)}).")
+
+  def _age(self, holder: dict | None) -> float:
+    """How long a lease must stay unchanged before this launch takes it over: the longer of
+    this launch's takeover age and the one its holder recorded (it renews every twelfth of
+    that, so a taker with a shorter age of its own would take over a live holder between two
+    renewals)."""
+    recorded = holder.get("takeover_s") if holder is not None else None
+    if (isinstance(recorded, (int, float)) and not isinstance(recorded, bool)
+        and math.isfinite(recorded) and recorded > 0):
+      return max(self.takeover_s, float(recorded))
+    return self.takeover_s
+
+  def _age_words(self, holder: dict | None) -> str:
+    age = self._age(holder)
+    if age > self.takeover_s:
+      return (f"{age:g} s, the holder's {TAKEOVER_ENV}, longer than this launch's "
+              f"{self.takeover_s:g} s")
+    return f"{age:g} s, {TAKEOVER_ENV}"
 
   def _race(self) -> str:
     return f"{self.path.parent}: another launch took the lease {self.url} at the same moment"
 
   def _encode(self) -> bytes:
     return json.dumps({**self.record, "renewals": next(self._writes),
-                       "heartbeat": time.time() + self._clock_shift}).encode()
+                       "heartbeat": time.time()}).encode()
 
   def _holds(self) -> bool:
     current = conditional.read_versioned(self.url)
@@ -302,7 +312,9 @@ class Lease:
       holder = _parse(current.data) if current is not None else None
       if holder is not None and holder["token"] == self.record["token"]:
         if not self._stop.is_set():
-          storage.write_bytes_atomic(self.url, self._encode())
+          # Flushed: renewed every few seconds; a machine that crashes loses its lease anyway.
+          storage.write_bytes_atomic(self.url, self._encode(),
+                                     durability=storage.Durability.FLUSHED)
         return
     self._taken = (f"the workdir lease {self.url} was taken over by " + (
         _who(holder) if holder else "another launch (it is gone or unreadable)") +
@@ -339,6 +351,18 @@ class Lease:
     return (f"the workdir lease {self.url} could not be renewed for {_ago(silent)}{cause}; "
             f"at {self.takeover_s:g} s ({TAKEOVER_ENV}) another launch could take the workdir "
             "over, so this run stops")
+
+  def still_held(self) -> bool:
+    """Whether this launch provably holds its lease now: acquired, not found taken nor gone
+    unrenewed (`lost`), and the lease as read now carries its token. False when the lease
+    cannot be read (the store down): what only the holder may do (the launcher taking back
+    what it wrote) waits for that proof."""
+    if self._beat is None or self.lost() is not None:
+      return False
+    try:
+      return self._holds()
+    except Exception:  # pylint: disable=broad-except  # unreadable: no proof
+      return False
 
   def elsewhere(self) -> str | None:
     """Who holds the lease now when this launch does not, in words (None: this launch, or it

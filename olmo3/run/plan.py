@@ -117,17 +117,17 @@ def init_from_step(init_from: str) -> str:
   if not any("end" in h.plan for h in history):
     return os.fspath(directory / str(steps[-1]))
 
-  def stage_end(step: int) -> int | None:
-    """The end that the launch that wrote `step` set for its stage."""
+  def recorded_end(step: int) -> int | None:
+    """The stage end that the launch that wrote `step` recorded (its history line's plan)."""
     launch = record.producer(history, step)
     return launch.plan.get("end") if launch is not None else None
 
-  finished = [s for s in steps if stage_end(s) == s]
+  finished = [s for s in steps if recorded_end(s) == s]
   if finished:
     return os.fspath(directory / str(finished[-1]))
   raise InitFromError(
       f"CheckpointConfig.init_from={init_from!r}: that run has not reached the end of its stage "
-      f"(step {stage_end(steps[-1])}; its newest checkpoint is step {steps[-1]}): finish it "
+      f"(step {recorded_end(steps[-1])}; its newest checkpoint is step {steps[-1]}): finish it "
       f"first (rerun its command), or name a step directory, e.g. "
       f"checkpoint.init_from='{directory / str(steps[-1])}'")
 
@@ -272,7 +272,7 @@ class RunPlan:
     return None
 
   def describe(self) -> list[str]:
-    """What --dry_run prints of the plan (olmo3.run.dry_run: the config's numbers come before
+    """What --dry_run prints of the plan (olmo3.train.dry_run: the config's numbers come before
     it, what is evaluated after it)."""
     exp, data = self.exp, self.exp.data
     split = sources.prepared(data.mix) if data.mix else None

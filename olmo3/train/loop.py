@@ -67,28 +67,33 @@ class Progress:
 
 def train(plan: RunPlan, model: ShardedModel | None = None,
           preemption: Preemption | None = None,
-          progress: Progress | None = None) -> dict[str, float]:
+          progress: Progress | None = None, lease: Lease | None = None) -> dict[str, float]:
   """Trains to plan.end; returns the last logged metrics ({} when there was nothing to
   train). `model` (default: the experiment's mesh over all devices) chooses the devices and
   the forward function; `preemption` (default: installed here) lets a launcher catch SIGTERM /
-  SIGINT from its own start; `progress`, when given, is filled in as the run goes."""
+  SIGINT from its own start; `progress`, when given, is filled in as the run goes. `lease`:
+  the workdir's lease, already held (`hold`) by a caller that wrote into the workdir under it
+  and releases it itself (the launcher, which takes it before it records the launch); by
+  default the lease is taken here, before anything is written, and released on the way out."""
   preemption = preemption or Preemption()
   progress = progress if progress is not None else Progress()
   retry.retried(lambda: epath.Path(plan.workdir.root).mkdir(parents=True, exist_ok=True),
                 plan.workdir.root, "creating the workdir")
-  lease = Lease(plan.workdir.root)
-  hold(lease)
+  own = lease is None
+  if lease is None:
+    lease = Lease(plan.workdir.root)
+    hold(lease)
   try:
     last = _train(plan, model or ShardedModel.for_experiment(plan.exp), preemption, progress,
                   lease)
   except BaseException as e:
     preemption.restore()
-    if jax.process_index() == 0:
+    if own and jax.process_index() == 0:
       with retry.cleanup_after(e):
         lease.release()  # never raises
     raise
   preemption.restore()
-  if jax.process_index() == 0:
+  if own and jax.process_index() == 0:
     lease.release()
   return last
 
@@ -111,6 +116,7 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
     if start >= end:
       logging.info("already at step %d of %d: nothing to do", start, end)
       return {}
+    checkpoints.check_room(state.params, state.opt_state)  # before an interval, not after it
     if preemption.agreed():  # signalled during startup: nothing new to save
       progress.interrupted, progress.signal = start, preemption.signal_name
       logging.warning("interrupted (%s) before step %d: stopping; nothing trained",

@@ -5,10 +5,27 @@ each row's (and token's) loss (`python -m olmo3.inspect_step --replay`).
 Nothing is written into the run's workdir. The replay takes the experiment revision that
 trained step N (olmo3.run.record's rule) and the mesh its launch recorded (the history line's
 `layout`, else the layout of a checkpoint that launch wrote), on the first devices of this
-machine. The same program on the same devices is deterministic on CPU, so the replayed loss
-equals the logged one bit for bit there; on accelerators it does on the same slice shape
-wherever the compiler's reductions are deterministic (TPU; GPU with XLA's deterministic-ops
-flag), and is equal to float rounding otherwise.
+machine.
+
+What the replay can promise (`Replayed.expected`, `agreement`): the same compiled program on
+the same devices sums in the same order, so it gives the logged values bit for bit, when the
+sums *across* devices run in the order the run's did too. Floating-point addition is not
+associative, and XLA:CPU has two implementations of its collectives that order a sum of P
+devices' parts differently: in one process, its in-process collectives add the parts one after
+another in device order, ((x0 + x1) + x2) + x3; across processes, JAX's cross-process
+collectives (gloo) run a ring all-reduce, whose partial sum for each segment of the buffer
+starts at another device (a rotation of that order). Every gradient element (the all-reduce
+over the fsdp shards), the gradient norm's sum of squares and the loss's sum over the batch
+cross devices, so a run of 2 processes x 2 devices and one process of 4 differ in the last bits
+of some of them, as the data happen to round, on any CPU. A replay of a CPU run of several processes
+therefore joins JAX's distributed runtime as a job of its one process (`use_the_runs_collectives`,
+before JAX starts): gloo then sums across its devices, one rank per device as in the run, and
+a ring's order depends only on the ranks, not on which process holds them. On accelerators
+the compiler's reductions are deterministic on TPU and on GPU only with XLA's
+`--xla_gpu_deterministic_ops`; a run of several processes there summed across hosts in an
+order that one process cannot take, so such a replay (and one whose run recorded no layout)
+is expected equal to float rounding, and says so. Bit for bit also takes the run's JAX and
+machine kind (neither is in the layout): another CPU's kernels may round a product differently.
 """
 
 from __future__ import annotations
@@ -16,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
+import socket
 from typing import Any
 
 import jax
@@ -30,13 +49,19 @@ from olmo3.io import metrics as metrics_lib
 from olmo3.placement import ShardedModel
 from olmo3.run import record
 from olmo3.run.plan import RunPlan, Start, stage_start
-from olmo3.train import optim
+from olmo3.train import logs, optim
 from olmo3.train import state as state_lib
 from olmo3.train.step import jit_train_step
 
 
 class ReplayError(ValueError):
   """A replay that cannot be made as asked; the message says why and what to ask instead."""
+
+
+class Agreement(enum.Enum):
+  """What a replay's metrics are expected to be against the logged ones (module docstring)."""
+  BIT_FOR_BIT = "bit for bit"
+  ROUNDING = "to float rounding"
 
 
 class LayoutFrom(enum.Enum):
@@ -70,6 +95,8 @@ class Replayed:
   token_nll: np.ndarray | None  # [B, T] float32 per position (with per_token), 0 where masked
   layout: dict[str, Any]  # where the replay ran
   data_step: int  # the loader's step it read for step `origin.step`
+  expected: Agreement  # what `logged` should equal `metrics` to
+  why: str  # the reason, one clause: which devices and collectives made the sums
 
   @property
   def row_loss(self) -> np.ndarray:
@@ -86,6 +113,56 @@ class Replayed:
     return {k: same(self.metrics[k], self.logged[k])
             for k in ("loss", "ce_loss", "grad_norm", "skipped")
             if k in self.logged and k in self.metrics}
+
+
+def cross_process_collectives(run_layout: dict[str, Any] | None) -> bool:
+  """Whether replaying a step trained on `run_layout` takes JAX's cross-process collectives
+  (gloo): the run summed across the devices of several CPU processes (module docstring)."""
+  return (run_layout is not None and run_layout.get("device_kind") == "cpu"
+          and int(run_layout.get("processes", 1)) > 1)
+
+
+def use_the_runs_collectives(plan: RunPlan, step: int, from_step: int | None = None) -> bool:
+  """Before JAX starts a backend: where step `step` was trained by several CPU processes, joins
+  JAX's distributed runtime as a job of this one process, so that XLA:CPU sums across devices
+  with gloo (one rank per device) as the run did. True if it did."""
+  if not cross_process_collectives(origin(plan, step, from_step).layout):
+    return False
+  with socket.socket() as s:  # a free port for the job's coordinator, in this process
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
+  return True
+
+
+def agreement(run_layout: dict[str, Any] | None, here: dict[str, Any], platform: str,
+              gloo: bool) -> tuple[Agreement, str]:
+  """What a replay on `here` (sharding.layout: where it ran, on `platform`, with gloo's
+  cross-process collectives if `gloo`) can promise against a run trained on `run_layout`: bit
+  for bit only where every sum, within and across devices, runs in the run's order (a CPU run
+  of several processes: gloo's, JAX's default there)."""
+  if run_layout is None:
+    return Agreement.ROUNDING, "the run recorded no layout: replayed on this machine's devices"
+  devices = lambda l: (l["mesh"], l["devices"], l["device_kind"])
+  if devices(run_layout) != devices(here):
+    return Agreement.ROUNDING, (
+        f"trained on {run_layout['devices']} {run_layout['device_kind']} device(s), mesh "
+        f"{run_layout['mesh']}; replayed on {here['devices']} {here['device_kind']}, mesh "
+        f"{here['mesh']}")
+  if platform == "gpu" and "--xla_gpu_deterministic_ops=true" not in os.environ.get(
+      "XLA_FLAGS", ""):
+    return Agreement.ROUNDING, ("GPU reductions run in no fixed order without "
+                                "--xla_gpu_deterministic_ops=true")
+  processes = int(run_layout.get("processes", 1))
+  if processes == here["processes"]:
+    return Agreement.BIT_FOR_BIT, "the run's devices and process count"
+  if gloo and platform == "cpu":
+    return Agreement.BIT_FOR_BIT, (
+        f"the run's devices; its {processes} processes' cross-device sums in their order (gloo, "
+        "one rank per device)")
+  return Agreement.ROUNDING, (
+      f"the run's {processes} processes summed across devices in another order than one "
+      "process does")
 
 
 def _layout(workdir: record.Workdir, launch: record.Launch, until: int | None
@@ -239,7 +316,9 @@ def replay(plan: RunPlan, origin_: Origin, per_token: bool = False) -> Replayed:
   layout = state_lib.StateLayout(exp, model)
   step = origin_.step
   with model.context():
-    state, position = _start_state(layout, plan, origin_)
+    start = f"checkpoint {origin_.from_step}" if origin_.from_step else "the stage's start"
+    with logs.Heartbeat(f"restoring the train state at {start}"):
+      state, position = _start_state(layout, plan, origin_)
     step_fn = jit_train_step(exp, model, layout, len(plan.train_files.source_names))
     token_losses = jax.jit(model.token_losses)
     # The loader in this process alone: its rows are the whole batch; no worker processes.
@@ -250,20 +329,29 @@ def replay(plan: RunPlan, origin_: Origin, per_token: bool = False) -> Replayed:
     metrics = None
     empties = exp.optimizer.spike_window_on_restart is SpikeWindowOnRestart.EMPTY
     for s, host in enumerate(loader.host_batches(), start=origin_.from_step + 1):
-      if empties and s - 1 in origin_.restarts:  # the run restarted here: as its launch did
-        state = state._replace(skip=jax.device_put(optim.empty_window(exp.optimizer, state.skip),
-                                                   layout.shardings.skip))
-      batch = loader.host_rows.to_global({k: host[k] for k in pipeline.STEP_KEYS if k in host})
-      if s == step:  # each row's loss, with the parameters the step starts from
-        segments = (batch["segments"],) if "segments" in batch else ()
-        nll_BT, _, mask_BT = jax.device_get(token_losses(state.params, batch["input_ids"],
-                                                         batch["labels"], *segments))
-      state, metrics = step_fn(state, batch)
+      # Said as it runs: the first step compiles (minutes for a large model).
+      first = ", compiled first" if s == origin_.from_step + 1 else ""
+      with logs.Heartbeat(f"training step {s} again ({s - origin_.from_step} of "
+                          f"{step - origin_.from_step}{first})"):
+        if empties and s - 1 in origin_.restarts:  # the run restarted here: as its launch did
+          state = state._replace(skip=jax.device_put(
+              optim.empty_window(exp.optimizer, state.skip), layout.shardings.skip))
+        batch = loader.host_rows.to_global({k: host[k] for k in pipeline.STEP_KEYS
+                                            if k in host})
+        if s == step:  # each row's loss, with the parameters the step starts from
+          segments = (batch["segments"],) if "segments" in batch else ()
+          nll_BT, _, mask_BT = jax.device_get(token_losses(state.params, batch["input_ids"],
+                                                           batch["labels"], *segments))
+        state, metrics = jax.block_until_ready(step_fn(state, batch))
   values = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+  here = sharding.layout(model.mesh)
+  gloo = (jax.distributed.is_initialized()  # use_the_runs_collectives
+          and jax.config.jax_cpu_collectives_implementation == "gloo")
+  expected, why = agreement(origin_.layout, here, model.mesh.devices.flat[0].platform, gloo)
   return Replayed(origin_, values, logged_row(plan, step),
                   nll_BT.astype(np.float64).sum(-1), mask_BT.sum(-1).astype(np.int64),
-                  nll_BT if per_token else None, sharding.layout(model.mesh),
-                  position.data_step(step - 1))
+                  nll_BT if per_token else None, here, position.data_step(step - 1),
+                  expected, why)
 
 
 def replay_verified(plan: RunPlan, step: int, from_step: int | None = None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,9 @@ from olmo3.io.checkpoint import (ARRAYS, META, PARAMS, CheckpointError, array_re
                               restore_items, sealed)
 
 OPT_STATE = "opt_state"
+# Room asked for beyond a checkpoint's arrays: Orbax's metadata, the step's temporary directory
+# and the metrics written beside it.
+ROOM_MARGIN = 1.1
 _QUARANTINED = re.compile(r"(\d+)\.damaged-(\d+)")  # `<step>.damaged-<n>`
 
 
@@ -91,6 +95,23 @@ class RunCheckpoints:
     """Rotation keeps `step` (read back and verified) while this run lasts: whatever may be
     wrong with the steps it writes, the last known good one survives."""
     self._verified.step = step
+
+  def check_room(self, params: Any, opt_state: Any) -> None:
+    """Before training toward a save: a local disk with less room than one more checkpoint
+    takes (its arrays' bytes, every process's part) is a CheckpointError now, not after the
+    interval's steps are trained and lost (rotation removes old steps only after the new one
+    has landed). Buckets have no such bound to check."""
+    if pathnames.is_url(os.fspath(self.directory)):
+      return
+    needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, opt_state)))
+    where = os.fspath(self.directory)
+    while not os.path.exists(where):  # the workdir's checkpoints/ may not exist yet
+      where = os.path.dirname(where)
+    free = shutil.disk_usage(where).free
+    if free < needed * ROOM_MARGIN:
+      raise CheckpointError(
+          f"{self.directory} has {free / 2**30:.2f} GiB free; a checkpoint of this run takes "
+          f"{needed / 2**30:.2f} GiB: free space there, or give --workdir on a disk with room")
 
   def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
     """Saves a step with its arrays' records (refused, CheckpointError, if any holds NaN/Inf;

@@ -4,7 +4,8 @@ per step, steps, peak LR; RoPE scaling and packed documents when the run has the
 (`RunPlan.describe`: the data, its epoch, where the run starts), what is evaluated (each
 held-out mix's sets, sized when the plan is known; the downstream tasks), the mesh on this
 machine or on a TPU topology and how the starting checkpoint's layout changes onto it, the
-compilation cache, and a finished run's closing summary.
+compilation cache, and a finished run's closing summary (`olmo3.train.closing.lines`, what the
+launch of a finished run prints, from the next stage the launcher found).
 
 It reads the data and the workdir as a launch would and writes nothing. What cannot be read
 from here (AI2's data on a laptop) is said in one line, and the rest is printed. Lines come
@@ -25,16 +26,17 @@ from olmo3.data.tokens import DataError
 from olmo3.io import checkpoint
 from olmo3.io.checkpoint import CheckpointError
 from olmo3.run.plan import RunPlan, Start
+from olmo3.train import closing
 
 
 def lines(exp: Experiment, workdir: str, name: str, *, topology: str | None = None,
           topology_devices: Callable[[str], list] | None = None,
           compilation_cache: str | None = None,
-          closing: Callable[[RunPlan], list[str]] | None = None) -> Iterator[str]:
+          next_stage: closing.NextStage | None = None) -> Iterator[str]:
   """The dry run of `exp` in `workdir` (`name`: its reference). `topology` (kind:AxBxC): the
   mesh on that TPU topology, whose devices `topology_devices` gives (else on this machine's);
-  `compilation_cache`: the directory the launch would use (None: off); `closing`: the closing
-  summary of a plan whose run is complete."""
+  `compilation_cache`: the directory the launch would use (None: off); `next_stage`: the stage
+  after this one, as the launcher found it (in a finished run's closing summary)."""
   yield from numbers(exp)
   yield from long_context(exp)
   try:  # held-out sets and tokenizer as the run takes them
@@ -76,9 +78,9 @@ def lines(exp: Experiment, workdir: str, name: str, *, topology: str | None = No
       yield f"checkpoint layout   unknown: {e}"
   yield (f"compilation cache   "
          f"{os.path.expanduser(compilation_cache) if compilation_cache else 'off'}")
-  if closing is not None and plan is not None and plan.resume.start is Start.COMPLETE:
+  if plan is not None and plan.resume.start is Start.COMPLETE:
     yield ""
-    yield from closing(plan)
+    yield from closing.lines(plan, next_stage)
 
 
 def numbers(exp: Experiment) -> list[str]:

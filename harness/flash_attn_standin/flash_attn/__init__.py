@@ -6,8 +6,8 @@ flash-attn is CUDA-only. With this directory first on sys.path, `import flash_at
 OLMo-core's `flash_attn_api` finds this module, and its own FlashAttention2Backend (the backend
 AI2's stage-3 script names) runs on the CPU, down the same code path it takes on a GPU: q, k, v
 flattened to [total tokens, heads, head_dim] and cut by `cu_seqlens`. Only
-benchmarks/stage3_parity_olmo_core.py and tests/test_flash_attn_standin.py put it there (as
-tests/slurm_standin stands in for srun); nothing installs it.
+harness/stage3_parity_olmo_core.py puts it there (as harness/slurm_standin stands in for srun;
+tests/test_flash_attn_standin.py loads it under a name of its own); nothing installs it.
 
 What it computes is flash-attn's documented result, exactly, in plain torch (autograd gives
 the backward pass): softmax(scale · q kᵀ + mask) v per sequence, where
