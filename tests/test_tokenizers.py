@@ -106,11 +106,12 @@ def test_a_stage_started_from_a_run_on_another_tokenizer_is_refused(tmp_path):
   from tests.test_launch import ENV, TINY_FAST
 
   first, second = _two_tokenizers(tmp_path)
+  vocab = "--fdl_set=model.vocab_size=4096"  # the tokenizers' size, as a prepared directory asks
   run = tmp_path / "stage1"
   done = forked.completed("main", ["--fdl_config=experiments.olmo3_tiny:stage1",
                                    f"--fdl_set=data.mix='{first}'", f"--workdir={run}",
                                    "--fdl_set=train.steps=2", "--fdl_set=eval.tasks=()",
-                                   *TINY_FAST], ENV, timeout=300)
+                                   vocab, *TINY_FAST], ENV, timeout=300)
   assert done.returncode == 0, done.stderr[-3000:]
   # The summary suggests a prompt in the data's kind of text (before: 'Once upon' everywhere).
   (sample,) = [line.split("sample", 1)[1].strip() for line in done.stdout.splitlines()
@@ -121,7 +122,7 @@ def test_a_stage_started_from_a_run_on_another_tokenizer_is_refused(tmp_path):
     return forked.completed("main", ["--fdl_config=experiments.olmo3_tiny:stage2",
                                      f"--fdl_set=data.mix='{data}'", f"--workdir={tmp_path / 's2'}",
                                      f"--fdl_set=checkpoint.init_from='{run}'",
-                                     "--fdl_set=eval.tasks=()", *TINY_FAST, *flags], ENV,
+                                     "--fdl_set=eval.tasks=()", vocab, *TINY_FAST, *flags], ENV,
                             timeout=300)
 
   refused = stage2(second)

@@ -324,9 +324,10 @@ def resolve(exp: Experiment, sizes: file_sizes.SizeCache | None = None) -> Resol
   root = heldout_root(exp)
   follows = ev.heldout_root in (None, data.root)  # held-out mix files relative to data.root
   _check_root(exp, [train] * bool(data.mix) + splits * follows)
-  for field, mix, mix_root in ([("DataConfig.mix", data.mix, data.root)] * bool(data.mix)
-                                + [("EvalConfig.heldout", m, root) for m in heldout]):
-    _refuse_a_named_mix_without_root(field, mix, mix_root)
+  if sizes is not None:  # a launch that reads them (a dry run lists the files it would read)
+    for field, mix, mix_root in ([("DataConfig.mix", data.mix, data.root)] * bool(data.mix)
+                                  + [("EvalConfig.heldout", m, root) for m in heldout]):
+      _refuse_a_named_mix_without_root(field, mix, mix_root)
   training = (_listed(data.mix, train, data.root, data.tokenizer_id, "DataConfig.mix")
               if data.mix else training_files(data))
   opened = (token_files(data, model.vocab_size, sizes, files=training, model=model)
