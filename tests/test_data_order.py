@@ -85,9 +85,10 @@ def test_processes_racing_for_the_order_compute_it_once(tmp_path):
 
 
 def _rotation(n_instances, seed, epoch, chunk=1):
-  """A permutation of n_instances computed in a second at any size (i -> i + shift mod n, as
+  """A permutation of n_instances computed in seconds at any size (i -> i + shift mod n, as
   two runs of arange): stands in for numpy's shuffle, which is the same code at any size. (An
-  affine map, i -> a·i + b mod n, took 13 s of CPU at the 7B's size, half the test.)"""
+  affine map, i -> a·i + b mod n, took 13 s of CPU at the 7B's size, half the test; what is
+  left is mostly the system's time to first touch 2.9 GB of memory and page cache.)"""
   shift = _shift(n_instances, seed, epoch)
   return np.concatenate([np.arange(shift, n_instances, dtype=np.uint32),
                          np.arange(0, shift, dtype=np.uint32)])

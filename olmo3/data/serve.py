@@ -64,7 +64,10 @@ class RangeServer:
         pass
 
     self._server = Server((host, port), self.handler())
-    self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+    # Polled for shutdown 20 times a second (the default, twice a second, held every
+    # stop, a test's or Ctrl-C's, for up to half a second).
+    self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                    daemon=True)
 
   def handler(self) -> type[http.server.BaseHTTPRequestHandler]:
     """The request handler class (a subclass may extend its `_serve` and `_reply`)."""
