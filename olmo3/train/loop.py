@@ -110,13 +110,14 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
     plan.size_cache.save()  # the remote sizes the plan looked up, for the next launch
   with model.context(), contextlib.ExitStack() as cleanup:
     step_fn = _compile(plan, model, layout, evaluation, cleanup)
+    # Room for the next save, before a restore (minutes for a 7B) and an interval's steps.
+    checkpoints.check_room(layout.abstract.params, layout.abstract.opt_state)
     with logs.Heartbeat("initialising or restoring the train state"):
       state, data_position = state_lib.restore_or_init(layout, checkpoints, plan)
     start, end = int(state.step), plan.end
     if start >= end:
       logging.info("already at step %d of %d: nothing to do", start, end)
       return {}
-    checkpoints.check_room(state.params, state.opt_state)  # before an interval, not after it
     if preemption.agreed():  # signalled during startup: nothing new to save
       progress.interrupted, progress.signal = start, preemption.signal_name
       logging.warning("interrupted (%s) before step %d: stopping; nothing trained",

@@ -15,6 +15,7 @@ this run resumed from, the newest one read back and verified, until the run ends
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -97,13 +98,15 @@ class RunCheckpoints:
     self._verified.step = step
 
   def check_room(self, params: Any, opt_state: Any) -> None:
-    """Before training toward a save: a local disk with less room than one more checkpoint
+    """Before restoring and training toward a save (`params`, `opt_state`: arrays or their
+    shapes): a local disk with less room than one more checkpoint
     takes (its arrays' bytes, every process's part) is a CheckpointError now, not after the
     interval's steps are trained and lost (rotation removes old steps only after the new one
     has landed). Buckets have no such bound to check."""
     if pathnames.is_url(os.fspath(self.directory)):
       return
-    needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, opt_state)))
+    needed = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize  # arrays or their shapes
+                 for x in jax.tree.leaves((params, opt_state)))
     where = os.fspath(self.directory)
     while not os.path.exists(where):  # the workdir's checkpoints/ may not exist yet
       where = os.path.dirname(where)
