@@ -1,7 +1,7 @@
 """Continuing AI2's own run: an OLMo-core checkpoint, continued by OLMo-core and by olmo3.
 
 The run is harness/continue_olmo_core.py (its docstring says what it runs and prints), shared with
-tests/test_olmo_core_import.py, which runs it shortened, in process.
+tests/test_olmo_core_import.py, which runs this command shortened (slow tier).
 
   python benchmarks/continue_olmo_core.py [--steps 10] [--continue_steps 20] [--spike_at 15]
   python benchmarks/continue_olmo_core.py --stage3 [--steps 10] [--continue_steps 20]

@@ -11,5 +11,6 @@ imports tests/ or benchmarks/).
 - `launch_race`: two launchers racing for one workdir on a local disk, S3 and GCS.
 
 benchmarks/ runs them at full length and records the results (each its command there:
-`python benchmarks/<name>.py`); tests/ runs them shortened, in process, and asserts.
+`python benchmarks/<name>.py`); tests/ runs them shortened and asserts, in process (the
+two longest OLMo-core comparisons as their benchmark commands, in the slow tier).
 """

@@ -41,7 +41,9 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"main": "launch/main.py", "diff": "launch/diff.py", "audit": "launch/audit.py",
-           "sweep": "launch/sweep.py", "cluster": "launch/cluster.py"}
+           "sweep": "launch/sweep.py", "cluster": "launch/cluster.py",
+           "restart_olmo_core": "benchmarks/restart_olmo_core.py",
+           "continue_olmo_core": "benchmarks/continue_olmo_core.py"}
 
 
 def run_as_main(program: str, argv: list[str], cwd: str, out: str,
