@@ -238,6 +238,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
                           "wall_s": round(time.time() - start, 2), "start": start}) + "\n")
 
 
+def benchmark_result(program: str, argv: list[str]) -> dict:
+  """A benchmark command of tests/forked.py's SCRIPTS run to its end at the fast-compile flags
+  (it compiles much and runs little), its result: the JSON line it prints last."""
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} {FAST_COMPILE_XLA_FLAGS}")
+  done = forked.completed(program, argv, env)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def pytest_configure(config: pytest.Config) -> None:
   """matplotlib builds its font cache on first use, asking `fc-list` (a process) on a machine
   that never ran it: done here, once, before any test's process guard watches, so the fast

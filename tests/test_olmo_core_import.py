@@ -28,7 +28,7 @@ from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.state import StateLayout, restore_or_init
 
 import forked
-from conftest import FAST_COMPILE_XLA_FLAGS, random_params
+from conftest import benchmark_result, random_params
 from harness.storage_servers import InstrumentedRangeServer
 
 MICRO = config.olmo3_micro()
@@ -123,12 +123,8 @@ def test_both_modes_continue_as_olmo_core_does(tmp_path):
   trains 11 steps and saves; OLMo-core and olmo3 each continue it 4 steps (the stage, across
   the epoch's end at step 13; and a new stage on other data from the weights and optimizer
   state). Two trainers side by side are the slow tier's, not the edit loop's."""
-  env = dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} {FAST_COMPILE_XLA_FLAGS}")
-  done = forked.completed("continue_olmo_core", ["--steps", "11", "--continue_steps", "4",
-                                                 "--spike_at", "0", "--workdir", str(tmp_path)],
-                          env)
-  assert done.returncode == 0, done.stderr[-3000:]
-  result = json.loads(done.stdout.strip().splitlines()[-1])
+  result = benchmark_result("continue_olmo_core", ["--steps", "11", "--continue_steps", "4",
+                                                  "--spike_at", "0", "--workdir", str(tmp_path)])
   for mode in ("continue", "new_stage"):
     assert result[mode]["steps"] == result[mode]["steps_olmo_core"] == 4, mode
     assert result[mode]["instances_equal"] and result[mode]["skip_decisions_equal"], mode

@@ -1,9 +1,6 @@
 """Parity with AI2's own training code (ai2-olmo-core's OLMo 3 transformer), a second reference
 independent of the Hugging Face port: the model must agree with what actually trained OLMo 3."""
 
-import json
-import os
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,8 +10,7 @@ from olmo_core.nn.transformer import TransformerConfig
 from olmo3 import config
 from olmo3.convert import olmo_core_params, parity
 
-import forked
-from conftest import FAST_COMPILE_XLA_FLAGS, random_params
+from conftest import benchmark_result, random_params
 from harness import train_parity_olmo_core
 
 MICRO = config.olmo3_micro()
@@ -159,12 +155,8 @@ def test_restart_with_an_empty_window_is_olmo_cores_restart(tmp_path):
   skips it. spike_window_on_restart=empty is the first (CE losses, skip decisions, final
   parameters), keep the second. Run as its benchmark command (benchmarks/restart_olmo_core.py),
   shortened: two trainers side by side are the slow tier's, not the edit loop's."""
-  env = dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} {FAST_COMPILE_XLA_FLAGS}")
-  done = forked.completed("restart_olmo_core", ["--restart_at", "5", "--steps", "10",
-                                                "--spike_at", "9", "--workdir", str(tmp_path)],
-                          env)
-  assert done.returncode == 0, done.stderr[-3000:]
-  result = json.loads(done.stdout.strip().splitlines()[-1])
+  result = benchmark_result("restart_olmo_core", ["--restart_at", "5", "--steps", "10",
+                                                 "--spike_at", "9", "--workdir", str(tmp_path)])
   assert result["skipped_steps"] == {"olmo3 keep": [9], "olmo3 empty": [],
                                      "OLMo-core uninterrupted": [9], "OLMo-core restarted": []}
   for mode in ("keep", "empty"):
