@@ -142,11 +142,9 @@ def run(plan, revision: dict[str, str] | None, created: bool) -> str:
   except BaseException as e:
     with retry.cleanup_after(e):
       leave(plan, run_record, created, lease, trained=progress.steps > 0, failed=True)
-    if isinstance(e, _one_line_errors()):
-      verbose = program.traceback_wanted(logging.get_verbosity())
-      logging.error("%s", e, exc_info=verbose)
-      if not verbose:
-        sys.exit(program.one_line(e))
+    if (isinstance(e, _one_line_errors())
+        and not program.traceback_wanted(logging.get_verbosity())):
+      sys.exit(program.one_line(e))  # the launch's last line, said once
     raise
   # (trained nothing: a signal before the first step, or nothing left to train)
   leave(plan, run_record, created, lease, trained=progress.steps > 0, failed=False)

@@ -13,7 +13,7 @@ from etils import epath
 from fiddle import printing
 
 from launch import config_changes, config_files, refs
-from olmo3 import compilation_cache
+from olmo3 import compilation_cache, program
 from olmo3.io import pathnames
 from olmo3.run import record
 from olmo3.train import logs
@@ -50,7 +50,9 @@ def compile_only(exp, target: str) -> None:
 
   try:
     with logs.Heartbeat(f"compiling the train step for {target}"):
-      report = aot.compile_train_step(exp, None if target == "local" else target)
+      report = program.abandoned_on_signal(
+          lambda: aot.compile_train_step(exp, None if target == "local" else target),
+          f"compiling the train step for {target}")
     print(report.format())
   except aot.DoesNotFit as e:
     print(f"DOES NOT FIT: {e}")

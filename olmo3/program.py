@@ -10,6 +10,9 @@
   storage's OSError: a missing file, a store that stayed down past the retry budget); a setting
   read from the environment (`SettingError`) is always one line. Once a main has failed, the
   rest of the process is its ending (`quiet_leftovers`, `end_within`).
+- Its long calls into a library (XLA compiling for minutes): `on_a_thread`, so that a signal
+  is handled at once; `abandoned_on_signal` where the work writes nothing and a signal should
+  end it there and then.
 - Its settings read from the environment when they are needed (`seconds_setting`,
   `count_setting`): a value that is not one is a `SettingError` (a ValueError) naming the
   variable.
@@ -24,15 +27,17 @@ import argparse
 import functools
 import math
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from olmo3 import platforms
 
 TRACEBACK_ENV = "OLMO3_TRACEBACK"
+T = TypeVar("T")
 # How long a program that has ended waits for background threads still running at its end.
 EXIT_GRACE_S = 10.0
 
@@ -190,3 +195,65 @@ def end_within(grace_s: float, code: int, *, say: bool = False) -> None:
       os._exit(code)  # pylint: disable=protected-access  # the only exit that skips the join
 
   threading.Thread(target=watch, name="end-within", daemon=True).start()
+
+
+
+class _Worker(threading.Thread):
+  """A daemon thread running `fn()` once; `outcome()` returns its result or raises its error."""
+
+  def __init__(self, fn: Callable[[], Any], name: str):
+    super().__init__(name=name, daemon=True)
+    self._fn, self._result, self._error = fn, None, None
+
+  def run(self) -> None:
+    try:
+      self._result = self._fn()
+    except BaseException as e:  # pylint: disable=broad-except  # raised again on the caller
+      self._error = e
+
+  def outcome(self) -> Any:
+    if self._error is not None:
+      raise self._error
+    return self._result
+
+
+def on_a_thread(fn: Callable[[], T]) -> T:
+  """`fn()` on a thread while this one waits: its result, or its error raised here. CPython runs
+  signal handlers only on the main thread between bytecodes, so a long call into a library
+  (XLA compiling a program) holds them until it returns; waiting on a thread, they run at
+  once, and one that raises (Ctrl-C's KeyboardInterrupt) abandons the wait. `fn` sets up any
+  per-thread context it needs itself (a mesh is per thread)."""
+  worker = _Worker(fn, "olmo3-long-call")
+  worker.start()
+  worker.join()  # interrupted by a signal only to run its handler (Python >= 3.2)
+  return worker.outcome()
+
+
+# How often `abandoned_on_signal` puts its handlers back.
+_REASSERT_S = 0.5
+
+
+def abandoned_on_signal(fn: Callable[[], T], doing: str) -> T:
+  """`fn()` on a thread; a SIGINT or SIGTERM meanwhile ends the process at once with one line,
+  `interrupted (SIGINT) while <doing>; nothing was written`, and status 128 + the signal: for
+  work that writes nothing (a compile-only launch), which nothing else could stop promptly.
+  The handlers are put back every half second because libtpu installs its own for SIGTERM
+  while it compiles (one that prints a C++ stack dump as it kills the process)."""
+  def stop(signum: int, frame: Any) -> None:
+    del frame
+    os.write(2, f"interrupted ({signal.Signals(signum).name}) while {doing}; nothing was "
+                "written\n".encode())
+    os._exit(128 + signum)  # pylint: disable=protected-access  # the compile cannot be stopped
+
+  previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+  worker = _Worker(fn, "olmo3-abandonable")
+  worker.start()
+  try:
+    while worker.is_alive():
+      worker.join(_REASSERT_S)
+      for sig in previous:
+        signal.signal(sig, stop)
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+  return worker.outcome()

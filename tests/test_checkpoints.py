@@ -365,11 +365,13 @@ def test_allowed_data_change_continues_at_the_same_instance(trained, tmp_path):
 
 def test_a_failed_async_save_stops_the_run_at_once_with_its_cause(tmp_path, monkeypatch):
   """The disk fills while step 4 is written in the background: the run stops within the next
-  steps (not at the save of step 8) with the OS error and the path; step 4 is never listed,
-  and its partial directory is removed when the run restarts."""
+  steps (not at the save of step 6) with the OS error and the path, naming the steps that are
+  there (step 2: rotation, keeping 1, had already dropped it from Orbax's own list); step 4 is
+  never listed, and its partial directory is removed when the run restarts."""
   import builtins
 
-  exp = micro_experiment(write_corpus(tmp_path), steps=12, every=4)
+  exp = micro_experiment(write_corpus(tmp_path), steps=12, every=2)
+  exp = dataclasses.replace(exp, checkpoint=dataclasses.replace(exp.checkpoint, keep=1))
   checkpoints = tmp_path / "run" / "checkpoints"
   real_open = builtins.open
 
@@ -380,20 +382,21 @@ def test_a_failed_async_save_stops_the_run_at_once_with_its_cause(tmp_path, monk
 
   monkeypatch.setattr(builtins, "open", full_disk)
   with pytest.raises(CheckpointError, match=r"saving checkpoint step 4 .* failed: OSError: "
-                                            r"\[Errno 28\] No space left on device: '.*/4\."):
+                                            r"\[Errno 28\] No space left on device: '.*/4\..*"
+                                            r"It is not listed; the checkpoints are steps \[2\]$"):
     train(RunPlan.build(exp, str(tmp_path / "run")))
   monkeypatch.undo()
   logged = [r["step"] for r in metrics_lib.read_jsonl(tmp_path / "run" / "metrics.jsonl")
             if "loss" in r]
-  assert max(logged) < 8
+  assert max(logged) < 6
   deadline = time.time() + 30
   while True:  # a restart removes the partial step 4 (in the background; in this process the
     # failed save's last writers may still be finishing, so restart until it stays removed)
-    assert RunCheckpoints(checkpoints, 3, True).steps() == []
+    assert RunCheckpoints(checkpoints, 3, True).steps() == [2]
     time.sleep(0.2)
-    if not _names(checkpoints) or time.time() > deadline:
+    if _names(checkpoints) == ["2"] or time.time() > deadline:
       break
-  assert _names(checkpoints) == []
+  assert _names(checkpoints) == ["2"]
 
 
 @pytest.mark.parametrize("how", ["emptied", "without meta"])
@@ -412,6 +415,28 @@ def test_a_committed_step_emptied_or_without_its_meta_is_damage_set_aside(traine
   assert _damage_logged(caplog).startswith(f"{step_dir} is damaged: ['meta'] in "
                                            f"{step_dir / 'meta'}: missing")
   assert "4.damaged-1" in _names(workdir / "checkpoints")
+
+
+def test_a_disk_with_room_for_one_checkpoint_but_not_for_rotation_refuses_a_fresh_run(
+    tmp_path, monkeypatch):
+  """Rotation removes a step only once the next has landed, so a run keeping 2 checkpoints
+  grows its directory to 3: with room for one and a half, it is refused before step 1 (on a
+  40 MB disk the tiny run saved step 1, then failed writing step 2 with Orbax's lines)."""
+  from olmo3.train.state import StateLayout
+
+  exp = micro_experiment(write_corpus(tmp_path), steps=6, every=2)
+  exp = dataclasses.replace(exp, checkpoint=dataclasses.replace(exp.checkpoint, keep=2))
+  layout = StateLayout(exp, ShardedModel.for_experiment(exp))
+  size = sum(x.size * x.dtype.itemsize
+             for x in jax.tree.leaves((layout.abstract.params, layout.abstract.opt_state)))
+  real = shutil.disk_usage
+  monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=int(1.5 * size)))
+  with pytest.raises(CheckpointError, match=(
+      r"has 0.00 GiB free; this run adds 3 checkpoints of 0.00 GiB before rotation "
+      r"\(checkpoint.keep=2\) removes one: free space there, lower checkpoint.keep, or give "
+      r"--workdir on a disk with room$")):
+    train(RunPlan.build(exp, str(tmp_path / "run")))
+  assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
 
 
 def test_a_disk_without_room_for_the_next_checkpoint_stops_the_run_before_it_trains(

@@ -96,3 +96,49 @@ def test_the_launcher_s_cache_follows_olmo3_cache(tmp_path):
   assert f"compilation cache   {tmp_path / 'jax'}\n" in done.stdout
   done = forked.completed("main", [*dry, f"--compilation_cache={tmp_path / 'mine'}"], env)
   assert f"compilation cache   {tmp_path / 'mine'}\n" in done.stdout
+
+
+# Two programs compiled into a fresh cache; the first's entry then replaced by the second's (a
+# well-formed entry of another program), and the first compiled again, twice.
+_FOREIGN = """
+import os, shutil, sys
+import jax, jax.numpy as jnp
+from olmo3 import compilation_cache
+cache = sys.argv[1]
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+compilation_cache.enable(cache)
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else 0)
+def double_sine(x):
+  return jnp.sin(x) * 2
+def two_results(x, y):
+  return x @ y, x + 1
+x = jnp.arange(4.0)
+expected = jax.jit(double_sine)(x)
+jax.jit(two_results)(jnp.ones((2, 2)), jnp.ones((2, 2)))
+entry = lambda name: [f for f in os.listdir(cache) if f.startswith(name) and f.endswith("-cache")]
+(ours,), (theirs,) = entry("jit_double_sine"), entry("jit_two_results")
+shutil.copyfile(os.path.join(cache, theirs), os.path.join(cache, ours))
+for attempt in (1, 2):
+  jax.clear_caches()
+  del hits[:]
+  assert (jax.jit(double_sine)(x) == expected).all()
+  print(attempt, "hit" if hits else "compiled", flush=True)
+"""
+
+
+@pytest.mark.slow(seconds=4)
+def test_an_entry_of_another_program_is_removed_and_the_program_compiled(tmp_path):
+  """A well-formed entry that is not its key's program (a file copied over it) failed every
+  relaunch with a bare AssertionError: now it is removed with one warning naming it, the
+  program is compiled, and the next compile finds the program's own entry."""
+  done = subprocess.run([sys.executable, "-c", _FOREIGN, os.fspath(tmp_path / "cache")],
+                        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split("\n")[:2] == ["1 compiled", "2 hit"], done.stdout
+  warnings = [line for line in done.stderr.splitlines() if "compilation cache's entry" in line]
+  assert len(warnings) == 1 and warnings[0].endswith(
+      "holds another program (jit_two_results with 2 arguments and 2 results, not "
+      "jit_double_sine with 1 and 1): removed; compiling it again"), done.stderr[-3000:]

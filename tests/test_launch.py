@@ -696,3 +696,28 @@ def test_a_dry_run_on_a_multislice_topology_shows_the_experiment_s_dcn_axes(tmp_
   mesh = [line for line in lines if line.startswith("mesh ")]
   assert mesh == ["mesh                {'fsdp': 4} x DCN {'fsdp': 2} -> {'data': 1, 'fsdp': 8, "
                   "'sequence': 1, 'tensor': 1} on 8 TPU v5 devices (v5p:2x2x1*2)"], mesh
+
+
+@pytest.mark.slow(seconds=8)
+def test_ctrl_c_and_sigterm_stop_a_7b_compile_only_at_once_in_one_line(tmp_path):
+  """A compile-only launch writes nothing, so a signal ends it there and then: the 7B's compile
+  takes minutes, during which Python's handlers never ran (two Ctrl-Cs over 150 s did
+  nothing), and libtpu's own SIGTERM handler printed a C++ stack dump."""
+  import signal
+  import time
+
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    run = forked.background("tests.launch_stand_ins", [
+        "compiling", "--fdl_config=experiments.olmo3_7b:stage1", "--compile_only=tpu7x:4x8x8"],
+        ENV)
+    try:
+      run.wait_for("XLA is compiling")
+      time.sleep(1.0)  # well inside the compiler's call (minutes for the 7B)
+      run.proc.send_signal(sig)
+      assert run.finish(seconds=30) == 128 + sig
+    finally:
+      run.kill()
+    name = signal.Signals(sig).name
+    assert run.lines[-1] == (f"interrupted ({name}) while compiling the train step for "
+                             "tpu7x:4x8x8; nothing was written"), run.log()
+    assert not any("*** SIG" in line or "@ 0x" in line for line in run.lines), run.log()

@@ -47,9 +47,9 @@ def _signal_in_step(call: int, sig: str) -> None:
   """The process signals itself as its `call`-th train step is dispatched."""
   from olmo3.train import loop
 
-  real = loop.jit_train_step
+  real = loop.compiled_step
 
-  def jit_train_step(*args, **kwargs):
+  def compiled_step(*args, **kwargs):
     step_fn, calls = real(*args, **kwargs), itertools.count(1)
 
     def step(state, batch):
@@ -57,7 +57,14 @@ def _signal_in_step(call: int, sig: str) -> None:
         os.kill(os.getpid(), getattr(signal, sig))
       return step_fn(state, batch)
     return step
-  loop.jit_train_step = jit_train_step
+  loop.compiled_step = compiled_step
+
+
+def _signal_in_compile(sig: str) -> None:
+  """... as the train step starts compiling (on the thread that compiles it)."""
+  from olmo3.train import loop
+
+  _before_first_call(loop, "compiled_step", lambda: os.kill(os.getpid(), getattr(signal, sig)))
 
 
 def _signal_in_evaluation(sig: str) -> None:
@@ -132,7 +139,8 @@ def _without_the_eval_extra() -> None:
   sys.modules["olmo_eval"] = None  # an import of it raises ModuleNotFoundError
 
 
-FAULTS = {f.__name__: f for f in (_signal_in_step, _signal_in_evaluation, _signal_in_save,
+FAULTS = {f.__name__: f for f in (_signal_in_step, _signal_in_compile, _signal_in_evaluation,
+                                  _signal_in_save,
                                   _signal_at_startup, _cut_short_when_training_starts,
                                   _first_batch_fails, _without_the_eval_extra)}
 
@@ -178,8 +186,8 @@ def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start
   from olmo3.data.tokens import write_token_file
 
   w = {name: os.fspath(tmp_path / name) for name in (
-      "step", "eval", "save", "final", "startup", "cut", "io", "none", "stage2", "stage2b",
-      "cwd")}
+      "step", "eval", "save", "final", "startup", "compile", "cut", "io", "none", "stage2",
+      "stage2b", "cwd")}
   for name in ("startup", "cut", "io"):  # workdirs the user made, with a file of their own
     os.makedirs(w[name])
     (tmp_path / name / "notes.txt").write_text("mine\n")
@@ -215,6 +223,9 @@ def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start
       # Before step 1: nothing trained, the workdir as it was.
       main(steps(6), f"--workdir={w['startup']}", fault=["_signal_at_startup", "SIGTERM"],
            name="SIGTERM at startup"),
+      # ... and during the compile: acknowledged at once, nothing trained (it trained step 1).
+      main(steps(6), f"--workdir={w['compile']}", fault=["_signal_in_compile", "SIGINT"],
+           name="SIGINT mid-compile"),
       # The token file cut short after the launch sized it: one line, the workdir as found;
       # the corrected command (the file restored, another seed) is not refused.
       main(steps(2), *paths, f"--workdir={w['cut']}",
@@ -316,6 +327,12 @@ def test_launches_stop_cleanly_take_back_what_they_wrote_and_say_what_they_start
   check(name, _last(out[name]) == "interrupted before step 1; nothing trained, nothing "
         "written; rerun the same command to start", "last line")
   check(name, os.listdir(w["startup"]) == ["notes.txt"], "the workdir as it was")
+  name = "SIGINT mid-compile"
+  check(name, "SIGINT received: stopping once the train step is compiled, before step 1: "
+        "nothing will be trained\n" in out[name], "acknowledged at once")
+  check(name, _last(out[name]) == "interrupted before step 1; nothing trained, nothing "
+        "written; rerun the same command to start", "last line")
+  check(name, not os.path.exists(w["compile"]), "no workdir left")
 
   # 3: a launch that fails before its first step leaves the workdir as it found it.
   name = "file cut short"

@@ -77,10 +77,10 @@ def _dispatches_and_rows(monkeypatch) -> list[str]:
   from olmo3.train import loop
 
   events = []
-  jit_train_step, create_writer = loop.jit_train_step, metrics_lib.create_writer
+  compiled_step, create_writer = loop.compiled_step, metrics_lib.create_writer
 
-  def jit_spy(*args):
-    step_fn = jit_train_step(*args)
+  def compiled_spy(*args):
+    step_fn = compiled_step(*args)
 
     def dispatch(state, batch):
       events.append(f"dispatch {sum(e.startswith('dispatch') for e in events) + 1}")
@@ -100,7 +100,7 @@ def _dispatches_and_rows(monkeypatch) -> list[str]:
     writer.write_scalars = write_scalars
     return writer
 
-  monkeypatch.setattr(loop, "jit_train_step", jit_spy)
+  monkeypatch.setattr(loop, "compiled_step", compiled_spy)
   monkeypatch.setattr(metrics_lib, "create_writer", writer_spy)
   return events
 
@@ -124,6 +124,34 @@ def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path, monkeypatch
   assert sorted(a) == sorted(b) == list(range(1, 9))
   assert a == b  # bit-identical on CPU, step for step
   assert a[8] < a[1] - 1.0  # it learns
+
+
+@pytest.mark.seconds(4)
+def test_the_host_runs_one_step_ahead_of_the_devices_and_no_further(tmp_path, monkeypatch):
+  """When step s is dispatched, step s - 2 has ended, though no row, evaluation or save needs
+  it (rows every 100 steps): a signal stops the step under way or the one queued behind it.
+  With the host free to run ahead, Ctrl-C seen after step 10's row stopped a run at step 16."""
+  from olmo3.train import loop
+
+  compiled_step, ready = loop.compiled_step, {}
+
+  def spy(*args):
+    step_fn, dispatched = compiled_step(*args), []
+
+    def dispatch(state, batch):
+      if len(dispatched) >= 2:
+        ready[len(dispatched) + 1] = all(m.is_ready() for m in dispatched[-2].values())
+      state, step_metrics = step_fn(state, batch)
+      dispatched.append(step_metrics)
+      return state, step_metrics
+    return dispatch
+
+  monkeypatch.setattr(loop, "compiled_step", spy)
+  exp = micro_experiment(write_corpus(tmp_path), steps=12, every=100)
+  exp = dataclasses.replace(exp, model=exp.model.replace(d_model=256, n_layers=4),
+                            train=dataclasses.replace(exp.train, log_every=100))
+  train(RunPlan.build(exp, str(tmp_path / "run")))
+  assert ready == {s: True for s in range(3, 13)}
 
 
 @pytest.mark.seconds(22)
@@ -382,7 +410,8 @@ def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(mo
   def record(path, level=py_logging.INFO):
     return py_logging.LogRecord("absl", level, path, 1, "msg", (), None)
 
-  library = "/venv/lib/python3.11/site-packages/orbax/checkpoint/checkpoint_manager.py"
+  library = "/venv/lib/python3.11/site-packages/jax/_src/xla_bridge.py"
+  orbax = "/venv/lib/python3.11/site-packages/orbax/checkpoint/_src/futures/future.py"
   ours = logs.__file__
   handler = absl_logging.get_absl_handler()
   try:
@@ -390,13 +419,15 @@ def test_log_policy_quiets_libraries_info_until_verbose_and_skips_tpu_probing(mo
     assert sys.unraisablehook is logs._unraisable  # pylint: disable=protected-access
     assert not handler.filter(record(library))  # a library's INFO: dropped
     assert handler.filter(record(library, py_logging.WARNING))  # its warnings: kept
+    # Orbax's errors: those of a save or restore the run reports itself, in its last line
+    assert not handler.filter(record(orbax, py_logging.ERROR))
     assert handler.filter(record(ours)) and handler.filter(record("/work/my_experiment.py"))
     installed = "/venv/lib/python3.11/site-packages/"  # this project installed without -e
     monkeypatch.setattr(logs, "_OURS", (installed + "olmo3/", installed + "launch/"))
     assert handler.filter(record(installed + "launch/main.py"))
     assert not handler.filter(record(installed + "orbax/checkpoint/checkpoint_manager.py"))
     logs.configure(1)  # -v 1: everything again
-    assert handler.filter(record(library))
+    assert handler.filter(record(library)) and handler.filter(record(orbax, py_logging.ERROR))
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
     monkeypatch.setattr(platforms, "has_accelerator", lambda: True)

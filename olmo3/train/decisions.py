@@ -52,6 +52,13 @@ class Cadences:
   eval_every: int | None  # None: the run evaluates nothing (no held-out sets, no tasks)
   exchange_every: int = EXCHANGE_EVERY
 
+  def saves_after(self, start: int) -> int:
+    """How many checkpoints a run from `start` to the end saves (the cadence's and the last)."""
+    if start >= self.end:
+      return 0
+    every = self.checkpoint_every
+    return self.end // every - start // every + (1 if self.end % every else 0)
+
   def due(self, step: int) -> Due:
     last = step == self.end
     evaluate = self.eval_every is not None and (step % self.eval_every == 0 or last)

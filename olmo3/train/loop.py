@@ -15,8 +15,13 @@ the checkpoint cadence; a signal during a save stops the run once that save is m
 acknowledged at once: `Preemption.notice`). A signal during the last step or its save changes
 nothing (the run completes) and is reported as it ends.
 
-The host never waits for a step it does not need: batches reach the devices ahead of their
-step (`pipeline.DevicePrefetch`), a log step's row is fetched after the next step is dispatched,
+The train step is compiled before the first step runs (a signal during the compile, which
+can take minutes, is acknowledged at once and stops the run before step 1: nothing trained).
+The host runs one step ahead of the devices and no further: it dispatches step s + 1, then
+waits for step s to end (nothing is copied), so a signal stops the step under way or the one
+queued behind it, never a run of steps queued long before. Otherwise the host never waits for
+a step it does not need: batches reach the devices ahead of their step
+(`pipeline.DevicePrefetch`), a log step's row is fetched after the next step is dispatched,
 and the consecutive-skip count is checked with the rows and before evaluating or saving. Only
 evaluation and checkpoint steps (and a preemption's save) wait for their own step.
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -36,6 +42,7 @@ import jax
 from absl import logging
 from etils import epath
 
+from olmo3 import program
 from olmo3.data import pipeline
 from olmo3.io import metrics as metrics_lib
 from olmo3.io import retry
@@ -110,28 +117,31 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
     plan.size_cache.save()  # the remote sizes the plan looked up, for the next launch
   with model.context(), contextlib.ExitStack() as cleanup:
     step_fn = _compile(plan, model, layout, evaluation, cleanup)
-    # Room for the next save, before a restore (minutes for a 7B) and an interval's steps.
-    checkpoints.check_room(layout.abstract.params, layout.abstract.opt_state)
+    cadences = decisions.Cadences(plan.end, exp.train.log_every, exp.checkpoint.every,
+                                  exp.train.eval_every if evaluation is not None else None)
+    # Room for the saves to come, before a restore (minutes for a 7B) and an interval's steps.
+    checkpoints.check_room(layout.abstract.params, layout.abstract.opt_state,
+                           exp.checkpoint.keep, cadences.saves_after(plan.resume.step))
     with logs.Heartbeat("initialising or restoring the train state"):
       state, data_position = state_lib.restore_or_init(layout, checkpoints, plan)
     start, end = int(state.step), plan.end
     if start >= end:
       logging.info("already at step %d of %d: nothing to do", start, end)
       return {}
-    if preemption.agreed():  # signalled during startup: nothing new to save
-      progress.interrupted, progress.signal = start, preemption.signal_name
-      logging.warning("interrupted (%s) before step %d: stopping; nothing trained",
-                      progress.signal, start + 1)
+    if _stopped_before_step(start, preemption, progress):  # signalled during startup
       return {}
     io = _StepIO(plan, model, step_fn, start, state, data_position, preemption, progress,
                  checkpoints, evaluation)
-    cadences = decisions.Cadences(end, exp.train.log_every, exp.checkpoint.every,
-                                  exp.train.eval_every if evaluation is not None else None)
+    first = next(io.batches)
+    io.compile(first, model)
+    if _stopped_before_step(start, preemption, progress):  # signalled during the compile
+      io.batches.close()
+      return {}
     # Nothing below reads the devices except wait_for_step, evaluation and saving: the host
     # runs a step ahead, dispatching step s + 1 before it waits for step s's row.
     completed = False  # the last step trained and saved, no signal or alarm having stopped it
     with _cleanup_on_failure(checkpoints, io.writer), contextlib.closing(io.batches):
-      for step, batch in enumerate(io.batches, start=start + 1):
+      for step, batch in enumerate(itertools.chain([first], io.batches), start=start + 1):
         checkpoints.check()  # a failed async save stops the run here, not a save later
         if not preemption.stop_requested and (lost := lease.lost()):
           preemption.request_stop(lost)  # never a step more than the processes agree on
@@ -156,6 +166,23 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
       progress.signal = preemption.signal_name
       logging.warning("%s", decisions.signal_at_the_end(progress.signal, end))
   return io.rows.last
+
+
+def _stopped_before_step(start: int, preemption: Preemption, progress: Progress) -> bool:
+  """Whether a signal before the first step stops the run (every process asks here): nothing
+  trained, nothing new to save."""
+  if not preemption.agreed():
+    return False
+  progress.interrupted, progress.signal = start, preemption.signal_name
+  logging.warning("interrupted (%s) before step %d: stopping; nothing trained",
+                  progress.signal, start + 1)
+  return True
+
+
+def compiled_step(step_fn: Any, state: state_lib.TrainState, batch: Any) -> Callable:
+  """The jitted train step compiled for the loop's state and batch (the compiled program runs
+  every step; tests wrap what this returns to act inside a chosen step)."""
+  return step_fn.lower(state, batch).compile()
 
 
 def _compile(plan: RunPlan, model: ShardedModel, layout: state_lib.StateLayout,
@@ -189,6 +216,7 @@ class _StepIO:
     self.preemption, self.progress = preemption, progress
     self.checkpoints, self.evaluation = checkpoints, evaluation
     self.start = start
+    self.previous: dict[str, jax.Array] | None = None  # the last dispatched step's metrics
     loader = pipeline.Loader(exp.data, model.batch_sharding,
                              start_step=data_position.data_step(self.start),
                              num_steps=plan.end - self.start, source=plan.train_files,
@@ -200,15 +228,26 @@ class _StepIO:
     limit = exp.train.max_consecutive_skips
     self.skips = SkipLimit(limit, int(state.skip.consecutive)) if limit is not None else None
 
+  def compile(self, batch: Any, model: ShardedModel) -> None:
+    """Compiles the train step for the first batch (minutes for the 7B), on a thread so that a
+    signal meanwhile is acknowledged at once; the run then stops before its first step."""
+    first = self.start + 1
+    self.preemption.notice = (f"stopping once the train step is compiled, before step {first}: "
+                              "nothing will be trained")
+    with logs.Heartbeat(f"compiling the train step (steps {first}-{self.plan.end} to go)"):
+      self.step_fn = program.on_a_thread(lambda: _in(model, lambda: compiled_step(
+          self.step_fn, self.state, batch)))
+    self.preemption.notice = None
+    self.rows.restart_clock(self.start)  # step times and the ETA are the steps', not the compile's
+
   def dispatch(self, step: int, batch: Any) -> dict[str, jax.Array]:
-    """Dispatches the step (the devices run it while the host goes on); its metrics."""
-    if step == self.start + 1:  # the first call traces and compiles (minutes for the 7B)
-      with logs.Heartbeat(f"compiling the train step (steps {step}-{self.plan.end} to go)"):
-        self.state, step_metrics = self.step_fn(self.state, batch)
-      # step times and the ETA are the steps', not the compile's
-      self.rows.restart_clock(self.start)
-    else:
-      self.state, step_metrics = self.step_fn(self.state, batch)
+    """Dispatches the step (the devices run it while the host goes on), then waits for the
+    step before it to end: the host stays one step ahead, so that a signal stops the step
+    under way or the one queued behind it. Its metrics."""
+    self.state, step_metrics = self.step_fn(self.state, batch)
+    previous, self.previous = self.previous, step_metrics
+    if previous is not None:
+      jax.block_until_ready(previous)  # replicated scalars, never donated: nothing is copied
     return step_metrics
 
   def wait_for_step(self) -> None:
@@ -249,6 +288,12 @@ class _StepIO:
     progress.interrupted, progress.signal = decision.step, self.preemption.signal_name
     progress.evaluation_skipped = decision.evaluation_skipped
     logging.warning("%s", decision.report(progress.signal))
+
+
+def _in(model: ShardedModel, fn: Callable[[], Any]) -> Any:
+  """`fn()` inside the model's context (mesh and rules are per thread)."""
+  with model.context():
+    return fn()
 
 
 @contextlib.contextmanager

@@ -68,6 +68,15 @@ class RunCheckpoints:
     """The committed steps, oldest first."""
     return sorted(self._manager.all_steps())
 
+  def _listed(self) -> list[int] | str:
+    """The committed steps as the directory lists them now (after a failed save, Orbax's own
+    list had dropped the steps committed before it: a disk that filled during step 20's save
+    said "the checkpoints are steps []" beside step 10)."""
+    try:
+      return sorted(self._manager.all_steps(read=True))
+    except Exception as e:  # pylint: disable=broad-except  # the store may be what failed
+      return f"unknown ({type(e).__name__} listing them)"
+
   def step_dir(self, step: int) -> epath.Path:
     return self.directory / str(step)
 
@@ -97,24 +106,32 @@ class RunCheckpoints:
     wrong with the steps it writes, the last known good one survives."""
     self._verified.step = step
 
-  def check_room(self, params: Any, opt_state: Any) -> None:
+  def check_room(self, params: Any, opt_state: Any, keep: int, saves: int) -> None:
     """Before restoring and training toward a save (`params`, `opt_state`: arrays or their
-    shapes): a local disk with less room than one more checkpoint
-    takes (its arrays' bytes, every process's part) is a CheckpointError now, not after the
-    interval's steps are trained and lost (rotation removes old steps only after the new one
-    has landed). Buckets have no such bound to check."""
+    shapes; `saves`: the checkpoints the run has still to save): a local disk with less room
+    than the checkpoints the run will add is a CheckpointError now, not after an interval's
+    steps are trained and lost. Rotation (`keep`) removes an old step only once a new one has
+    landed, so the directory grows to keep + 1 steps (fewer when fewer saves are to come).
+    Buckets have no such bound to check."""
     if pathnames.is_url(os.fspath(self.directory)):
       return
-    needed = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize  # arrays or their shapes
-                 for x in jax.tree.leaves((params, opt_state)))
+    size = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize  # arrays or their shapes
+               for x in jax.tree.leaves((params, opt_state)))
+    present = len(self.steps()) if os.path.isdir(self.directory) else 0
+    added = max(1, min(saves, keep + 1 - min(present, keep)))
     where = os.fspath(self.directory)
     while not os.path.exists(where):  # the workdir's checkpoints/ may not exist yet
       where = os.path.dirname(where)
     free = shutil.disk_usage(where).free
-    if free < needed * ROOM_MARGIN:
-      raise CheckpointError(
-          f"{self.directory} has {free / 2**30:.2f} GiB free; a checkpoint of this run takes "
-          f"{needed / 2**30:.2f} GiB: free space there, or give --workdir on a disk with room")
+    if free >= size * added * ROOM_MARGIN:
+      return
+    takes = (f"a checkpoint of this run takes {size / 2**30:.2f} GiB" if added == 1 else
+             f"this run adds {added} checkpoints of {size / 2**30:.2f} GiB before rotation "
+             f"(checkpoint.keep={keep}) removes one")
+    raise CheckpointError(
+        f"{self.directory} has {free / 2**30:.2f} GiB free; {takes}: free space there"
+        f"{', lower checkpoint.keep' if added > 1 else ''}, or give --workdir on a disk with "
+        "room")
 
   def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
     """Saves a step with its arrays' records (refused, CheckpointError, if any holds NaN/Inf;
@@ -152,7 +169,7 @@ class RunCheckpoints:
     except Exception as e:  # whatever the storage raised: say which step, keep the cause
       error = CheckpointError(
           f"saving checkpoint step {step} to {self.directory} failed: {type(e).__name__}: {e}. "
-          f"It is not listed; the checkpoints are steps {self.steps()}")
+          f"It is not listed; the checkpoints are steps {self._listed()}")
       if failed is None:
         # The save's other writers may still be running (Orbax's finalize stops at the first
         # error): let them end, so nothing writes into the directory after the run stops.
