@@ -6,7 +6,10 @@ with tests/test_stage3_parity.py, which runs it shortened, in process.
 
   python benchmarks/stage3_parity_olmo_core.py [--dtype float32|float64] [--steps 30]
       [--batch 4] [--seq_len 256] [--original_context 64] [--rope_positions instance|document]
-      [--peak_lr 2.0712352850360292e-4]
+      [--peak_lr 2.0712352850360292e-4] [--ranks 1|2]
+
+--ranks 2: OLMo-core's train module on 2 data-parallel ranks (processes over gloo), each
+dividing its loss by its own count of trained labels, against ours with train.loss_ranks=2.
 """
 
 import os

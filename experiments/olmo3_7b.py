@@ -22,9 +22,10 @@ from __future__ import annotations
 import fiddle as fdl
 
 from experiments.common import as_config
-from olmo3.config import (AttentionKernel, CheckpointConfig, DataConfig, DType, EvalConfig,
-                          Experiment, LongDocuments, MeshConfig, OptimizerConfig, Packing, Remat,
-                          RopePositions, ScaledLayers, Schedule, TrainConfig, Yarn, olmo3_7b)
+from olmo3.config import (INT32_MAX, AttentionKernel, CheckpointConfig, DataConfig, DType,
+                          EvalConfig, Experiment, LongDocuments, LossMean, MeshConfig,
+                          OptimizerConfig, Packing, Remat, RopePositions, ScaledLayers, Schedule,
+                          TrainConfig, Yarn, olmo3_7b)
 from olmo3.xla_flags import FLAG_SETS
 from olmo3.remat import Mode, Name
 from olmo3.run.record import workdir_of
@@ -93,8 +94,12 @@ def stage1() -> fdl.Config[Experiment]:
                                 spike_min_history=64),
       # AI2's stage 1 stops at the end of the first epoch (hard_stop); STAGE1_STEPS is that
       # epoch for the official files, and a run on other files says so at startup.
+      # The loss as OLMo-core's train module takes it: each data-parallel rank's token mean,
+      # averaged over AI2's ranks (docs/recipe.md#the-loss-mean-over-data-parallel-ranks):
+      # 512 H100 without context parallelism, one instance each.
       train=TrainConfig(steps=STAGE1_STEPS, seed=0, z_loss_weight=1e-5, log_every=10,
-                        eval_every=10_000, stop_at_epoch=1, max_consecutive_skips=None),
+                        eval_every=10_000, stop_at_epoch=1, max_consecutive_skips=None,
+                        loss_mean=LossMean.PER_RANK, loss_ranks=512),
       checkpoint=CheckpointConfig(every=1000, keep=3, async_save=True, init_from=None),
       libtpu_flags=FLAG_SETS["tpu7x"].libtpu,
       # AI2's in-loop evaluation, every 10,000 steps: the v3-small perplexity sets (11 held-out
@@ -125,6 +130,7 @@ def stage2() -> fdl.Config[Experiment]:
   cfg.optimizer.decay_steps = STAGE2_STEPS
   cfg.train.steps = STAGE2_STEPS
   cfg.train.stop_at_epoch = None  # the midtraining script stops at its 100B tokens only
+  cfg.train.loss_ranks = 128  # AI2's 128 H100, two instances each
   cfg.checkpoint.init_from = workdir_of(stage1)  # runs/olmo3_7b.stage1
   return cfg
 
@@ -164,9 +170,95 @@ def stage3() -> fdl.Config[Experiment]:
   cfg.optimizer.warmup_steps = 200
   cfg.optimizer.decay_steps = STAGE3_STEPS
   cfg.train.steps = STAGE3_STEPS
+  # AI2's 256 H100 with context parallelism of degree 8 (OLMo-3-1025-7B-long-context.py:
+  # TransformerContextParallelConfig.llama3(degree=8, head_stride=4)): 32 data-parallel ranks,
+  # each 8 GPUs sharing 2 instances; OLMo-core counts a rank's labels before the sequence is
+  # split, so the loss is the mean of 32 token means of 2 instances.
+  cfg.train.loss_ranks = 32
   cfg.eval.batch_size = 64
   cfg.eval.position_band = 8192  # held-out CE per 8192 positions: within and beyond stage 2's
   cfg.checkpoint.init_from = workdir_of(stage2)  # runs/olmo3_7b.stage2
+  return cfg
+
+
+# The stage after each, where it is not stage<n+1> (the launcher's closing summary names it).
+NEXT_STAGE = {"stage3": "sft_think", "sft_think": "sft_instruct"}
+SFT_SEQ_LEN = 32_768  # AI2's SFT sequence (open-instruct scripts/train/olmo3/7b_*_sft.sh)
+
+
+def sft_think() -> fdl.Config[Experiment]:
+  """Supervised fine-tuning into OLMo 3 7B Think, as AI2 ran it with OLMo-core (commit 38f66526c,
+  src/scripts/train/sft/OLMo2-7B-sft.py; settings from open-instruct's
+  scripts/train/olmo3/7b_think_sft.sh; docs/recipe.md#sft): the stage-3 model (YaRN on the
+  full-attention layers) initialised from stage 3's final checkpoint, parameters and AdamW
+  moments (the moments when the checkpoint has them; step, schedule and data position reset:
+  load_trainer_state=False); conversations tokenized with AI2's Think template (`olmo3_think`)
+  and trained on the assistant's tokens only; 32 instances of 32,768 tokens a step (1,048,576),
+  packed by best-fit decreasing with attention within each conversation and long ones
+  truncated (NumpyPackedFSLDataset, generate_doc_lengths=True, one file a group, files in
+  order), loader seed 34521; 2 epochs; SkipStepAdamW betas (0.9, 0.95), weight decay 0, clip
+  1.0, peak LR 5e-5, linear warmup over 3% of the steps then linear to 0
+  (LinearWithWarmup(warmup_fraction=0.03, alpha_f=0)); no z-loss; the loss each data-parallel
+  rank's token mean, averaged over AI2's 32 ranks (64 H100, context parallelism 2); context
+  parallelism 2 here too. AI2's SFT script evaluates nothing in the loop; this evaluates the
+  data's held-out conversations (assistant tokens only) every 1000 steps, with the
+  generalization-gap alarm.
+
+  AI2's tokenized SFT data is gone (open-instruct issue 1888); its source is the released
+  Dolci Think SFT mix (JSONL conversations). Prepare it (or your own) first:
+
+    python -m olmo3.data.prepare --chat --input 'dolci-think-sft/*.jsonl' \
+        --tokenizer allenai/dolma2-tokenizer --chat_template olmo3_think --out data/olmo3-think-sft
+    python launch/main.py --fdl_config=experiments.olmo3_7b:sft_think --dry_run
+  """
+  cfg = stage3()
+  cfg.mesh.shape = (("data", 1), ("fsdp", -1), ("sequence", 2), ("tensor", 1))
+  cfg.data.mix, cfg.data.root = "data/olmo3-think-sft", ""
+  cfg.data.chat_template = "olmo3_think"
+  cfg.data.seq_len = SFT_SEQ_LEN
+  cfg.data.global_batch_size = 32
+  cfg.data.seed = 34521
+  cfg.data.packing = fdl.Config(Packing, source_group_size=1, source_permutation_seed=None,
+                                long_documents=LongDocuments.TRUNCATE)
+  opt = cfg.optimizer
+  opt.peak_lr, opt.weight_decay, opt.final_lr = 5e-5, 0.0, 0.0
+  opt.schedule, opt.warmup_steps, opt.warmup_fraction = Schedule.LINEAR, 0, 0.03
+  opt.decay_steps = None  # over the stage: its 2 epochs
+  cfg.train.steps = INT32_MAX  # the stage ends with its second epoch
+  cfg.train.stop_at_epoch = 2
+  cfg.train.z_loss_weight = 0.0  # z_loss_multiplier=None in AI2's SFT scripts
+  cfg.train.seed = 53184  # OLMo-core's init seed at 38f66526c (unused: the run starts from stage 3)
+  # 64 H100 with context parallelism 2: 32 data-parallel ranks of one instance each.
+  cfg.train.loss_ranks = 32
+  cfg.train.eval_every = 1000
+  cfg.eval.heldout, cfg.eval.tokenizer, cfg.eval.tasks = None, None, ()
+  cfg.eval.position_band = None
+  cfg.eval.batch_size = 32
+  cfg.checkpoint.init_from = workdir_of(stage3)  # runs/olmo3_7b.stage3
+  return cfg
+
+
+def sft_instruct() -> fdl.Config[Experiment]:
+  """Supervised fine-tuning into OLMo 3 7B Instruct (OLMo-core commit 9e9747105,
+  src/scripts/train/sft/OLMo-sft.py; open-instruct's 7b_instruct_sft.sh): the Think SFT's
+  recipe from the Think SFT's final checkpoint (parameters and moments), on conversations
+  tokenized with the chat template of AI2's tokenizer allenai/olmo-3-tokenizer-instruct-dev
+  (the tokenizer's own: `prepare --chat --chat_template tokenizer`), peak LR 8e-5, the loss
+  averaged over AI2's 16 data-parallel ranks (32 H100, context parallelism 2, two instances
+  each), init seed 543210. AI2's run read its data from gs://, where that commit's script took
+  the token files for label masks (docs/recipe.md#sft); olmo3 pairs each mask with its file.
+
+    python -m olmo3.data.prepare --chat --input 'dolci-instruct-sft/*.jsonl' \
+        --tokenizer allenai/olmo-3-tokenizer-instruct-dev --chat_template tokenizer \
+        --out data/olmo3-instruct-sft
+  """
+  cfg = sft_think()
+  cfg.data.mix = "data/olmo3-instruct-sft"
+  cfg.data.chat_template = None  # the tokenizer's own: the directory's manifest records it
+  cfg.optimizer.peak_lr = 8e-5
+  cfg.train.seed = 543210
+  cfg.train.loss_ranks = 16
+  cfg.checkpoint.init_from = workdir_of(sft_think)  # runs/olmo3_7b.sft_think
   return cfg
 
 

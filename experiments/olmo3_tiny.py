@@ -7,11 +7,11 @@
 Each stage is the 7B's (experiments/olmo3_7b.py) passed through `laptop_stage`, so every
 recipe choice there (optimizer, clipping, z-loss, schedule shape, seeds, step skipping, stage-2
 initialisation) reaches the run that tests it. `laptop_stage` changes size fields
-(`laptop_size`: model shape, batch, steps, schedule lengths, cadences, LR scale), data fields
-(the embedded corpus, its held-out split and tokenizer, zero-shot task variants, the documents
-scored per task) and, through
-`cpu`, the machine fields a CPU needs (XLA attention instead of TPU splash, float32 compute, no
-remat, XLA:CPU flags instead of TPU flags, no Grain worker processes).
+(`laptop_size`: model shape, batch and the loss's rank count, steps, schedule lengths,
+cadences, LR scale), data fields (the embedded corpus, its held-out split and tokenizer,
+zero-shot task variants, the documents scored per task) and, through `cpu`, the machine fields
+a CPU needs (XLA attention instead of TPU splash, float32 compute, no remat, XLA:CPU flags
+instead of TPU flags, no Grain worker processes).
 
 The data order keeps the 7B's grain. AI2's scripts pass max_target_sequence_length =
 max(8192, seq_len) (DataConfig.max_target_seq_len): at the 7B's 8192 tokens an epoch shuffles
@@ -107,6 +107,10 @@ def laptop_size(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Expe
   if cfg.data.max_target_seq_len is not None:  # the 7B's target is its sequence (see above)
     cfg.data.max_target_seq_len = SEQ_LEN * longer
   cfg.data.global_batch_size //= BATCH_DIVISOR
+  # The loss's AI2 data-parallel ranks (512, 128, 32) become 2: the fewest that still average
+  # per rank (stage 3's padded instances make each rank's token mean differ from the global
+  # one), and a count that divides every even batch a tiny run is given. One where the 7B has 1.
+  cfg.train.loss_ranks = min(2, cfg.train.loss_ranks)
   # A laptop's devices (one CPU, usually) all on fsdp: no context parallelism (stage 3's 8).
   cfg.mesh.shape = (("data", 1), ("fsdp", -1), ("sequence", 1), ("tensor", 1))
   # Schedule lengths keep their proportion to the stage; the learning rate scales with size.
@@ -115,7 +119,8 @@ def laptop_size(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Expe
   lengths = ("decay_steps",) + (("stitch_first_steps", "stitch_resumed_at", "stitch_second_steps")
                                 if opt.schedule == Schedule.STITCHED_COSINE else ())
   for field in lengths:
-    setattr(opt, field, max(1, round(getattr(opt, field) * ratio)))
+    if getattr(opt, field) is not None:  # None: over the stage's epochs, as the 7B's
+      setattr(opt, field, max(1, round(getattr(opt, field) * ratio)))
   opt.warmup_steps = WARMUP_STEPS if opt.warmup_steps else 0
   if opt.schedule == Schedule.STITCHED_COSINE:  # part 2 starts at part 1's midpoint, as AI2's
     opt.stitch_at = (opt.stitch_first_steps - 1) // 2 + opt.warmup_steps // 2
@@ -153,6 +158,30 @@ def stage3() -> fdl.Config[Experiment]:
   # Held-out documents of 4x the tiny context or more (18 of the corpus's 31), scored to 2048
   # tokens: CE per band of 256 positions shows the loss beyond the context stage 2 trained at.
   cfg.eval.min_document_tokens = 4 * SEQ_LEN
+  return cfg
+
+
+# The stage after each, where it is not stage<n+1> (the launcher's closing summary names it).
+NEXT_STAGE = {"stage3": "sft"}
+SFT_BATCH = 4  # 32 // BATCH_DIVISOR would be 1 instance: too few for 2 ranks' token means
+
+
+def sft() -> fdl.Config[Experiment]:
+  """SFT: the 7B's Think SFT (olmo3_7b.sft_think) at laptop size, from the tiny stage 3's final
+  checkpoint (parameters and moments), on the embedded chat corpus (questions about the
+  standard library answered by its own docstrings, rendered with AI2's Think template and
+  trained on the answers only): its 2 epochs of 4 x 1024 tokens a step, LR 5e-4 after a warmup
+  of 3% of them, linear to 0, the loss averaged over 2 ranks' token means. Evaluates the
+  corpus's held-out conversations (assistant tokens only) every 25 steps and at its end.
+
+    python launch/main.py --fdl_config=experiments.olmo3_tiny:sft
+    python -m olmo3.sample --workdir runs/olmo3_tiny.sft --chat --prompt 'What does json.dumps do?'
+  """
+  cfg = laptop_stage(olmo3_7b.sft_think(), steps=olmo3_7b.INT32_MAX,
+                     init_from=workdir_of(stage3))
+  cfg.data.mix = "embedded_chat"
+  cfg.data.global_batch_size = SFT_BATCH
+  cfg.eval.tasks = ()  # AI2's SFT scores no tasks in the loop; the held-out answers are watched
   return cfg
 
 

@@ -157,13 +157,16 @@ def run(plan, revision: dict[str, str] | None, created: bool) -> str:
 
 def next_stage() -> NextStage | None:
   """The stage after this launch's (olmo3.train.closing.NextStage), when the experiment's module
-  defines it (stage<n+1>), else None: what a launch's closing summary, and a dry run's, name."""
+  defines it (its NEXT_STAGE entry, else stage<n+1>), else None: what a launch's closing
+  summary, and a dry run's, name."""
   from olmo3.train import closing
 
   module, function = refs.split_ref(FLAGS.value)
-  following = closing.following_function(function)
-  if following is None or following not in refs.module_functions(
-      refs.import_module(module, f"--fdl_config={FLAGS.value!r}"), refs.Kind.EXPERIMENT):
+  found = refs.import_module(module, f"--fdl_config={FLAGS.value!r}")
+  # A module names the stages that do not follow as stage<n+1> (NEXT_STAGE: stage3 -> sft)
+  following = (getattr(found, "NEXT_STAGE", {}).get(function)
+               or closing.following_function(function))
+  if following is None or following not in refs.module_functions(found, refs.Kind.EXPERIMENT):
     return None
   return closing.NextStage(module, function, following,
                            refs.load(f"{module}:{following}").checkpoint.init_from,

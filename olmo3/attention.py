@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from olmo3 import platforms
 from olmo3.config import AttentionKernel, ModelConfig, RopePositions, Yarn
 from olmo3.sharding import logical_to_spec, sequence_axes, sequence_shards
 
@@ -273,13 +274,6 @@ def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T
       implementation=implementation)
 
 
-def _targets_tpu() -> bool:
-  """Compiling for TPUs: the mesh's devices (a TPU topology compiled from a CPU host counts)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  device = getattr(mesh, "abstract_device", None) if not mesh.empty else None
-  return (device.platform if device is not None else jax.default_backend()) == "tpu"
-
-
 def _splash_mask(seq_len: int, window: int | None, positions_T: np.ndarray):
   """Splash's causal (sliding-window) mask with query row j at position positions_T[j] and keys
   at 0..S-1, computed inside the kernel; splash skips the blocks it masks whole."""
@@ -345,7 +339,7 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, seg
   # The kernel holds its mask's block layout as arrays, split over query shards and heads.
   splash = sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes,
                               head_shards=head_shards, q_seq_shards=q_shards,
-                              interpret=not _targets_tpu())
+                              interpret=platforms.compile_target() != "tpu")
 
   def kernel(splash, q_BHTK, k_BGSK, v_BGSK, *segments):
     if not segments:

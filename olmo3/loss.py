@@ -1,9 +1,10 @@
 """The one token loss: training, held-out evaluation and task scoring all read it from here.
 
 The training loss is the token-mean cross-entropy over unmasked labels plus OLMo's z-loss
-(weight × mean squared log-partition); held-out evaluation sums the same per-token
-cross-entropy over documents; a task choice's score is minus its sum over the continuation
-(docs/recipe.md#loss, docs/evaluation.md).
+(weight × mean squared log-partition), the mean taken per data-parallel rank as OLMo-core
+takes it (`rank_divisors`); held-out evaluation sums the same per-token cross-entropy over
+documents; a task choice's score is minus its sum over the continuation (docs/recipe.md#loss,
+docs/evaluation.md).
 
 Each of these starts from `PerToken` (each position's cross-entropy, log-partition and mask),
 computed one of two ways with the same result to float32 rounding:
@@ -25,6 +26,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from olmo3 import platforms
 
 IGNORE = -1  # the label of a position with no target (any negative label is masked)
 
@@ -92,6 +95,16 @@ def _chunk_logits(h_BTD, w_DV, labels_BT, i, chunk, constrain):
   return logits_BTC, own_C, is_label_BTC, start, w_DC
 
 
+def _label_logit(logits_BTC, labels_BT, i, chunk, v):
+  """[B, T]: the logit of each row's label if chunk i holds it as its own column, else 0."""
+  start = jnp.minimum(i * chunk, v - chunk)
+  label_BT = jnp.maximum(labels_BT, 0)
+  picked_BT = jnp.take_along_axis(
+      logits_BTC, jnp.clip(label_BT - start, 0, chunk - 1)[..., None], axis=-1)[..., 0]
+  # Own columns are i·chunk and up (a last chunk that overlaps the one before starts lower).
+  return jnp.where((label_BT >= i * chunk) & (label_BT < start + chunk), picked_BT, 0.0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fused(chunk, constrain, h_BTD, w_DV, labels_BT):
   """(lse - label logit, lse) per position, unmasked."""
@@ -100,6 +113,10 @@ def _fused(chunk, constrain, h_BTD, w_DV, labels_BT):
 
 def _fused_forward(chunk, constrain, h_BTD, w_DV, labels_BT):
   n_chunks = -(-w_DV.shape[1] // chunk)
+  # The label's logit, the same value either way. XLA:CPU writes the masked [B, T, C] select
+  # out and sums it in a separate windowed pass (≈ 40 ms of the tiny CPU step); a gather reads
+  # one value per row. TPUs keep the select: it fuses into the pass that takes max and sum.
+  gather = platforms.compile_target() == "cpu"
 
   def step(carry, i):
     max_BT, sum_BT, target_BT = carry
@@ -110,7 +127,10 @@ def _fused_forward(chunk, constrain, h_BTD, w_DV, labels_BT):
     new_max_BT = jnp.maximum(max_BT, logits_BTC.max(axis=-1))
     sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + jnp.exp(
         logits_BTC - new_max_BT[..., None]).sum(axis=-1)
-    target_BT = target_BT + jnp.where(is_label_BTC, logits_BTC, 0.0).sum(axis=-1)
+    if gather:
+      target_BT = target_BT + _label_logit(logits_BTC, labels_BT, i, chunk, w_DV.shape[1])
+    else:
+      target_BT = target_BT + jnp.where(is_label_BTC, logits_BTC, 0.0).sum(axis=-1)
     return (new_max_BT, sum_BT, target_BT), None
 
   shape = labels_BT.shape
@@ -152,29 +172,48 @@ def _fused_backward(chunk, constrain, residuals, cotangents):
 _fused.defvjp(_fused_forward, _fused_backward)
 
 
+def rank_divisors(tokens_B: jax.Array, ranks: int) -> jax.Array:
+  """[B]: each row's loss divisor for OLMo-core's mean over `ranks` data-parallel ranks, from
+  each row's token count `tokens_B` (what OLMo-core counts for the loss: see `lm_loss`).
+
+  OLMo-core's loader deals a global batch out strided (rank r gets rows r, r + ranks, ...);
+  each rank divides its summed loss by its own count, and the ranks' gradients are averaged. So
+  row i's share of the loss is its sum over ranks x the count of rank i % ranks. ranks = 1: the
+  whole batch's count for every row, one token mean. A rank's count is taken as at least 1: a
+  rank with nothing to train on adds 0, never NaN. Computed on the whole batch: a microbatch's
+  rows keep their divisors.
+  """
+  b = tokens_B.shape[0]
+  count_W = jnp.maximum(tokens_B.reshape(b // ranks, ranks).sum(axis=0), 1)  # row q·W + r: [q, r]
+  return jnp.broadcast_to(ranks * count_W, (b // ranks, ranks)).reshape(b)
+
+
 def lm_loss(per_token: PerToken, z_loss_weight: float = 0.0,
-            batch_tokens: jax.Array | None = None, source_B: jax.Array | None = None,
+            divisor_B: jax.Array | None = None, source_B: jax.Array | None = None,
             num_sources: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """(loss, metrics): CE + z_loss_weight · lse², summed over unmasked labels and divided by
-  `batch_tokens` (default: the unmasked label count; the train step passes OLMo-core's count,
-  which also counts the positions of instances the repetition filter masked, and for one
-  microbatch the whole batch's count, so the microbatches' losses and gradients sum to the
-  whole batch's). The divisor is at least 1: an all-masked batch gives 0, never NaN.
+  """(loss, metrics): CE + z_loss_weight · lse² over unmasked labels, each row's sum divided by
+  its `divisor_B` and the rows added (`ce_loss` and `z_loss` in the metrics are the same
+  quotients). Default: the unmasked label count for every row, one token mean. The train step
+  passes `rank_divisors` of OLMo-core's count, which also counts the positions of instances
+  the repetition filter masked, taken on the whole batch, so the microbatches' losses and
+  gradients sum to the whole batch's. A divisor is taken as at least 1: an all-masked batch
+  gives 0, never NaN.
   With `source_B` (each row's source, in [0, num_sources)) the metrics also hold each source's
-  summed CE and unmasked token count (`source_ce_sum`, `source_tokens`: [S], S = num_sources).
+  summed CE and unmasked token count (`source_ce_sum`, `source_tokens`: [S], S = num_sources),
+  raw sums whatever the divisors.
   """
   nll_BT, lse_BT, mask_BT = per_token
   n_tokens = mask_BT.sum()
-  divisor = jnp.maximum(n_tokens if batch_tokens is None else batch_tokens, 1
-                        ).astype(nll_BT.dtype)
-  ce = nll_BT.sum() / divisor
-  z_loss = jnp.where(mask_BT, jnp.square(lse_BT), 0.0).sum() / divisor
+  divisor_B = jnp.broadcast_to(n_tokens if divisor_B is None else divisor_B, mask_BT.shape[:1])
+  weight_B = 1 / jnp.maximum(divisor_B, 1).astype(nll_BT.dtype)
+  nll_B = nll_BT.sum(axis=-1)
+  ce = (nll_B * weight_B).sum()
+  z_loss = (jnp.where(mask_BT, jnp.square(lse_BT), 0.0).sum(axis=-1) * weight_B).sum()
   metrics = {"ce_loss": ce, "z_loss": z_loss, "tokens": n_tokens}
   if source_B is not None:
     # Masked sums, not a one-hot matmul: TPUs multiply float32 matrices in bfloat16 passes.
     is_source_BS = source_B[:, None] == jnp.arange(num_sources)
-    metrics["source_ce_sum"] = jnp.where(is_source_BS, nll_BT.sum(axis=-1)[:, None], 0.0
-                                         ).sum(axis=0)
+    metrics["source_ce_sum"] = jnp.where(is_source_BS, nll_B[:, None], 0.0).sum(axis=0)
     metrics["source_tokens"] = jnp.where(is_source_BS, mask_BT.sum(axis=-1)[:, None], 0
                                          ).sum(axis=0)
   return ce + z_loss_weight * z_loss, metrics

@@ -43,3 +43,14 @@ def choose() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:  # imported already: its config has read the environment
       sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def compile_target() -> str:
+  """The platform the program being traced is for ('cpu', 'tpu', 'gpu'): the abstract mesh's
+  device when there is one (a TPU topology compiled from a CPU host is 'tpu'), else JAX's
+  default backend. Kernels and layouts chosen per platform ask this."""
+  import jax  # pylint: disable=import-outside-toplevel  # programs call `choose` before JAX
+
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None) if not mesh.empty else None
+  return device.platform if device is not None else jax.default_backend()

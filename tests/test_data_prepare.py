@@ -490,11 +490,11 @@ def test_own_jsonl_prepare_train_eval_with_one_override(tmp_path):
 
 def test_the_held_out_split_has_a_floor_of_documents_and_none_only_when_asked():
   texts = [f"document {i}" for i in range(300)]
-  ranks = sorted(prepare._rank(t) for t in texts)  # pylint: disable=protected-access
+  ranks = sorted(prepare.rank(t) for t in texts)
   # 1% of 300 is about 3 documents: the floor (a tenth of them, at most 100) takes the 30
   # documents with the smallest hashes, the fraction's own among them.
   cut = prepare.heldout_cut(texts, 0.01, 100)
-  held = [t for t in texts if prepare._rank(t) < cut]  # pylint: disable=protected-access
+  held = [t for t in texts if prepare.rank(t) < cut]
   assert len(held) == 30 and cut == ranks[29] + 1
   assert {t for t in texts if prepare.is_heldout(t, 0.01)} <= set(held)
   assert prepare.heldout_cut(texts, 0.2, 10) == 0.2 * 2.0**64  # the fraction reaches the floor

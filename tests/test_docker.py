@@ -158,5 +158,10 @@ def test_the_image_s_extras_resolve_the_7b_s_data(extras):
     for name in (exp.data.mix, *exp.eval.heldout):
       assert mixes.find(name, olmo_core=False) is not None, name
       assert not excluded(os.path.relpath(mixes.find(name, olmo_core=False), ROOT))
-  with open(os.path.join(ROOT, "pyproject.toml")) as f:
-    assert '"olmo3.data" = ["mix_lists/*.txt"]' in f.read()  # a wheel carries them too
+  # the chat templates the SFT recipes name ship the same way
+  from olmo3.data import chat
+
+  for name in chat.shipped():
+    assert not excluded(os.path.relpath(os.path.join(chat.TEMPLATE_DIR, f"{name}.jinja"), ROOT))
+  with open(os.path.join(ROOT, "pyproject.toml")) as f:  # a wheel carries them too
+    assert '"olmo3.data" = ["mix_lists/*.txt", "chat_templates/*.jinja"]' in f.read()

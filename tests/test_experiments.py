@@ -14,7 +14,7 @@ SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
     "optimizer.final_lr", "optimizer.warmup_steps", "optimizer.decay_steps",
     "optimizer.stitch_first_steps", "optimizer.stitch_resumed_at", "optimizer.stitch_at",
     "optimizer.stitch_second_steps",
-    "train.steps", "train.log_every",
+    "train.steps", "train.log_every", "train.loss_ranks",
     "train.eval_every", "checkpoint.every", "eval.batch_size",
     "model.rope_scaling.original_context",  # stage 3: YaRN extends the tiny context
     "eval.position_band"}
@@ -38,6 +38,15 @@ def test_tiny_differs_from_the_7b_only_in_size_data_and_machine(stage):
   tiny, big = fdl.build(getattr(olmo3_tiny, stage)()), fdl.build(getattr(olmo3_7b, stage)())
   assert tiny.optimizer.peak_lr == pytest.approx(olmo3_tiny.LR_SCALE * big.optimizer.peak_lr)
   assert tiny.data.global_batch_size * olmo3_tiny.BATCH_DIVISOR == big.data.global_batch_size
+
+
+@pytest.mark.parametrize("stage, ranks", [("stage1", 512), ("stage2", 128), ("stage3", 32)])
+def test_the_loss_is_averaged_over_ai2s_data_parallel_ranks(stage, ranks):
+  """OLMo-core's per-rank token mean over AI2's ranks: 512 H100 (stage 1), 128 (stage 2), 256
+  with context parallelism 8 (stage 3: 32 ranks of 2 instances); the tiny stages over 2."""
+  big, tiny = fdl.build(getattr(olmo3_7b, stage)()), fdl.build(getattr(olmo3_tiny, stage)())
+  assert big.train.loss_mean is tiny.train.loss_mean is config.LossMean.PER_RANK
+  assert (big.train.loss_ranks, tiny.train.loss_ranks) == (ranks, 2)
 
 
 def test_a_change_to_the_7b_recipe_reaches_the_tiny_run(monkeypatch):

@@ -182,9 +182,11 @@ def _opens_first(function: ast.FunctionDef, openings: tuple[str, ...],
 # The training path: what a launch, `sample`, `inspect_step` and `eval` import.
 TRAINING_PATH = ("olmo3.train.loop", "olmo3.sample.__main__", "olmo3.inspect_step",
                  "olmo3.eval.__main__", "olmo3.run.plan", "olmo3.data.sources")
-# The one way from it to the preparation tool: the built-in corpus is prepared on first use,
-# once per machine (olmo3/data/embedded.py imports prepare there, in the function).
-BUILDS_THE_CORPUS = ("olmo3.data.embedded", "olmo3.data.prepare")
+# The one way from it to the preparation tools: the built-in corpora are prepared on first use,
+# once per machine (olmo3/data/embedded.py imports prepare and prepare_chat there, in the
+# functions).
+BUILDS_THE_CORPUS = {("olmo3.data.embedded", "olmo3.data.prepare"),
+                     ("olmo3.data.embedded", "olmo3.data.prepare_chat")}
 
 
 def test_the_training_path_never_loads_the_preparation_tool():
@@ -211,9 +213,10 @@ def test_the_training_path_never_loads_the_preparation_tool():
     if module in reached:
       continue
     reached.add(module)
-    todo.extend(t for t in edges.get(module, ()) if (module, t) != BUILDS_THE_CORPUS)
+    todo.extend(t for t in edges.get(module, ()) if (module, t) not in BUILDS_THE_CORPUS)
   assert "olmo3.data.sources" in reached and "olmo3.train.loop" in reached
-  assert sorted(reached & {"olmo3.data.prepare", "olmo3.data.overlap"}) == []
+  assert sorted(reached & {"olmo3.data.prepare", "olmo3.data.prepare_chat",
+                           "olmo3.data.overlap"}) == []
 
 
 # The size ratchet: the product stays readable as it grows. A module over MAX_MODULE_LINES or a
@@ -224,7 +227,7 @@ def test_the_training_path_never_loads_the_preparation_tool():
 PRODUCT = ("olmo3", "launch", "experiments")
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
-FUNCTION_LEVEL_IMPORTS = 110
+FUNCTION_LEVEL_IMPORTS = 111
 
 
 def _product_files() -> list[pathlib.Path]:

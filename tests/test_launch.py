@@ -65,8 +65,36 @@ def test_7b_stage3_dry_run_shows_yarn_packing_and_its_start():
           "decreasing in groups of 8 files, shuffled with seed 123; long documents: truncate); "
           "attention within each document, RoPE positions per instance") in out
   assert "data.mix: str | None = 'OLMo-longmino-mix-0625'" in out
-  assert ("start               from runs/olmo3_7b.stage2 (checkpoint.init_mode=new_stage) "
-          "unless runs/olmo3_7b.stage3 holds a checkpoint of its own") in out
+  assert ("start               from runs/olmo3_7b.stage2 (checkpoint.init_mode=new_stage: its "
+          "parameters, and its AdamW moments when it holds them (else fresh ones); step, "
+          "schedule and data position start from 0) unless runs/olmo3_7b.stage3 holds a "
+          "checkpoint of its own") in out
+
+
+@pytest.mark.slow(seconds=4)
+def test_7b_sft_dry_runs_print_ai2_s_settings():
+  """AI2's Think and Instruct SFT (OLMo-core 38f66526c and 9e9747105, open-instruct's
+  7b_*_sft.sh): what each starts from and whether the moments come with it, the template, 2
+  epochs of 32 x 32,768 tokens, LinearWithWarmup(3%) to 0, no weight decay or z-loss, the loss
+  averaged over AI2's 32 and 16 data-parallel ranks."""
+  think = _main("--fdl_config=experiments.olmo3_7b:sft_think", "--dry_run").stdout
+  for line in ("tokens per step     32 x 32768 = 1,048,576",
+               "steps               until the end of epoch 2 (schedule over the stage's epochs)",
+               "peak LR             5e-05 (linear, warmup 3% of the schedule)",
+               "loss                cross-entropy: each of 32 data-parallel ranks' token mean, "
+               "averaged (OLMo-core's), no z-loss",
+               "chat template       olmo3_think (the data's manifest must record it); the loss on "
+               "the assistant's tokens only (the data's label masks)",
+               "optimizer.weight_decay: float = 0.0",
+               "start               from runs/olmo3_7b.stage3 (checkpoint.init_mode=new_stage: its "
+               "parameters, and its AdamW moments when it holds them (else fresh ones)"):
+    assert line in think, line
+  assert "in groups of 1 files, in mix order; long documents: truncate" in think
+  instruct = _main("--fdl_config=experiments.olmo3_7b:sft_instruct", "--dry_run").stdout
+  for line in ("peak LR             8e-05 (linear, warmup 3% of the schedule)",
+               "each of 16 data-parallel ranks' token mean",
+               "start               from runs/olmo3_7b.sft_think (checkpoint.init_mode=new_stage"):
+    assert line in instruct, line
 
 
 @pytest.mark.slow(seconds=6)
@@ -132,7 +160,8 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
   assert {c.path for c in changes} == {
       "data.global_batch_size", "data.mix", "data.seed", "optimizer.peak_lr",
       "optimizer.schedule", "optimizer.warmup_steps", "optimizer.final_lr",
-      "optimizer.decay_steps", "train.steps", "train.stop_at_epoch", "checkpoint.init_from"}
+      "optimizer.decay_steps", "train.steps", "train.stop_at_epoch", "train.loss_ranks",
+      "checkpoint.init_from"}
   done = forked.completed("diff", ["experiments.olmo3_7b:stage1", "experiments.olmo3_7b:stage2",
                                    "--json"], ENV)
   assert done.returncode == 0, done.stderr[-3000:]
@@ -147,6 +176,7 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
       "optimizer.peak_lr": (0.0003, 0.00020712352850360292),
       "optimizer.schedule": ("stitched_cosine", "linear"),
       "optimizer.warmup_steps": (2000, 0),
+      "train.loss_ranks": (512, 128),
       "train.steps": (1413814, 47684),
       "train.stop_at_epoch": (1, None)}
   # The table (flags after the positional arguments, as absl parses them).
@@ -156,7 +186,7 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
   table = done.stdout.splitlines()
   assert table[0].split() == ["field", "experiments.olmo3_7b:stage1", "->",
                               "experiments.olmo3_7b:stage2"]
-  assert len(table) == 12
+  assert len(table) == 13
   assert table[2].split() == ["data.global_batch_size", "512", "->", "256"]
   assert "optimizer.schedule" in table[8] and table[8].endswith(
       "<Schedule.STITCHED_COSINE: 'stitched_cosine'>  ->  <Schedule.LINEAR: 'linear'>")
@@ -165,7 +195,7 @@ def test_diff_stage1_stage2_lists_exactly_the_recipe_changes():
 @pytest.mark.parametrize("args, message", [
     (["experiments.olmo3_7b:stage1"], "expected two experiments or run workdirs"),
     (["experiments.olmo3_7b:stage1", "experiments.olmo3_7b:nope"],
-     "has no experiment 'nope'; experiments: stage1, stage2"),
+     "has no experiment 'nope'; experiments: sft_instruct, sft_think, stage1, stage2"),
 ])
 @pytest.mark.slow(seconds=2)
 def test_diff_bad_arguments_fail_clearly(args, message):

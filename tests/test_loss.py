@@ -63,6 +63,20 @@ def test_fused_loss_and_gradients_equal_the_full_logits_ones(chunk):
   np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-6 * scale_w)
 
 
+@pytest.mark.parametrize("chunk", [50, 64, 512])
+def test_label_logit_is_the_same_gathered_as_selected(monkeypatch, chunk):
+  """XLA:CPU gathers each row's label logit, TPUs sum a masked select: the same values, bit for
+  bit, in every chunk layout (the last chunk overlapping the one before it included)."""
+  h, w, labels = _inputs()
+  # A new function for each: jit would reuse the first trace for the same one.
+  fused = lambda: jax.jit(lambda h, w, labels: loss.fused_token_nll(h, w, labels, chunk))
+  gathered = fused()(h, w, labels)
+  monkeypatch.setattr(loss.platforms, "compile_target", lambda: "tpu")  # the masked sum
+  selected = fused()(h, w, labels)
+  for a, b in zip(gathered, selected):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_fused_loss_in_bfloat16_rounds_logits_as_the_lm_head_does():
   """bf16 compute: logits are bf16 products as the head's matmul gives them, then float32; the
   forward pass is the same to float32 rounding, the gradients to bf16 rounding."""

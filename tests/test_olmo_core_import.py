@@ -365,8 +365,8 @@ def test_init_from_a_save_folder_takes_its_newest_complete_step(ai2, tmp_path, c
   assert (f"CheckpointConfig.init_from='{save}': {save} is an OLMo-core save folder: taking its "
           "newest complete step, step3; passed over, incomplete (OLMo-core had not finished "
           "writing them): step7 (no .metadata.json)") in caplog.text
-  assert f"initialised from {save / 'step3'} (checkpoint.init_mode=continue)" in "\n".join(
-      plan.describe())
+  assert (f"initialised from {save / 'step3'} (checkpoint.init_mode=continue: its parameters, "
+          "AdamW moments, step, schedule and data position)") in "\n".join(plan.describe())
   state, position = _start(exp, tmp_path / "run")
   assert int(state.step) == STEP and position.data_step(STEP) == STEP
   assert checkpoint.load_meta(tmp_path / "run" / "olmo_core_import")["source"] == str(

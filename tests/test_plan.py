@@ -85,6 +85,34 @@ def test_a_plan_sizes_the_files_and_ends_at_the_epoch_it_is_told(tmp_path):
   assert not (tmp_path / "run").exists()  # building a plan writes nothing
 
 
+def test_a_schedule_over_the_stage_s_epochs_is_worked_out_as_olmo_core_does(tmp_path):
+  """AI2's SFT: LinearWithWarmup(warmup_fraction=0.03) over a 2-epoch duration. decay_steps None
+  is 2 x the steps per epoch; the warmup round(0.03 x that), Python's rounding as OLMo-core's
+  (half to even); a limited run (train.steps) keeps that schedule. OLMo-core's own scheduler
+  gives the same learning rates."""
+  from olmo_core.optim.scheduler import LinearWithWarmup
+
+  from olmo3.config import OptimizerConfig, Schedule
+  from olmo3.train import optim
+
+  exp = micro_experiment(write_corpus(tmp_path), steps=1000, every=1000)
+  exp = dataclasses.replace(
+      exp, optimizer=OptimizerConfig(peak_lr=5e-5, schedule=Schedule.LINEAR, warmup_steps=0,
+                                     warmup_fraction=0.03, final_lr=0.0, decay_steps=None),
+      train=dataclasses.replace(exp.train, stop_at_epoch=2, steps=10))
+  plan = RunPlan.build(exp, str(tmp_path / "run"))
+  length = 2 * plan.steps_per_epoch
+  assert plan.exp.optimizer.decay_steps == length and plan.end == 10
+  assert plan.exp.optimizer.warmup_steps == round(0.03 * length) > 0
+  theirs = LinearWithWarmup(warmup_fraction=0.03, alpha_f=0.0)
+  for update in (1, 2, plan.exp.optimizer.warmup_steps, length // 2, length - 1, length):
+    # OLMo-core advances its step before the update (olmo3.train.optim.learning_rate)
+    assert float(optim.learning_rate(plan.exp.optimizer, update)) == pytest.approx(
+        float(theirs.get_lr(5e-5, update, length)), rel=1e-6, abs=1e-12)
+  with pytest.raises(ValueError, match="optimizer.decay_steps.*needs train.stop_at_epoch"):
+    dataclasses.replace(exp, train=dataclasses.replace(exp.train, stop_at_epoch=None))
+
+
 def _history(workdir, *launches):
   """history.jsonl of launches (start_step, the stage end its plan set)."""
   workdir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from olmo3.config.experiment import (EvalConfig, Experiment, WandbConfig, WandbM
 from olmo3.config.model import (INT32_MAX, PRESETS, AttentionKernel, DType, ModelConfig,
                                 RopePositions, ScaledLayers, Yarn, olmo3_7b, olmo3_7b_long_context,
                                 olmo3_32b, olmo3_micro, olmo3_tiny)
-from olmo3.config.training import (SEED_MAX, CheckpointConfig, InitMode, MeshConfig,
+from olmo3.config.training import (SEED_MAX, CheckpointConfig, InitMode, LossMean, MeshConfig,
                                    OptimizerConfig, Schedule, SpikeWindowOnRestart, TrainConfig)
 from olmo3.config import data as _data, experiment as _experiment, model as _model
 from olmo3.config import training as _training
@@ -44,5 +44,5 @@ __all__ = [
     "olmo3_7b", "olmo3_7b_long_context", "olmo3_32b", "olmo3_micro", "olmo3_tiny",
     "DType", "AttentionKernel", "ScaledLayers", "RopePositions", "Yarn", "ModelConfig",
     "RepetitionFilter", "LongDocuments", "Packing", "DataConfig", "Schedule",
-    "SpikeWindowOnRestart", "OptimizerConfig", "MeshConfig", "TrainConfig", "InitMode",
+    "SpikeWindowOnRestart", "OptimizerConfig", "MeshConfig", "LossMean", "TrainConfig", "InitMode",
     "CheckpointConfig", "EvalConfig", "WandbMode", "WandbConfig", "Experiment"]

@@ -41,7 +41,8 @@ class Packing(Validated):
   Defaults are AI2's OLMo 3 7B stage 3."""
 
   source_group_size: int = bounded(8, ge=1)
-  source_permutation_seed: int = bounded(123, ge=0)
+  # None: the files in mix order (OLMo-core's default, its SFT scripts').
+  source_permutation_seed: int | None = bounded(123, ge=0)
   long_documents: LongDocuments = LongDocuments.TRUNCATE
 
 
@@ -70,6 +71,10 @@ class DataConfig(Validated):
   seed: int = bounded(34521, ge=0)
   repetition_filter: RepetitionFilter | None = None  # off in the OLMo 3 7B recipe
   packing: Packing | None = None  # stage 3's packed documents; None: instances cut from files
+  # The chat template the data must have been tokenized with (chat / SFT data, checked before
+  # the first step by SHA-256 against its manifest or open-instruct's saved tokenizer): a
+  # template olmo3 ships (olmo3_think), a .jinja file, or its SHA-256. None: not checked.
+  chat_template: str | None = None
   # Only the first N instances (memorisation experiments); at least one global batch.
   max_instances: int | None = bounded(None, ge=1)
   validate_tokens: bool = True  # scan every token file at startup for ids >= vocab
@@ -84,7 +89,7 @@ class DataConfig(Validated):
   allow_changed_data: bool = resumable(False)
 
   def _check(self) -> None:
-    nonempty(self, "paths", "mix", "tokenizer_id")
+    nonempty(self, "paths", "mix", "tokenizer_id", "chat_template")
     require(self, "paths", bool(self.paths) != bool(self.mix),
             "give token files in exactly one of `paths` and `mix`")
     require(self, "max_instances", self.max_instances is None

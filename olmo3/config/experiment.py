@@ -10,7 +10,8 @@ from typing import Any
 from olmo3.config_checks import RESUMABLE, Validated, bounded, fail, nonempty, require, resumable
 from olmo3.config.data import DataConfig
 from olmo3.config.model import ModelConfig
-from olmo3.config.training import CheckpointConfig, MeshConfig, OptimizerConfig, TrainConfig
+from olmo3.config.training import (CheckpointConfig, LossMean, MeshConfig, OptimizerConfig,
+                                   TrainConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,14 @@ class Experiment(Validated):
     if self.data.seq_len > self.model.max_seq_len:
       fail(self, "data.seq_len", f"exceeds model.max_seq_len ({self.model.max_seq_len})",
            self.data.seq_len)
+    if self.optimizer.decay_steps is None and self.train.stop_at_epoch is None:
+      fail(self, "optimizer.decay_steps", "None (the stage's length) needs train.stop_at_epoch: "
+           "the stage's epochs", None)
+    if (self.train.loss_mean is LossMean.PER_RANK
+        and self.data.global_batch_size % self.train.loss_ranks):
+      fail(self, "train.loss_ranks", "must divide data.global_batch_size "
+           f"({self.data.global_batch_size}): each rank holds whole instances (change both "
+           "together; 1: one token mean)", self.train.loss_ranks)
 
   @property
   def tokens_per_step(self) -> int:

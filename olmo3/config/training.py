@@ -39,10 +39,16 @@ class OptimizerConfig(Validated):
   clip_grad_norm: float = bounded(1.0, gt=0)
   schedule: Schedule = Schedule.COSINE
   warmup_steps: int = bounded(2000, ge=0, le=INT32_MAX)  # and < decay_steps
+  # The warmup as a fraction of the schedule's length instead (OLMo-core's LinearWithWarmup
+  # (warmup_fraction): round(fraction x length) steps, worked out when the run is planned;
+  # warmup_steps must then be 0). AI2's SFT warms up over 3% of its 2 epochs.
+  warmup_fraction: float | None = bounded(None, ge=0, lt=1)
   final_lr: float = bounded(3e-5, ge=0)  # where the schedule ends (cosine, linear); <= peak_lr
   # The schedule's length in steps. Independent of TrainConfig.steps, so limiting a run to N
-  # steps (--fdl_set=train.steps=N) runs the first N steps of the same schedule.
-  decay_steps: int = bounded(1_413_814, ge=1, le=INT32_MAX)
+  # steps (--fdl_set=train.steps=N) runs the first N steps of the same schedule. None: the
+  # stage's length, TrainConfig.stop_at_epoch epochs of its data (OLMo-core's t_max for a
+  # duration in epochs), worked out when the run is planned (olmo3.run.plan).
+  decay_steps: int | None = bounded(1_413_814, ge=1, le=INT32_MAX)
   # STITCHED_COSINE only, AI2's stage 1 as its two official scripts ran it
   # (docs/recipe.md#learning-rate-schedules): part 1 is a cosine (warmup_steps, peak to final_lr)
   # aimed at stitch_first_steps; part 2 took over after the checkpoint of step stitch_resumed_at
@@ -83,8 +89,18 @@ class OptimizerConfig(Validated):
       require(self, "stitch_at",
               self.stitch_resumed_at <= self.stitch_at < self.stitch_second_steps,
               f"must be in [stitch_resumed_at, stitch_second_steps={self.stitch_second_steps})")
-    require(self, "decay_steps", self.decay_steps > self.warmup_steps,
-            f"must be > warmup_steps ({self.warmup_steps})")
+    if self.decay_steps is not None:
+      require(self, "decay_steps", self.decay_steps > self.warmup_steps,
+              f"must be > warmup_steps ({self.warmup_steps})")
+    if self.warmup_fraction is not None:
+      require(self, "warmup_steps", self.warmup_steps == 0,
+              f"must be 0 with warmup_fraction={self.warmup_fraction} (the warmup is that "
+              "fraction of the schedule)")
+      require(self, "schedule", self.schedule is not Schedule.STITCHED_COSINE,
+              "has fixed lengths: warmup_fraction is for cosine and linear schedules")
+    require(self, "decay_steps",
+            self.decay_steps is not None or self.schedule is not Schedule.STITCHED_COSINE,
+            "must be given for the stitched cosine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +128,18 @@ class MeshConfig(Validated):
     require(self, "rules", all(a != "" for a in mesh_axes), "mesh axis names must be non-empty")
 
 
+class LossMean(enum.StrEnum):
+  """How the training loss averages the cross-entropy (and z-loss) over the global batch's
+  trained labels (docs/recipe.md#the-loss-mean-over-data-parallel-ranks)."""
+
+  # OLMo-core's TransformerTrainModule: each data-parallel rank divides its summed loss by its
+  # own count of trained labels, and the gradients are averaged over the ranks: the mean over
+  # TrainConfig.loss_ranks ranks of each rank's token mean. Row i of the global batch is rank
+  # i % loss_ranks's (OLMo-core's loader deals each global batch out strided).
+  PER_RANK = "per_rank"
+  GLOBAL = "global"  # one token mean over the whole global batch (loss_ranks unused)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(Validated):
   steps: int = resumable(1_413_814, ge=1, le=INT32_MAX)
@@ -131,6 +159,13 @@ class TrainConfig(Validated):
   # (same data, same update, 1/k of the activation memory). How a run resumed on a smaller
   # slice keeps its global batch and per-device memory.
   microbatches: int = resumable(1, ge=1)
+  # The loss's mean (LossMean) and AI2's data-parallel rank count it averages over: a recipe
+  # number, not the mesh's, so a run's loss is AI2's whatever devices it runs on. It must divide
+  # data.global_batch_size. 1: one rank, the global token mean. AI2's 7B: 512 in stage 1,
+  # 128 in stage 2, 32 in stage 3 (experiments/olmo3_7b.py). Neither may change on resume: they
+  # change the loss and so the run.
+  loss_mean: LossMean = LossMean.PER_RANK
+  loss_ranks: int = bounded(1, ge=1)
 
 
 class InitMode(enum.StrEnum):

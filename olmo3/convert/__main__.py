@@ -1,6 +1,7 @@
 """python -m olmo3.convert {import-hf,import-olmo-core,export-hf,parity} ...
 
-  import-hf --hf_dir DIR --out CKPT          HF OLMo 3 directory -> Orbax checkpoint
+  import-hf --hf_dir DIR --out CKPT          HF OLMo 3 directory -> Orbax checkpoint (its
+                                             tokenizer and chat template kept for export-hf)
   import-olmo-core --src SRC --out CKPT [--model PRESET]
                                              AI2's OLMo-core checkpoint (weights, Adam's state,
                                              trainer state) -> Orbax checkpoint; SRC: a step
@@ -9,9 +10,14 @@
                                              shows (olmo3-7b/stage2/step10000); the model is
                                              the checkpoint's own (its config.json)
   import-olmo-core --list                    AI2's published OLMo-3-1025-7B checkpoints
-  export-hf --ckpt CKPT --out DIR [--dtype]  Orbax checkpoint -> directory transformers loads
+  export-hf --ckpt CKPT --out DIR [--dtype] [--chat_template NAME|FILE]
+                                             Orbax checkpoint -> directory transformers loads
                                              (CKPT: a step directory, or a run's workdir:
-                                             its latest step; a run's tokenizer comes along)
+                                             its latest step; a run's tokenizer comes along,
+                                             with the chat template its data was made with)
+  merge --ckpt A --ckpt B [--weights 0.5,0.5] --out CKPT
+                                             the weighted average of checkpoints' parameters
+                                             (mergekit's linear merge; weights normalised)
   parity --hf_dir DIR --ckpt CKPT [--dtype float32|bfloat16] [--max_kl X] [--seq_len T]
                                              exits 1 when max per-token KL exceeds --max_kl
                                              or the installed transformers builds any
@@ -21,17 +27,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 
-from etils import epath
-
 from olmo3 import model as model_lib, program
-from olmo3.config import PRESETS, Experiment, ModelConfig
-from olmo3.convert import hf, olmo_core_config, parity
-from olmo3.data import sources
+from olmo3.config import PRESETS, ModelConfig
+from olmo3.convert import hf, merge, olmo_core_config, parity, tokenizer_files
+from olmo3.data.tokens import DataError
 from olmo3.io import checkpoint, olmo_core_checkpoints
 
 
@@ -47,13 +50,23 @@ def import_hf(args: argparse.Namespace) -> int:
   # Stage the float32 arrays on disk beside the output: the 7B is 29 GB, more than many RAMs.
   parent = os.path.dirname(os.path.abspath(args.out))
   os.makedirs(parent, exist_ok=True)
+  kept = tokenizer_files.of_hf_dir(args.hf_dir)  # read first: a bad template stops it early
   with tempfile.TemporaryDirectory(prefix=".import-", dir=parent) as staging:
     cfg, params, dtype = hf.read_hf_dir(args.hf_dir, alloc=hf.memmap_allocator(staging))
     checkpoint.save_model(args.out, cfg, params,
-                          meta={"source": str(args.hf_dir), "hf_dtype": dtype})
+                          meta={"source": str(args.hf_dir), "hf_dtype": dtype, **kept.meta()})
   print(f"imported {args.hf_dir} ({dtype}, {cfg.param_count:,} parameters with the vocabulary "
         f"padded to {cfg.padded_vocab_size}) -> {args.out}")
+  print(_kept_line(kept))
   return 0
+
+
+def _kept_line(kept: tokenizer_files.Carried) -> str:
+  """What travels with the weights, in one line."""
+  template = "no chat template" if kept.template is None else (
+      f"chat template {kept.template.name} (sha256 {kept.template.sha256[:12]})")
+  tokenizer = "no tokenizer" if kept.tokenizer_json is None else "tokenizer"
+  return f"kept: {tokenizer}, {template}"
 
 
 def import_olmo_core(args: argparse.Namespace) -> int:
@@ -107,32 +120,38 @@ def default_preset(src: str) -> str:
   return "olmo3_7b_long_context" if "/stage3/" in f"/{src.rstrip('/')}/" else "olmo3_7b"
 
 
-def run_tokenizer(step_dir: epath.Path) -> str | None:
-  """The tokenizer the run that wrote RUN/checkpoints/<step> used (its experiment.json, as
-  resolved when it trained), or None when the checkpoint is not a run's (an import)."""
-  record = step_dir.parent.parent / "experiment.json"
-  if step_dir.parent.name != "checkpoints" or not record.exists():
-    return None
-  tokenizer = Experiment.from_dict(json.loads(record.read_text())).eval.tokenizer
-  return None if tokenizer is None else sources.tokenizer_file(tokenizer)
-
-
 def export_hf(args: argparse.Namespace) -> int:
   ckpt = checkpoint.resolve_step_dir(args.ckpt)
+  meta = checkpoint.load_meta(ckpt)
+  kept = tokenizer_files.carried(ckpt, meta).with_template(args.chat_template)
   cfg, params = _restore_host(ckpt)
-  dtype = args.dtype or checkpoint.load_meta(ckpt).get("hf_dtype", "float32")
-  tokenizer = run_tokenizer(ckpt)
-  local = tokenizer is not None and os.path.isfile(tokenizer)
-  hf.write_hf_dir(args.out, cfg, params, dtype=dtype,
-                  extra_files=hf.tokenizer_files(tokenizer, cfg) if local else None)
+  dtype = args.dtype or meta.get("hf_dtype", "float32")
+  files = tokenizer_files.hf_files(kept, cfg)
+  hf.write_hf_dir(args.out, cfg, params, dtype=dtype, extra_files=files)
   print(f"exported {ckpt} -> {args.out} ({dtype}, vocabulary cut to {cfg.vocab_size})")
   differently = hf.hf_runs_differently(cfg)
   if differently:
     print(f"warning: {differently}", file=sys.stderr)
-  if local:
-    print(f"tokenizer: {tokenizer} (tokenizer.json, tokenizer_config.json)")
-  elif tokenizer is not None:  # a hub name: AutoTokenizer loads it from there
-    print(f"tokenizer: not copied; the run's is the hub's {tokenizer!r}")
+  if files:
+    print(f"tokenizer: {kept.source} (tokenizer.json, tokenizer_config.json)")
+  elif kept.source != os.fspath(ckpt):  # a hub name: AutoTokenizer loads it from there
+    print(f"tokenizer: not copied; the run's is the hub's {kept.source!r}")
+  if kept.template is not None:
+    print(f"chat template: {kept.template.name} (sha256 {kept.template.sha256[:12]})" + (
+        f" in tokenizer_config.json and {tokenizer_files.JINJA_FILE}" if files else
+        ": not written, no tokenizer file to write it with"))
+  return 0
+
+
+def merge_checkpoints(args: argparse.Namespace) -> int:
+  if len(args.ckpt) < 2:
+    raise checkpoint.CheckpointError("merge needs two --ckpt or more")
+  record = merge.merge(args.ckpt, merge.weights(args.weights, len(args.ckpt)), args.out)
+  total = sum(m["weight"] for m in record["merged"])
+  for m in record["merged"]:
+    print(f"{m['weight'] / total:.6g} x {m['ckpt']}")
+  print(f"merged {len(record['merged'])} checkpoints -> {args.out} (parameters only: a run "
+        "initialised from it starts its optimizer moments fresh)")
   return 0
 
 
@@ -194,7 +213,19 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--out", required=True)
   p.add_argument("--dtype", choices=sorted(hf.DTYPES),
                  help="tensor dtype (default: the dtype the checkpoint was imported from)")
+  p.add_argument("--chat_template",
+                 help="the chat template to write (a template olmo3 ships, 'tokenizer': the "
+                      "tokenizer's own, or a .jinja file); default: the one the run's data was "
+                      "prepared with, or the one an imported or merged checkpoint kept")
   p.set_defaults(run=export_hf)
+  p = sub.add_parser("merge", help="weighted average of checkpoints' parameters")
+  p.add_argument("--ckpt", action="append", required=True,
+                 help="a checkpoint step directory or a run's workdir (its latest step); "
+                      "repeated, two or more")
+  p.add_argument("--weights", help="comma-separated, one per --ckpt (default: equal); "
+                                   "normalised to sum to 1, as mergekit's linear merge")
+  p.add_argument("--out", required=True)
+  p.set_defaults(run=merge_checkpoints)
   p = sub.add_parser("parity", help="compare logits with transformers' Olmo3ForCausalLM")
   p.add_argument("--hf_dir", required=True)
   p.add_argument("--ckpt", required=True)
@@ -212,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   try:
     return args.run(args)
-  except (hf.ConversionError, checkpoint.CheckpointError) as e:
+  except (hf.ConversionError, checkpoint.CheckpointError, DataError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
 

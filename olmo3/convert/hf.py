@@ -371,9 +371,10 @@ def params_to_hf(cfg: ModelConfig, params: Params, dtype: str = "float32"
 def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
                  dtype: str = "float32", extra_files: dict[str, str] | None = None) -> None:
   """Writes config.json + safetensors (sharded past 5 GiB, with an index) and `extra_files`
-  (name -> text: the tokenizer's) atomically: into a temporary sibling directory, renamed
-  into place when complete, with a normal directory's and files' permissions (mkdtemp's are
-  0700, safetensors' files 0600: another user of a shared model directory could not read it)."""
+  (name -> text: the tokenizer's and the chat template's) atomically: into a temporary sibling
+  directory, renamed into place when complete, with a normal directory's and files'
+  permissions (mkdtemp's are 0700, safetensors' files 0600: another user of a shared model
+  directory could not read it)."""
   out = os.fspath(out)
   if os.path.exists(out):
     raise ConversionError(f"{out} already exists; refusing to overwrite")
@@ -409,8 +410,8 @@ def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
     with open(os.path.join(tmp, "config.json"), "w") as f:
       json.dump(model_config_to_hf(cfg, dtype), f, indent=2)
     for name, text in (extra_files or {}).items():
-      with open(os.path.join(tmp, name), "w") as f:
-        f.write(text)
+      with open(os.path.join(tmp, name), "w", encoding="utf-8", newline="") as f:
+        f.write(text)  # as given: a chat template's bytes are the ones it was hashed by
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
@@ -420,23 +421,6 @@ def write_hf_dir(out: str | os.PathLike, cfg: ModelConfig, params: Params,
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-
-
-def tokenizer_files(tokenizer_json: str, cfg: ModelConfig) -> dict[str, str]:
-  """tokenizer.json and the tokenizer_config.json with which transformers' AutoTokenizer loads
-  it (PreTrainedTokenizerFast, EOS and PAD named as the model's ids)."""
-  from olmo3.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-
-  tok = tokenizer_lib.load(tokenizer_json, what="the run's tokenizer")
-  special = {}
-  for key, token_id in (("eos_token", cfg.eos_token_id), ("pad_token", cfg.pad_token_id)):
-    token = tok.id_to_token(token_id) if token_id is not None else None
-    if token is None:
-      raise ConversionError(f"{tokenizer_json}: no token with the model's {key} id {token_id}")
-    special[key] = token
-  config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
-            "add_bos_token": False, "add_eos_token": False, **special}
-  return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
 
 
 def read_hf_config(path: str | os.PathLike) -> ModelConfig:

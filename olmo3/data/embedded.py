@@ -4,10 +4,18 @@ The running Python's standard-library sources (outside tests and site-packages) 
 documentation topics (`pydoc_data.topics`), one document each, prepared by `prepare` into a cache
 directory on first use, with an 8k byte-level BPE trained locally on the training documents
 only. Deterministic; held-out documents (by hash of their text) are disjoint from training.
+
+The embedded chat corpus (`chat_dir`, the mix `embedded_chat`): conversations about the same
+sources, a user asking what a public function, class or method of the standard library does
+and the assistant answering with its docstring's first paragraph (the questions phrased in
+several ways, some with a system prompt, some two questions long, each choice by a hash of the
+name), read from the files by `ast` (nothing imported), tokenized with the corpus's tokenizer
+and AI2's Think template by `prepare --chat`'s code into the cache on first use.
 """
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import functools
 import hashlib
@@ -23,6 +31,8 @@ from absl import logging
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 FORMAT = 2  # bump when the corpus or its preparation changes (2: the held-out split disjoint)
+CHAT_FORMAT = 1  # bump when the chat corpus or its preparation changes
+CHAT_TEMPLATE = "olmo3_think"  # the chat corpus's template (olmo3.data.chat)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")  # ids 0 (EOS) and 1 (PAD)
 
 
@@ -114,5 +124,108 @@ def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: 
       prepare_lib.prepare([jsonl], tokenizer, str(out), heldout_fraction, workers=1,
                           progress=progress, tokenizer_name="embedded", heldout_min_documents=0)
     logging.info("prepared the embedded corpus (%d documents) in %.0f s", len(docs),
+                 time.perf_counter() - started)
+  return out
+
+
+_QUESTIONS = ("What does `{name}` do?", "Explain `{name}` in a few sentences.",
+              "I'm reading code that calls `{name}`. What is it for?",
+              "What is `{short}` in Python's `{module}` module?",
+              "Can you describe the standard library's `{name}`?")
+_SYSTEMS = ("You answer questions about the Python standard library.",
+            "You are a concise assistant for Python programmers.")
+_FOLLOW_UP = "And `{name}`?"
+
+
+def _choice(name: str, salt: str, n: int) -> int:
+  """A deterministic choice among `n` for `name` (its hash, not Python's salted one)."""
+  return int.from_bytes(hashlib.sha256(f"{salt}:{name}".encode()).digest()[:4], "big") % n
+
+
+def documented() -> list[tuple[str, str, str]]:
+  """(module, qualified name, first docstring paragraph) of every public top-level function
+  and class of the standard library's public modules, and public methods of those classes,
+  in file order; paragraphs under 20 characters left out."""
+  stdlib = Path(sysconfig.get_paths()["stdlib"])
+  found = []
+  for path in _source_paths():
+    parts = list(path.relative_to(stdlib).with_suffix("").parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    if not parts or any(p.startswith("_") for p in parts):
+      continue
+    try:
+      tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except SyntaxError:  # a file of another Python's grammar (none in a release): skipped
+      continue
+    module = ".".join(parts)
+    for node, prefix in _public(tree.body, f"{module}."):
+      doc = ast.get_docstring(node)
+      paragraph = " ".join(doc.split("\n\n")[0].split()) if doc else ""
+      if len(paragraph) >= 20:
+        found.append((module, prefix + node.name, paragraph))
+  return found
+
+
+def _public(body: list, prefix: str):
+  defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+  for node in body:
+    if isinstance(node, defs) and not node.name.startswith("_"):
+      yield node, prefix
+      if isinstance(node, ast.ClassDef):
+        yield from ((m, f"{prefix}{node.name}.") for m in node.body
+                    if isinstance(m, defs[:2]) and not m.name.startswith("_"))
+
+
+def conversations() -> list[list[dict[str, str]]]:
+  """The chat corpus's conversations, in a fixed order (see the module docstring)."""
+  items = documented()
+  out = []
+  for i, (module, name, answer) in enumerate(items):
+    question = _QUESTIONS[_choice(name, "q", len(_QUESTIONS))].format(
+        name=name, short=name[len(module) + 1:], module=module)
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    if _choice(name, "system", 4) == 0:
+      messages.insert(0, {"role": "system",
+                          "content": _SYSTEMS[_choice(name, "s", len(_SYSTEMS))]})
+    following = items[i + 1] if i + 1 < len(items) else None
+    if following and following[0] == module and _choice(name, "turns", 5) == 0:
+      messages += [{"role": "user", "content": _FOLLOW_UP.format(name=following[1])},
+                   {"role": "assistant", "content": following[2]}]
+    out.append(messages)
+  return out
+
+
+def chat_dir(heldout_fraction: float = 0.05, progress: bool = False) -> Path:
+  """The prepared chat corpus (manifest.json, tokenizer.json, token and mask files), built on
+  first use with the text corpus's tokenizer."""
+  return _chat_dir(cache_root(), corpus_dir(), heldout_fraction, progress)
+
+
+@functools.lru_cache
+def _chat_dir(root: Path, text_dir: Path, heldout_fraction: float, progress: bool) -> Path:
+  template = (Path(__file__).parent / "chat_templates" / f"{CHAT_TEMPLATE}.jinja").read_bytes()
+  key = hashlib.sha256(json.dumps([CHAT_FORMAT, text_dir.name, heldout_fraction,
+                                   hashlib.sha256(template).hexdigest(), _fingerprint()]
+                                  ).encode()).hexdigest()[:12]
+  out = root / f"embedded_chat-{key}"
+  out.mkdir(parents=True, exist_ok=True)
+  with open(out / ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer at a time; the others wait, then reuse it
+    if (out / "manifest.json").exists():
+      return out
+    # Imported only to build the corpus (once per machine), as `prepare` above.
+    from olmo3.data import prepare_chat  # pylint: disable=import-outside-toplevel
+
+    started = time.perf_counter()
+    convs = conversations()
+    with tempfile.TemporaryDirectory(dir=out) as staging:
+      jsonl = os.path.join(staging, "conversations.jsonl")
+      with open(jsonl, "w") as f:
+        f.writelines(json.dumps({"messages": m}) + "\n" for m in convs)
+      prepare_chat.prepare_chat([jsonl], str(text_dir / "tokenizer.json"), str(out),
+                                CHAT_TEMPLATE, heldout_fraction=heldout_fraction,
+                                heldout_min_documents=0, progress=progress,
+                                tokenizer_name="embedded")
+    logging.info("prepared the embedded chat corpus (%d conversations) in %.0f s", len(convs),
                  time.perf_counter() - started)
   return out

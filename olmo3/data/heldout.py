@@ -2,7 +2,10 @@
 document per instance, truncated to seq_len, right-padded with PAD, padding masked. Documents
 end with EOS in the token files. The files (validation sets: small) are read whole when the set
 is opened, from local disk or a URL (olmo3.io.storage: gs://, s3://, http(s)://), and checked
-there, so a missing file or a token the model cannot embed stops a run before its first step."""
+there, so a missing file or a token the model cannot embed stops a run before its first step.
+Chat data's held-out conversations are scored on their trained tokens only: a token file with a
+label mask (olmo3.data.label_masks) has the labels of untrained tokens ignored, as training
+ignores them, so the loss (and the generalization gap) is the assistant's."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import numpy as np
 
 from olmo3.config import Experiment
 from olmo3.io import storage
+from olmo3.data import label_masks
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, is_local, token_count
 from olmo3.loss import IGNORE
 
@@ -28,6 +32,7 @@ class HeldoutDocs:
     tokens when given, the first `max_documents` of them."""
     self.seq_len, self.pad_id = seq_len, pad_id
     self._tokens = []
+    self._trained: list[np.ndarray | None] = []  # each file's label mask (chat data), or None
     self._docs: list[tuple[int, int, int]] = []  # (file, start, end)
     for f, path in enumerate(map(os.fspath, paths)):
       tokens = _read_tokens(path)
@@ -39,6 +44,7 @@ class HeldoutDocs:
       starts = np.concatenate([[0], ends[:-1]])
       self._docs.extend((f, int(s), int(e)) for s, e in zip(starts, ends))
       self._tokens.append(tokens)
+      self._trained.append(_read_mask(path, len(tokens)))
     self.file_documents = len(self._docs)  # before min_tokens and max_documents choose
     if min_tokens is not None:
       self._docs = [d for d in self._docs if d[2] - d[1] >= min_tokens]
@@ -68,6 +74,9 @@ class HeldoutDocs:
       doc = np.asarray(self._tokens[f][start:min(end, start + self.seq_len)], np.int32)
       ids[row, :len(doc)] = doc
       labels[row, :len(doc) - 1] = doc[1:]
+      trained = self._trained[f]
+      if trained is not None:  # a label counts where its token is trained (OLMo-core's)
+        labels[row, :len(doc) - 1][~trained[start + 1:start + len(doc)]] = IGNORE
     return {"input_ids": ids, "labels": labels}
 
 
@@ -85,3 +94,16 @@ def _read_tokens(path: str) -> np.ndarray:
   if is_local(path):
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
   return np.frombuffer(storage.read_bytes(path), TOKEN_DTYPE)
+
+
+def _read_mask(path: str, tokens: int) -> np.ndarray | None:
+  """The label mask of a held-out token file (None: it has none), read whole, as bool."""
+  mask = label_masks.mask_path(path)
+  if mask is None:
+    return None
+  data = np.frombuffer(storage.read_bytes(mask), np.uint8) if storage.exists(mask) else None
+  if data is None or len(data) != tokens:
+    raise DataError(f"held-out label mask {mask} " + ("does not exist" if data is None else
+                    f"holds {len(data)} bytes, but its token file {path} holds {tokens} tokens")
+                    + ": a mask is one byte (bool) per token")
+  return data != 0

@@ -1,6 +1,7 @@
 """The format of a prepared directory (what `python -m olmo3.data.prepare` writes and every
 run reads): DIR/manifest.json, written last, naming per split (`SPLITS`) its token files and
-their token counts; DIR/tokenizer.json beside it, the tokenizer of those tokens. Here so that
+their token counts (chat data: also their label masks and conversation bounds,
+olmo3.data.label_masks); DIR/tokenizer.json beside it, the tokenizer of those tokens. Here so that
 reading the format (a launch, `sample`, `inspect_step`) never loads the tool that writes it.
 """
 
@@ -63,8 +64,11 @@ class Manifest:
   tokenizer: str
   heldout_fraction: float
   # The held-out split's check against the training split (overlap.disjoint); None: prepared
-  # before the check existed.
+  # before the check existed, or chat data (whose conversations share the template's text).
   overlap: dict | None = None
+  kind: str = "text"  # "chat": conversations with label masks (`prepare --chat`)
+  # Chat data: the template (name, sha256, text), max_tokens and the conversations dropped.
+  chat: dict | None = None
 
   @classmethod
   def load(cls, directory: str | os.PathLike) -> Manifest:
@@ -98,7 +102,7 @@ class Manifest:
       if not isinstance(entries, list):
         raise DataError(f"{path}: split {split!r} has no list of files; prepare the data again "
                         "(python -m olmo3.data.prepare)")
-      for entry in entries:
+      for entry in entries + list(info.get("masks", ())) + list(info.get("bounds", ())):
         if not isinstance(entry, str) or not all(map(_plain_path, _decodings(entry))) or (
             pathnames.scheme(root) in ("http", "https") and not _requested_inside(root, entry)):
           raise DataError(f"{path}: file {entry!r} of split {split!r} is not a plain path "
@@ -127,6 +131,12 @@ class Manifest:
         raise DataError(f"the {split} files of {path} hold {sum(have)} tokens; it says "
                         f"{info['tokens']}: a file was changed or cut short since it was prepared "
                         f"({files})")
+      masks = [pathnames.join(pathnames.normalized(directory), m) for m in info.get("masks", ())]
+      for mask, size, tokens in zip(masks, storage.sizes(masks), have):
+        if size != tokens:  # one byte per token (olmo3.data.label_masks)
+          raise DataError(f"label mask {mask} " + ("is missing" if size is None else
+                          f"holds {size} bytes for {tokens} tokens") + f" (listed in {path}): "
+                          "it was changed since it was prepared (prepare again)")
 
   def files(self, directory: str | os.PathLike, split: str) -> list[str]:
     """The paths (or URLs) of a split's token files."""

@@ -203,8 +203,11 @@ class PackedIndex:
   def build(cls, paths: Sequence[str | os.PathLike], *, seq_len: int, eos_token_id: int,
             source_group_size: int = 1, source_permutation_seed: int | None = None,
             long_doc_strategy: str = "truncate",
-            size_cache: file_sizes.SizeCache | None = None) -> PackedIndex:
-    """Scans the files for documents and packs each source group (see the module's recipe)."""
+            size_cache: file_sizes.SizeCache | None = None,
+            label_masks: Sequence[str | None] | None = None) -> PackedIndex:
+    """Scans the files for documents and packs each source group (see the module's recipe).
+    `label_masks`: each file's label mask (chat data, olmo3.data.label_masks; None: all
+    trained), read with its tokens and part of the index's key."""
     if seq_len < 1:
       raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     texts = tuple(os.fspath(p) for p in paths)
@@ -213,7 +216,7 @@ class PackedIndex:
     counts = token_files.token_counts(texts, size_cache=size_cache)
     order = source_order(len(texts), source_permutation_seed)
     key = _key(texts, counts, seq_len, eos_token_id, source_group_size,
-               source_permutation_seed, long_doc_strategy)
+               source_permutation_seed, long_doc_strategy, label_masks)
     files, starts, lens, per_instance, per_group = [], [], [], [np.zeros(1, np.int64)], [0]
     placed = 0  # documents placed in earlier groups (a group without any EOS places none)
     for group in source_groups(len(texts), source_group_size):
@@ -286,27 +289,36 @@ class PackedIndex:
 
 def _key(paths: Sequence[str], counts: Sequence[int], seq_len: int, eos_token_id: int,
          source_group_size: int, source_permutation_seed: int | None,
-         long_doc_strategy: str) -> dict:
-  """What a packing depends on: its identity in a cache."""
-  return {"format": _INDEX_FORMAT, "paths": list(paths), "tokens": [int(n) for n in counts],
-          "seq_len": seq_len, "eos_token_id": eos_token_id,
-          "source_group_size": source_group_size,
-          "source_permutation_seed": source_permutation_seed,
-          "long_doc_strategy": long_doc_strategy}
+         long_doc_strategy: str, label_masks: Sequence[str | None] | None = None) -> dict:
+  """What a packing depends on: its identity in a cache (and in a run's data identity). Label
+  masks only where a file has one: the key of files without (stage 1-3's) is as it was."""
+  key = {"format": _INDEX_FORMAT, "paths": list(paths), "tokens": [int(n) for n in counts],
+         "seq_len": seq_len, "eos_token_id": eos_token_id,
+         "source_group_size": source_group_size,
+         "source_permutation_seed": source_permutation_seed,
+         "long_doc_strategy": long_doc_strategy}
+  if label_masks is not None and any(m is not None for m in label_masks):
+    if len(label_masks) != len(paths):
+      raise ValueError(f"{len(label_masks)} label masks for {len(paths)} token files")
+    key["label_masks"] = [None if m is None else os.fspath(m) for m in label_masks]
+  return key
 
 
 def cached_index(paths: Sequence[str | os.PathLike], cache_dir: str | os.PathLike, *,
                  seq_len: int, eos_token_id: int, source_group_size: int = 1,
                  source_permutation_seed: int | None = None,
                  long_doc_strategy: str = "truncate",
-                 size_cache: file_sizes.SizeCache | None = None) -> PackedIndex:
-  """`PackedIndex.build`'s index, kept in `cache_dir` under a name derived from its key (the
-  files, their token counts and the settings): scanning a stage-3 mix for documents reads every
-  token once, so a later launch over the same files loads it instead. A cached file whose key
-  differs (another packing hashed alike) is rebuilt, never trusted."""
+                 size_cache: file_sizes.SizeCache | None = None,
+                 label_masks: Sequence[str | None] | None = None) -> PackedIndex:
+  """`PackedIndex.build`'s index, kept in `cache_dir` under a name derived from its key (the files,
+  their token counts, their label masks and the settings): scanning a stage-3 mix for documents
+  reads every token once, so a later launch over the same files loads it instead. A cached file
+  whose key differs (another packing hashed alike) is rebuilt, never trusted.
+  """
   texts = [os.fspath(p) for p in paths]
   key = _key(texts, token_files.token_counts(texts, size_cache=size_cache), seq_len,
-             eos_token_id, source_group_size, source_permutation_seed, long_doc_strategy)
+             eos_token_id, source_group_size, source_permutation_seed, long_doc_strategy,
+             label_masks)
   name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
   path = pathnames.join(os.fspath(cache_dir), f"packed-{name}.npz")
   index = PackedIndex.load(path, expected_key=key)
@@ -314,7 +326,8 @@ def cached_index(paths: Sequence[str | os.PathLike], cache_dir: str | os.PathLik
     index = PackedIndex.build(texts, seq_len=seq_len, eos_token_id=eos_token_id,
                               source_group_size=source_group_size,
                               source_permutation_seed=source_permutation_seed,
-                              long_doc_strategy=long_doc_strategy, size_cache=size_cache)
+                              long_doc_strategy=long_doc_strategy, size_cache=size_cache,
+                              label_masks=label_masks)
     index.save(path)
   return index
 
@@ -326,7 +339,9 @@ class PackedRows:
     segment_ids [R, T] int32  1, 2, ... per document in the row; PAD_SEGMENT (0) on padding
     positions   [R, T] int32  position within the segment (0 at each document's first token)
     label_mask  [R, T] bool   OLMo-core's label_mask: False on padding (no loss where the
-                              target is padding)
+                              target is padding) and, for chat data, where the token's label
+                              mask is False (not trained: OLMo-core reads the mask files at
+                              the tokens' offsets)
     doc_lens    [R, D] int32  OLMo-core's collated doc_lens: the segments' lengths in row
                               order, padding last, zero-filled to the read's widest row"""
 
@@ -337,8 +352,8 @@ class PackedRows:
   doc_lens: np.ndarray
 
   def labels(self, ignore: int) -> np.ndarray:
-    """Next-token labels [R, T] int32: `ignore` where the next token is padding and at the
-    last position (OLMo-core's get_labels on a packed batch)."""
+    """Next-token labels [R, T] int32: `ignore` where the next token is padding or not
+    trained, and at the last position (OLMo-core's get_labels on a packed batch)."""
     out = np.full_like(self.tokens, ignore)
     out[:, :-1] = np.where(self.label_mask[:, 1:], self.tokens[:, 1:], ignore)
     return out
@@ -364,6 +379,11 @@ class PackedInstances:
   def __len__(self) -> int:
     return len(self.index)
 
+  @property
+  def conversations(self) -> bool:
+    """Whether the files are chat data: their label masks train some tokens only (SFT)."""
+    return "label_masks" in self.index.key
+
   def spans(self, instance: int) -> list[tuple[int, int, int]]:
     """(file, first token, tokens) of each document of `instance`, in row order."""
     if not 0 <= instance < len(self):
@@ -385,12 +405,15 @@ class PackedInstances:
     flat = [s for row in per_row for s in row]
     size = TOKEN_DTYPE.itemsize
     paths = self.index.paths
-    try:
-      chunks = storage.read_ranges([(paths[f], start * size, (start + n) * size)
-                                    for f, start, n in flat])
+    masks = self.index.key.get("label_masks") or [None] * len(paths)
+    masked = [(masks[f], start, start + n) for f, start, n in flat if masks[f] is not None]
+    try:  # a mask byte per token, at the tokens' offsets; all in one batch of reads
+      read = storage.read_ranges([(paths[f], start * size, (start + n) * size)
+                                  for f, start, n in flat] + masked)
     except errors.ChangedSince as e:
       raise DataError(f"token file {e}: it changed after this launch counted its tokens. "
                       f"{token_files.CHANGED_REMEDY}") from None
+    chunks, mask_chunks = read[:len(flat)], iter(read[len(flat):])
     R, T = len(instances), self.seq_len
     tokens = np.full((R, T), self.pad_token_id, np.int32)
     segment_ids = np.full((R, T), PAD_SEGMENT, np.int32)
@@ -409,8 +432,15 @@ class PackedInstances:
         tokens[r, t:t + n] = np.frombuffer(chunk, TOKEN_DTYPE)
         segment_ids[r, t:t + n] = seg
         positions[r, t:t + n] = np.arange(n, dtype=np.int32)
+        if masks[f] is None:
+          label_mask[r, t:t + n] = True
+        else:
+          trained = next(mask_chunks)
+          if len(trained) != n:
+            raise DataError(f"label mask {masks[f]} ended before byte {start + n}: it was cut "
+                            f"short since this launch checked it. {token_files.CHANGED_REMEDY}")
+          label_mask[r, t:t + n] = np.frombuffer(trained, np.uint8) != 0
         t += n
-      label_mask[r, :t] = True
       positions[r, t:] = np.arange(T - t, dtype=np.int32)
       lens.append([n for _, _, n in row] + ([T - t] if t < T else []))
     if self.vocab_size is not None and R and tokens.max() >= self.vocab_size:

@@ -2,6 +2,8 @@
 
   python -m olmo3.data.prepare --input PATTERN [--input ...] --tokenizer TOKENIZER --out DIR \\
       [--heldout_fraction F] [--heldout_min_documents N] [--workers N]
+  python -m olmo3.data.prepare --chat --chat_template NAME ...: conversations (JSONL
+      `messages`) in OLMo-core's SFT format, with label masks (olmo3.data.prepare_chat)
 
 Inputs are plain text files (one document each), JSONL / JSONL.gz or Parquet (one document per
 record, field `text`). TOKENIZER is a tokenizer.json path or a Hugging Face hub name (OLMo 3:
@@ -41,10 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import gzip
-import hashlib
-import heapq
 import itertools
 import json
 import multiprocessing
@@ -52,37 +51,24 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
-from etils import epath
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from olmo3 import program
-from olmo3.data import overlap
+from olmo3.data import label_masks, overlap, prepare_chat
 from olmo3.data import tokenizer as tokenizer_lib
 from olmo3.data.manifest import MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest
+from olmo3.data.preparing import (  # noqa: F401  # (is_heldout: the embedded corpus's split)
+    DEFAULT_HELDOUT_FRACTION, DEFAULT_HELDOUT_MIN_DOCUMENTS, FLOOR_SHARE, eos_id, expand_inputs,
+    heldout_cut, into_place, is_heldout, rank, refuse_to_replace_foreign_files, remove_output)
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
 from olmo3.io import clients, errors, pathnames, retry, storage
 
-DEFAULT_HELDOUT_FRACTION = 0.01  # of the documents, held out unless --heldout_fraction 0
-DEFAULT_HELDOUT_MIN_DOCUMENTS = 100  # the floor: a held-out loss over fewer is mostly noise
-_FLOOR_SHARE = 10  # the floor never holds out more than 1/_FLOOR_SHARE of the documents
 TOKENS_PER_FILE = 1 << 27  # 512 MB per token file
 _DOCS_PER_CHUNK = 256
-_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>")
-
-
-def expand_inputs(patterns: Sequence[str]) -> list[str]:
-  """Input files in a deterministic order (sorted within each pattern, patterns in order)."""
-  files = []
-  for pattern in patterns:
-    matched = sorted(glob.glob(pattern, recursive=True))
-    if not matched:
-      raise DataError(f"--input {pattern!r} matches no file")
-    files.extend(f for f in matched if os.path.isfile(f))
-  return list(dict.fromkeys(files))
 
 
 def read_documents(path: str) -> Iterator[tuple[str, str]]:
@@ -119,51 +105,6 @@ def read_documents(path: str) -> Iterator[tuple[str, str]]:
       yield path, f.read()
 
 
-def _rank(text: str) -> int:
-  """A document's place in the held-out order: its text's hash, as a 64-bit integer."""
-  digest = hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).digest()
-  return int.from_bytes(digest[:8], "big")
-
-
-def is_heldout(text: str, fraction: float) -> bool:
-  """Held out by the fraction alone (`heldout_cut` may lower the cut for a floor)."""
-  return _rank(text) < fraction * 2.0**64
-
-
-def heldout_cut(texts: Iterable[str], fraction: float, min_documents: int) -> int:
-  """The rank below which a document is held out: `fraction` of the rank range, or, when that
-  holds out fewer than min(min_documents, a tenth of the documents), just above the rank of
-  the last document the floor takes (its exact duplicates with it). Reads `texts` only until
-  the fraction alone is known to reach `min_documents`. No held-out split when fraction is 0."""
-  cut = int(fraction * 2.0**64)  # exact: the float is an integer at this magnitude
-  if fraction == 0 or min_documents <= 0:
-    return cut
-  below, total, smallest = 0, 0, []  # smallest: the min_documents lowest ranks (negated heap)
-  for text in texts:
-    rank = _rank(text)
-    total += 1
-    below += rank < cut
-    if below >= min_documents:
-      return cut
-    if len(smallest) < min_documents:
-      heapq.heappush(smallest, -rank)
-    elif rank < -smallest[0]:
-      heapq.heapreplace(smallest, -rank)
-  floor = min(min_documents, total // _FLOOR_SHARE)
-  if below >= floor or floor == 0:
-    return cut
-  return sorted(-r for r in smallest)[floor - 1] + 1
-
-
-def eos_id(tokenizer: Tokenizer, eos: str | None) -> int:
-  for token in ([eos] if eos else _EOS_CANDIDATES):
-    token_id = tokenizer.token_to_id(token)
-    if token_id is not None:
-      return token_id
-  raise DataError(f"the tokenizer has no EOS token among {[eos] if eos else _EOS_CANDIDATES}; "
-                  "name it with --eos")
-
-
 _worker_tokenizer: Tokenizer | None = None
 
 
@@ -189,7 +130,7 @@ def _chunks(files: Sequence[str], cut: int, heldout: bool
   wheres, texts = [], []
   for path in files:
     for where, text in read_documents(path):
-      if (_rank(text) < cut) == heldout:
+      if (rank(text) < cut) == heldout:
         wheres.append(where)
         texts.append(text)
         if len(texts) == _DOCS_PER_CHUNK:
@@ -259,14 +200,14 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
   except ValueError as e:
     raise DataError(str(e)) from None
   files = expand_inputs(inputs)
-  _refuse_to_replace_foreign_files(out, files)
+  refuse_to_replace_foreign_files(out, files)
   tok = (tokenizer if isinstance(tokenizer, Tokenizer)
          else tokenizer_lib.load(tokenizer, what="--tokenizer"))
   eos_token = eos_id(tok, eos)
   cut = heldout_cut(_documents(files), heldout_fraction, heldout_min_documents)
   remote = pathnames.is_url(out)
   if remote:  # no rename in a bucket: every file goes straight to its place (module docstring)
-    _remove_output(out)
+    remove_output(out)
     root = out
   else:
     created = not os.path.exists(out)
@@ -299,7 +240,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
         heldout_fraction=heldout_fraction, overlap=disjoint)
     _check_splits(manifest, inputs, cut)
     if not remote:
-      _into_place(root, out)
+      into_place(root, out)
     # Flushed, as the token files: a tool that can run again, and a manifest whose files are
     # checked against it whenever it is read.
     flushed = storage.Durability.FLUSHED
@@ -313,7 +254,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
   except BaseException as e:
     if remote:  # nothing of a failed run stays in the bucket
       with retry.cleanup_after(e):
-        retry.quietly(f"removing what was written to {out}", lambda: _remove_output(out))
+        retry.quietly(f"removing what was written to {out}", lambda: remove_output(out))
     raise
   finally:
     if not remote:
@@ -334,70 +275,19 @@ def _check_splits(manifest: Manifest, inputs: Sequence[str], cut: bool) -> None:
                     "raise --heldout_fraction)")
 
 
-def _into_place(root: str, out: str) -> None:
-  """The staged splits of a local `out` into place: the old manifest out first (from then on
-  `out` is no prepared directory until the new one lands), then each split directory."""
-  manifest_path = os.path.join(out, MANIFEST_FILE)
-  if os.path.exists(manifest_path):
-    os.remove(manifest_path)
-  for split in SPLITS:
-    shutil.rmtree(os.path.join(out, split), ignore_errors=True)
-    os.replace(os.path.join(root, split), os.path.join(out, split))
-
-
-def _refuse_to_replace_foreign_files(out: str, inputs: Sequence[str]) -> None:
-  """`prepare` replaces OUT/train and OUT/heldout whole. Before anything is read or written:
-  refuses an input that lies in one of them, and a file there that no earlier preparation
-  wrote (the manifest beside them, if any, does not list it): the user's files are never
-  removed to make room."""
-  splits = {split: pathnames.join(out, split) for split in SPLITS}
-  if not pathnames.is_url(out):
-    for path in inputs:
-      real = os.path.realpath(path)
-      for split, where in splits.items():
-        inside = os.path.realpath(where)
-        if os.path.commonpath([real, inside]) == inside:
-          raise DataError(f"--input {path} lies in --out {out}'s {split}/, which prepare "
-                          "replaces whole: move the input elsewhere or choose another --out")
-  listed: set[str] = set()
-  manifest_path = pathnames.join(out, MANIFEST_FILE)
-  if storage.exists(manifest_path):
-    try:
-      earlier = json.loads(storage.read_text(manifest_path))
-      listed = {f for info in earlier["splits"].values() for f in info["files"]}
-    except (ValueError, TypeError, KeyError, AttributeError):
-      listed = set()  # a torn or foreign manifest vouches for no file
-  for split, where in splits.items():
-    directory = epath.Path(where)
-    if not directory.exists():
-      continue
-    for found in _files_under(directory):
-      entry = f"{split}/{os.fspath(found.relative_to(directory))}"
-      if entry not in listed:
-        raise DataError(f"--out {out}: {pathnames.join(out, entry)} was not written by an "
-                        f"earlier prepare (no {MANIFEST_FILE} there lists it), and prepare "
-                        f"replaces {split}/ whole: choose an empty or new --out, or move the "
-                        "file")
-
-
-def _files_under(directory: epath.Path) -> Iterator[epath.Path]:
-  """Every file below `directory`, a local one or in a bucket (epath has no recursive glob for
-  buckets), in sorted order."""
-  for child in sorted(directory.iterdir()):
-    if child.is_dir():
-      yield from _files_under(child)
-    else:
-      yield child
-
-
-def _remove_output(out: str) -> None:
-  """Removes what `prepare` writes to `out` in a bucket, the manifest first: from then on `out`
-  is no prepared directory, whatever else is still there."""
-  for name in (MANIFEST_FILE, TOKENIZER_FILE):
-    storage.remove(pathnames.join(out, name))
-  for split in SPLITS:
-    path = pathnames.join(out, split)
-    retry.retried(lambda p=path: epath.Path(p).rmtree(missing_ok=True), path, "removing")
+def _chat_arguments(parser) -> None:
+  parser.add_argument("--chat", action="store_true",
+                      help="the inputs are JSONL conversations ('messages'): written in "
+                      "OLMo-core's SFT format with label masks (olmo3.data.prepare_chat)")
+  parser.add_argument("--chat_template", default=None,
+                      help="with --chat: olmo3_think (AI2's Think SFT template), tokenizer (the "
+                      "tokenizer's own chat_template) or a .jinja file")
+  parser.add_argument("--max_tokens", type=int, default=label_masks.MAX_TOKENS,
+                      help="with --chat: each conversation cut to this many tokens (default "
+                      "AI2's)")
+  parser.add_argument("--part_tokens", type=int, default=label_masks.PART_TOKENS,
+                      help="with --chat: tokens per part file (default 1 GiB of uint32, as "
+                      "open-instruct's converter)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,22 +304,35 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
       "--heldout_min_documents", type=int, default=DEFAULT_HELDOUT_MIN_DOCUMENTS,
       help=f"the floor of held-out documents (default {DEFAULT_HELDOUT_MIN_DOCUMENTS}; never "
-      f"more than 1/{_FLOOR_SHARE} of the documents): small inputs still get a held-out set")
+      f"more than 1/{FLOOR_SHARE} of the documents): small inputs still get a held-out set")
   parser.add_argument("--workers", type=int, default=1)
   parser.add_argument("--eos", default=None, help="EOS token string (default: <|endoftext|>)")
+  _chat_arguments(parser)
   args = parser.parse_args(argv)
   try:
-    manifest = prepare(args.input, args.tokenizer, args.out, args.heldout_fraction,
-                       args.workers, args.eos, heldout_min_documents=args.heldout_min_documents)
+    if args.chat != (args.chat_template is not None):
+      raise DataError("--chat and --chat_template go together: conversations are rendered "
+                      "with a chat template (olmo3_think, tokenizer or a .jinja file)")
+    if args.chat:
+      manifest = prepare_chat.prepare_chat(
+          args.input, args.tokenizer, args.out, args.chat_template, args.max_tokens,
+          args.heldout_fraction, args.heldout_min_documents, args.workers, args.eos,
+          part_tokens=args.part_tokens)
+    else:
+      manifest = prepare(args.input, args.tokenizer, args.out, args.heldout_fraction,
+                         args.workers, args.eos, heldout_min_documents=args.heldout_min_documents)
   except (DataError, OSError) as e:  # OSError: the output's store (olmo3.io.storage)
     if program.traceback_wanted():  # OLMO3_TRACEBACK=1
       raise
     print(f"error: {errors.first_line(e)}", file=sys.stderr)
     return 2
-  for split, info in manifest.splits.items():
-    print(f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, "
-          f"{len(info['files'])} files")
-  print("\n".join(overlap.describe(manifest.overlap)))
+  if args.chat:
+    print("\n".join(prepare_chat.describe(manifest)))
+  else:
+    for split, info in manifest.splits.items():
+      print(f"{split}: {info['documents']:,} documents, {info['tokens']:,} tokens, "
+            f"{len(info['files'])} files")
+    print("\n".join(overlap.describe(manifest.overlap)))
   print(f"wrote {pathnames.join(args.out, MANIFEST_FILE)}; train on it with "
         f"--fdl_set=data.mix='\"{args.out}\"' (its held-out split and tokenizer come along)")
   return 0

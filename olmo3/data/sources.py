@@ -5,10 +5,12 @@ its held-out sets and task tokenizer resolved (`resolve`).
 A mix is one of: a directory written by `python -m olmo3.data.prepare` (its train split; as a
 held-out set, its heldout split; `DIR/train` and `DIR/heldout` name a split explicitly), the
 built-in corpus (`embedded`, `embedded-heldout`: such a directory, prepared here on first use,
-so nothing below this module needs to know it exists), a mix file (`label,path` lines), or the
-name of one of AI2's mixes (`olmo3.data.mixes`: those olmo3 ships, then ai2-olmo-core's where it
-is installed). Directories and mix files are local, gs://, s3:// or http(s):// alike
-(olmo3.io.storage; over HTTP the server must answer Range requests).
+so nothing below this module needs to know it exists; `embedded_chat`, `embedded_chat-heldout`:
+the built-in chat corpus alike), a directory open-instruct's converter wrote for OLMo-core's
+SFT (token_ids_part_*.npy and their label masks, no manifest: olmo3.data.label_masks), a mix
+file (`label,path` lines), or the name of one of AI2's mixes (`olmo3.data.mixes`: those olmo3
+ships, then ai2-olmo-core's where it is installed). Directories and mix files are local, gs://,
+s3:// or http(s):// alike (olmo3.io.storage; over HTTP the server must answer Range requests).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from typing import NamedTuple
 
 from olmo3.io import clients, file_sizes, pathnames, storage
 from olmo3.config import DataConfig, Experiment, ModelConfig
-from olmo3.data import embedded, mixes, packing
+from olmo3.data import chat_data, embedded, label_masks, mixes, packing
 from olmo3.data import tokenizer as tokenizer_lib
 from olmo3.data.manifest import MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest
-from olmo3.data.tokens import UNLABELLED, DataError, TokenFiles
+from olmo3.data.tokens import UNLABELLED, DataError, TokenFiles, token_counts
 
-EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout"}  # the built-in corpus's splits
-EMBEDDED_LABEL = "embedded"  # the built-in corpus is one source; both splits carry its label
+# The built-in corpora's mix names and their splits: the text corpus and the chat corpus
+# (olmo3.data.embedded); each is one source, both its splits carrying its label.
+EMBEDDED = {"embedded": "train", "embedded-heldout": "heldout",
+            "embedded_chat": "train", "embedded_chat-heldout": "heldout"}
+_BUILTIN_DIRS = {"embedded": embedded.corpus_dir, "embedded_chat": embedded.chat_dir}
 
 
 class MixFile(NamedTuple):
@@ -55,7 +60,7 @@ class Prepared:
   def mix(self, split: str) -> str:
     """The mix name of a split of this directory."""
     if self.builtin:
-      return {s: name for name, s in EMBEDDED.items()}[split]
+      return self.label if split == "train" else f"{self.label}-heldout"
     return pathnames.join(self.directory, split)
 
 
@@ -64,8 +69,8 @@ def prepared(mix: str, split: str = "train") -> Prepared | None:
   directory means `split`; `DIR/<split>` names that split whatever `split` says."""
   builtin = mix in EMBEDDED
   if builtin:
-    directory, split = pathnames.normalized(embedded.corpus_dir()), EMBEDDED[mix]
-    label = EMBEDDED_LABEL
+    label = mix.removesuffix("-heldout")
+    directory, split = pathnames.normalized(_BUILTIN_DIRS[label]()), EMBEDDED[mix]
   else:
     try:
       clients.check_supported(mix, what="mix")
@@ -101,6 +106,9 @@ def _listed(mix: str, split: Prepared | None, root: str, tokenizer_id: str, fiel
   manifest once)."""
   if split is not None:
     return [MixFile(split.label, p) for p in split.manifest.files(split.directory, split.split)]
+  parts = label_masks.open_instruct_parts(mix)  # a directory open-instruct's converter wrote
+  if parts is not None:
+    return [MixFile(pathnames.split(pathnames.normalized(mix))[1], p) for p in parts]
   mix_path = mix
   if storage.is_dir(mix):
     raise DataError(f"{field}={mix!r} is a directory without {MANIFEST_FILE}: expected a directory "
@@ -157,6 +165,7 @@ def token_files(cfg: DataConfig, vocab_size: int | None,
   sizes go through `size_cache` (a run keeps one in its workdir)."""
   files = training_files(cfg) if files is None else files
   labels = [f.label for f in files] if cfg.mix else None
+  masks = chat_data.check_training(cfg, [f.path for f in files], size_cache)
   if cfg.packing is None:
     return TokenFiles([f.path for f in files], cfg.seq_len, vocab_size,
                       validate_tokens=cfg.validate_tokens, labels=labels, size_cache=size_cache,
@@ -168,15 +177,19 @@ def token_files(cfg: DataConfig, vocab_size: int | None,
       [f.path for f in files], embedded.cache_root() / "packing", seq_len=cfg.seq_len,
       eos_token_id=model.eos_token_id, source_group_size=cfg.packing.source_group_size,
       source_permutation_seed=cfg.packing.source_permutation_seed,
-      long_doc_strategy=cfg.packing.long_documents.value, size_cache=size_cache)
+      long_doc_strategy=cfg.packing.long_documents.value, size_cache=size_cache,
+      label_masks=masks)
   return packing.PackedInstances(index, pad_token_id=model.pad_token_id, vocab_size=vocab_size,
                                  labels=labels)
+
+
+CHAT_PROMPT = "What does json.dumps do?"  # a first user turn for a model fine-tuned on chats
 
 
 def sample_prompt(cfg: DataConfig) -> str:
   """A prompt to sample from a model trained on `cfg`'s data, in the kind of text it holds: the
   built-in corpus is Python's standard library (a prose opening only loops there)."""
-  return "def main(" if cfg.mix in EMBEDDED else "The"
+  return "def main(" if cfg.mix in ("embedded", "embedded-heldout") else "The"
 
 
 def tokenizer_file(name: str) -> str:
@@ -346,6 +359,7 @@ def resolve(exp: Experiment, sizes: file_sizes.SizeCache | None = None) -> Resol
       raise DataError(f"EvalConfig.tokenizer={ev.tokenizer!r} is not the tokenizer of the "
                       f"training data ({train.tokenizer}, {train.directory}): drop the "
                       "override (None uses the data's) or prepare the data with it")
+  chat_data.check_template(data, train, [f.path for f in training])
   trained_on = {f.path for f in training}
   per_mix = []
   for mix, split in zip(heldout, splits):
@@ -355,6 +369,10 @@ def resolve(exp: Experiment, sizes: file_sizes.SizeCache | None = None) -> Resol
       raise DataError(f"EvalConfig.heldout={mix!r} lists a training file ({overlap[0]}): "
                       "held-out documents must never be trained on")
     per_mix.append((mix, tuple(files)))
+    if sizes is not None:  # chat data's held-out masks, checked as the training ones
+      paths = [f.path for f in files]
+      label_masks.check(paths, token_counts(paths, "held-out token file", sizes),
+                        f"EvalConfig.heldout={mix!r}", sizes)
     if split is None:
       continue  # a mix file: its tokenizer is not recorded anywhere to compare
     if train is not None and not _same_tokenizer(split.tokenizer, train.tokenizer):

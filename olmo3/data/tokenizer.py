@@ -16,13 +16,16 @@ used as huggingface_hub would, and without one the error says what to do.
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 from tokenizers import Tokenizer
 
 from olmo3.data.tokens import DataError
 
 HUB_FILE = "tokenizer.json"  # the file a hub repository holds its tokenizer in
+CONFIG_FILE = "tokenizer_config.json"  # beside it: special tokens, the chat template
 
 
 def load(name: str, what: str) -> Tokenizer:
@@ -41,16 +44,38 @@ def load(name: str, what: str) -> Tokenizer:
     raise DataError(f"{what} {name!r}: {e}") from None
 
 
+def config(name: str, what: str) -> dict[str, Any] | None:
+  """The tokenizer_config.json of tokenizer `name` (its special tokens, its chat template):
+  beside a tokenizer.json file, or the hub repository's (fetched as `load` fetches its
+  tokenizer.json); None when there is none."""
+  if os.path.exists(name):
+    path = os.path.join(os.path.dirname(os.path.abspath(name)), CONFIG_FILE)
+    if not os.path.isfile(path):
+      return None
+  else:
+    try:
+      path = _hub_file(name, CONFIG_FILE)
+    except DataError:
+      return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      found = json.load(f)
+  except ValueError as e:
+    raise DataError(f"{what} {name!r}: {path} is not valid JSON ({e})") from None
+  return found if isinstance(found, dict) else None
+
+
 def _reason(e: BaseException) -> str:
   """An exception in a few words: huggingface_hub's messages run to several lines."""
   first = next((line for line in str(e).splitlines() if line.strip()), "")
   return f"{type(e).__name__}: {first.strip()}" if first else type(e).__name__
 
 
-def _hub_file(name: str) -> str:
-  """The local path of hub repository `name`'s tokenizer.json. DataError (the sentence's end:
-  `load` puts the setting that named it first) when the name is no repository name, the hub
-  says no, or the hub is out of reach (or HF_HUB_OFFLINE is set) and the file is not cached."""
+def _hub_file(name: str, file: str = HUB_FILE) -> str:
+  """The local path of hub repository `name`'s tokenizer.json (or other `file`). DataError
+  (the sentence's end: `load` puts the setting that named it first) when the name is no
+  repository name, the hub says no, or the hub is out of reach (or HF_HUB_OFFLINE is set) and
+  the file is not cached."""
   # Imported here: only a hub name needs it (0.3 s).
   import httpx  # pylint: disable=import-outside-toplevel
   from huggingface_hub import constants, errors, file_download  # pylint: disable=import-outside-toplevel
@@ -58,7 +83,7 @@ def _hub_file(name: str) -> str:
 
   def cached() -> str | None:
     try:
-      return file_download.hf_hub_download(name, HUB_FILE, local_files_only=True)
+      return file_download.hf_hub_download(name, file, local_files_only=True)
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
       return None
 
@@ -72,7 +97,7 @@ def _hub_file(name: str) -> str:
                         "where the hub is reachable")
       return found
     try:  # one request, no retries (huggingface_hub retries only when told to)
-      file_download.get_hf_file_metadata(file_download.hf_hub_url(name, HUB_FILE),
+      file_download.get_hf_file_metadata(file_download.hf_hub_url(name, file),
                                          timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except (httpx.TransportError, OSError) as e:
       status = getattr(getattr(e, "response", None), "status_code", 500)
@@ -88,7 +113,7 @@ def _hub_file(name: str) -> str:
                         "the hub is reachable") from None
       return found
     try:
-      return file_download.hf_hub_download(name, HUB_FILE)
+      return file_download.hf_hub_download(name, file)
     except (httpx.TransportError, OSError) as e:  # reached a moment ago: a download that failed
       raise DataError(f"not a tokenizer.json file, and its download from the Hugging Face "
                       f"hub failed ({_reason(e)})") from None

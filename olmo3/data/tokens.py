@@ -74,6 +74,8 @@ def token_count(path: str | os.PathLike, kind: str = "token file") -> int:
 class TokenFiles:
   """Fixed-length instances over token files. Random access; picklable (handles reopen)."""
 
+  conversations = False  # chat data is always packed (olmo3.data.packing.PackedInstances)
+
   def __init__(self, paths: Sequence[str | os.PathLike], seq_len: int,
                vocab_size: int | None = None, validate_tokens: bool = False,
                labels: Sequence[str] | None = None,

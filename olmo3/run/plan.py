@@ -35,7 +35,7 @@ from absl import logging
 
 from olmo3 import sharding
 from olmo3.io import checkpoint, file_sizes, olmo_core_checkpoints, pathnames
-from olmo3.config import DataConfig, Experiment
+from olmo3.config import DataConfig, Experiment, InitMode
 from olmo3.data import pipeline, sources
 from olmo3.data.tokens import TokenFiles, token_counts
 from olmo3.run import record
@@ -89,6 +89,29 @@ def stage_end(exp: Experiment, steps_per_epoch: int) -> int:
   if exp.train.stop_at_epoch is None:
     return exp.train.steps
   return min(exp.train.steps, exp.train.stop_at_epoch * steps_per_epoch)
+
+
+# What each checkpoint.init_mode takes from the checkpoint, as a dry run says it.
+CARRIED = {
+    InitMode.NEW_STAGE: "its parameters, and its AdamW moments when it holds them (else fresh "
+                        "ones); step, schedule and data position start from 0",
+    InitMode.CONTINUE: "its parameters, AdamW moments, step, schedule and data position"}
+
+
+def schedule_for_stage(exp: Experiment, steps_per_epoch: int) -> Experiment:
+  """`exp` with its schedule's length and warmup in steps, where the recipe gives them relative
+  to the stage: `optimizer.decay_steps` None is the stage's length (train.stop_at_epoch epochs
+  of its data, as OLMo-core's t_max is the trainer's max_duration in epochs), and
+  `optimizer.warmup_fraction` its warmup, round(fraction x length) as OLMo-core's
+  LinearWithWarmup rounds it. Limiting the run (train.steps) runs the first steps of the same
+  schedule, as with a fixed length."""
+  o = exp.optimizer
+  if o.decay_steps is not None and o.warmup_fraction is None:
+    return exp
+  length = o.decay_steps or exp.train.stop_at_epoch * steps_per_epoch
+  warmup = o.warmup_steps if o.warmup_fraction is None else round(length * o.warmup_fraction)
+  return dataclasses.replace(exp, optimizer=dataclasses.replace(
+      o, decay_steps=length, warmup_steps=warmup, warmup_fraction=None))
 
 
 class InitFromError(checkpoint.CheckpointError):
@@ -230,6 +253,7 @@ class RunPlan:
     heldout = tuple(HeldoutSet(n, p, tuple(token_counts(p, "held-out token file", cache)))
                     for n, p in sets.items()) if evaluates else ()
     per_epoch = pipeline.steps_per_epoch(exp.data, train_files)
+    exp = schedule_for_stage(exp, per_epoch)
     end = stage_end(exp, per_epoch)
     if end != exp.train.steps:
       logging.warning("train.steps=%d but epoch %d of the data ends at step %d (%d instances, "
@@ -286,7 +310,8 @@ class RunPlan:
     resume = self.resume
     start = {Start.FRESH: "fresh, from train.seed",
              Start.INIT_FROM: f"initialised from {resume.olmo_core or resume.init_from} "
-                              f"(checkpoint.init_mode={exp.checkpoint.init_mode.value})"
+                              f"(checkpoint.init_mode={exp.checkpoint.init_mode.value}: "
+                              f"{CARRIED[exp.checkpoint.init_mode]})"
                               + (f", converted into {resume.init_from}" if resume.olmo_core
                                  else ""),
              Start.RESUME: f"resumes from step {resume.step:,} of {self.workdir.checkpoints}"
@@ -296,4 +321,6 @@ class RunPlan:
             f"task tokenizer      {'none' if exp.eval.tokenizer is None else exp.eval.tokenizer}",
             f"epoch               {len(self.train_files):,} instances = "
             f"{self.steps_per_epoch:,} steps{stop}",
+            f"schedule            {exp.optimizer.schedule.value} over "
+            f"{exp.optimizer.decay_steps:,} steps, warmup {exp.optimizer.warmup_steps:,}",
             f"start               {start[resume.start]}"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -132,9 +132,11 @@ def _next_token(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, tokens
 
 
 def generate(model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
-             sampling: Sampling = Sampling(), seed: int = 0) -> list[int]:
+             sampling: Sampling = Sampling(), seed: int = 0,
+             stop: Callable[[list[int]], bool] | None = None) -> list[int]:
   """The ids that follow `prompt_ids` (one sequence): max_new_tokens of them, or fewer ending
-  with the model's EOS (`ModelConfig.eos_token_id`) when it is picked."""
+  with the model's EOS (`ModelConfig.eos_token_id`) when it is picked, or where `stop` (given
+  the new ids so far) says so: a chat template's end of turn."""
   cfg = model.cfg
   check_token_ids(np.asarray(prompt_ids), cfg.vocab_size)
   graphdef, state = nnx.split(model)
@@ -146,7 +148,7 @@ def generate(model: Transformer, prompt_ids: Sequence[int], max_new_tokens: int,
     token_B, cache = _next_token(graphdef, state, cache, tokens_BT, jnp.int32(start), key,
                                  sampling)
     new.append(int(token_B[0]))  # waits for the step: EOS decides whether there is another
-    if new[-1] == cfg.eos_token_id:
+    if new[-1] == cfg.eos_token_id or (stop is not None and stop(new)):
       break
     start += tokens_BT.shape[1]
     tokens_BT = token_B[:, None]

@@ -77,9 +77,11 @@ class NextSteps:
   def of(cls, plan: RunPlan, stage: NextStage | None) -> NextSteps:
     workdir = plan.workdir.root
     quoted = shlex.quote(workdir)
+    chat = plan.train_files.conversations
     follow_ups = (("evaluate", f"python -m olmo3.eval --workdir {quoted}"),
-                  ("sample", f"python -m olmo3.sample --workdir {quoted} --prompt "
-                             f"{shlex.quote(sources.sample_prompt(plan.exp.data))}"),
+                  ("sample", f"python -m olmo3.sample --workdir {quoted} "
+                             + (f"--chat --prompt {shlex.quote(sources.CHAT_PROMPT)}" if chat else
+                                f"--prompt {shlex.quote(sources.sample_prompt(plan.exp.data))}")),
                   ("export to HF", f"python -m olmo3.convert export-hf --ckpt {quoted} --out "
                                    f"{shlex.quote(workdir.rstrip('/') + '-hf')}"))
     if stage is None:
@@ -110,7 +112,9 @@ def lines(plan: RunPlan, next_stage: NextStage | None,
   next (`NextSteps`); `launch_seconds`: this launch's wall time, when it trained. The one
   rendering: a launch's end and a dry run of a finished run both print this."""
   steps = NextSteps.of(plan, next_stage)
-  return RunSummary.read(plan.workdir.root, plan.exp).lines(launch_seconds=launch_seconds,
+  return RunSummary.read(plan.workdir.root, plan.exp, end=plan.end,
+                        conversations=plan.train_files.conversations).lines(
+                            launch_seconds=launch_seconds,
                                                             next_commands=steps.commands)
 
 
@@ -159,10 +163,13 @@ class RunSummary:
   tokens: int
   step_seconds: float  # the logged steps' time, every launch (evaluations, compiles excluded)
   checkpoint: str | None  # the newest committed step's directory
+  conversations: bool = False  # chat data: its held-out CE is over the assistant's tokens
 
   @classmethod
-  def read(cls, workdir: str, exp: Experiment) -> RunSummary:
-    """The summary of the run in `workdir`, trained by `exp` (its stage end, batch, cadence)."""
+  def read(cls, workdir: str, exp: Experiment, end: int | None = None,
+           conversations: bool = False) -> RunSummary:
+    """The summary of the run in `workdir`, trained by `exp` (its batch, cadence; its stage end
+    unless `end`, the plan's, is given: a stage of epochs ends where its data does)."""
     files = Workdir(workdir)
     rows = metrics.read_jsonl(files.metrics) if files.metrics.exists() else []
     train = [r for r in rows if "loss" in r]
@@ -176,7 +183,8 @@ class RunSummary:
     committed = checkpoint.run_steps(files.checkpoints)
     step = max((r["step"] for r in rows), default=0)
     return cls(
-        workdir=workdir, step=step, end=exp.train.steps, launches=len(read_history(workdir)),
+        workdir=workdir, step=step, end=exp.train.steps if end is None else end,
+        launches=len(read_history(workdir)),
         train_loss=(train[-1]["step"], train[-1]["loss"]) if train else None,
         heldout=(evals[-1]["step"], {k[5:-8]: v for k, v in evals[-1].items()
                                      if k.startswith("eval/") and k.endswith("/ce_loss")}
@@ -186,7 +194,7 @@ class RunSummary:
         evaluations=sum(ALARM in r for r in rows), alarm_fired=fired[0] if fired else None,
         tokens=step * exp.tokens_per_step, step_seconds=step_seconds,
         checkpoint=(pathnames.join(str(files.checkpoints), str(committed[-1]))
-                    if committed else None))
+                    if committed else None), conversations=conversations)
 
   def lines(self, *, launch_seconds: float | None = None,
             next_commands: tuple[tuple[str, str], ...] = ()) -> list[str]:
@@ -200,7 +208,8 @@ class RunSummary:
     if self.heldout:
       step, sets = self.heldout
       shown = ", ".join(f"{name} {ce:.4f}" for name, ce in sorted(sets.items()))
-      out.append(f"  held-out CE     {shown} (step {step})")
+      over = "the assistant's tokens, " if self.conversations else ""
+      out.append(f"  held-out CE     {shown} ({over}step {step})")
       for name, bands in sorted(self.bands.items()):
         out.append(f"  by position     {name}: " + ", ".join(
             f"{band} {ce:.4f}" for band, ce in bands.items()))

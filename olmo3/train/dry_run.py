@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 import jax
 
 from olmo3 import sharding
-from olmo3.config import Experiment, Schedule
+from olmo3.config import INT32_MAX, Experiment, LossMean, Schedule
 from olmo3.data import sources
 from olmo3.data.tokens import DataError
 from olmo3.io import checkpoint
 from olmo3.io.checkpoint import CheckpointError
-from olmo3.run.plan import RunPlan, Start
+from olmo3.run.plan import CARRIED, RunPlan, Start
 from olmo3.train import closing
 
 
@@ -39,6 +39,7 @@ def lines(exp: Experiment, workdir: str, name: str, *, topology: str | None = No
   after this one, as the launcher found it (in a finished run's closing summary)."""
   yield from numbers(exp)
   yield from long_context(exp)
+  yield from chat(exp)
   try:  # held-out sets and tokenizer as the run takes them
     resolved = sources.resolve(exp)
   except DataError as e:
@@ -51,10 +52,11 @@ def lines(exp: Experiment, workdir: str, name: str, *, topology: str | None = No
       yield from plan.describe()
   except (DataError, CheckpointError) as e:  # e.g. AI2's data on a laptop
     yield f"plan                unknown here: {e}"
-    if exp.checkpoint.init_from:  # where the stage starts, as far as the config says
-      yield (f"start               from {exp.checkpoint.init_from} "
-             f"(checkpoint.init_mode={exp.checkpoint.init_mode.value}) unless {workdir} holds "
-             "a checkpoint of its own")
+  if plan is None and exp.checkpoint.init_from:  # where it starts, as far as the config says
+    yield (f"start               from {exp.checkpoint.init_from} "
+           f"(checkpoint.init_mode={exp.checkpoint.init_mode.value}: "
+           f"{CARRIED[exp.checkpoint.init_mode]}) unless {workdir} holds a checkpoint of its "
+           "own")
   yield from evaluated(exp, resolved, plan)
   mesh = None
   try:
@@ -88,13 +90,32 @@ def numbers(exp: Experiment) -> list[str]:
   m, d, o = exp.model, exp.data, exp.optimizer
   over = (f"stitched: part 1 aimed at {o.stitch_first_steps:,}, part 2 from update "
           f"{o.stitch_resumed_at + 1:,} aimed at {o.stitch_second_steps:,}"
-          if o.schedule is Schedule.STITCHED_COSINE else f"schedule over {o.decay_steps:,}")
+          if o.schedule is Schedule.STITCHED_COSINE
+          else "schedule over the stage's epochs" if o.decay_steps is None
+          else f"schedule over {o.decay_steps:,}")
+  warmup = (f"{o.warmup_fraction:.0%} of the schedule" if o.warmup_fraction is not None
+            else o.warmup_steps)
+  t = exp.train
+  steps = (f"until the end of epoch {t.stop_at_epoch}" if t.steps == INT32_MAX
+           and t.stop_at_epoch is not None else f"{t.steps:,}")
+  loss = (f"each of {t.loss_ranks} data-parallel ranks' token mean, averaged (OLMo-core's)"
+          if t.loss_mean is LossMean.PER_RANK and t.loss_ranks > 1 else "the token mean")
+  z_loss = f" + z-loss x {t.z_loss_weight:g}" if t.z_loss_weight else ", no z-loss"
   return [f"parameters          {m.param_count:,}",
           f"FLOPs per token     {m.flops_per_token(d.seq_len) / 1e9:.3f} G (training, exact "
           "causal + sliding-window count)",
           f"tokens per step     {d.global_batch_size} x {d.seq_len} = {exp.tokens_per_step:,}",
-          f"steps               {exp.train.steps:,} ({over})",
-          f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {o.warmup_steps})"]
+          f"steps               {steps} ({over})",
+          f"peak LR             {o.peak_lr!r} ({o.schedule.value}, warmup {warmup})",
+          f"loss                cross-entropy: {loss}{z_loss}"]
+
+
+def chat(exp: Experiment) -> list[str]:
+  """The chat template a run on conversations checks its data against (SFT)."""
+  if exp.data.chat_template is None:
+    return []
+  return [f"chat template       {exp.data.chat_template} (the data's manifest must record it); "
+          "the loss on the assistant's tokens only (the data's label masks)"]
 
 
 def long_context(exp: Experiment) -> list[str]:
@@ -110,9 +131,11 @@ def long_context(exp: Experiment) -> list[str]:
                f"({y.layers.value}: {', '.join(map(str, scaled))}); the others plain, theta "
                f"{m.rope_theta:g}")
   if packing is not None:
+    order = ("in mix order" if packing.source_permutation_seed is None
+             else f"shuffled with seed {packing.source_permutation_seed}")
     out.append(f"packing             documents packed into {exp.data.seq_len:,}-token "
                f"instances (best-fit decreasing in groups of {packing.source_group_size} "
-               f"files, shuffled with seed {packing.source_permutation_seed}; long documents: "
+               f"files, {order}; long documents: "
                f"{packing.long_documents.value}); attention within each document, RoPE "
                f"positions per {m.rope_positions.value}")
   return out
@@ -134,9 +157,11 @@ def evaluated(exp: Experiment, resolved: sources.Resolved | None,
                   if sized else ""))
   if plan is not None and plan.alarm_off:
     out.append(f"held-out            none: {plan.alarm_off}")
+  elif plan is None and ev.heldout is None:
+    out.append("held-out            the training data's held-out split, once the data is found")
   elif plan is None and not ev.heldout:
     out.append("held-out            none (eval.heldout=()): the generalization-gap alarm is off")
   out.append(f"downstream tasks    {len(ev.tasks)}, {cadence}"
-             + (f" ({ev.task_limit} documents each)" if ev.task_limit else "")
+             + (f" ({ev.task_limit} documents each)" if ev.task_limit and ev.tasks else "")
              + (": " + ", ".join(ev.tasks) if ev.tasks else ""))
   return out

@@ -42,7 +42,7 @@ from olmo3.run.plan import Resume, RunPlan, decide_start
 from olmo3 import sharding
 from olmo3.placement import ShardedModel
 from olmo3.train import continuation, optim
-from olmo3.train.run_checkpoints import RunCheckpoints, restore_train_state
+from olmo3.train.run_checkpoints import OPT_STATE, RunCheckpoints, restore_train_state
 
 # Data fields whose change changes the instance sequence (the files are compared one by one).
 _DATA_FIELDS = ("seq_len", "max_target_seq_len", "global_batch_size", "seed", "max_instances",
@@ -113,8 +113,18 @@ class StateLayout:
   def restore_init(self, step_dir) -> tuple[Any, Any, dict[str, Any]]:
     """`restore`, or for a checkpoint imported from another trainer (an `adam` item: count, mu,
     nu), the optimizer's state with those in Adam's place (optax's names; every other part of
-    the state is stateless)."""
-    if checkpoint.ADAM not in checkpoint.load_meta(step_dir).get(checkpoint.ARRAYS, {}):
+    the state is stateless); for one of parameters only (`convert import-hf`, `merge`), a fresh
+    optimizer state: the moments are loaded when the checkpoint has them, as OLMo-core's
+    `load_checkpoint` loads them."""
+    items = checkpoint.load_meta(step_dir).get(checkpoint.ARRAYS, {})
+    if checkpoint.ADAM not in items and OPT_STATE not in items:
+      restored, meta = checkpoint.restore_items(step_dir,
+                                                {checkpoint.PARAMS: self.model.param_target})
+      with self.model.context():
+        opt_state = jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)(
+            restored[checkpoint.PARAMS])
+      return restored[checkpoint.PARAMS], opt_state, meta
+    if checkpoint.ADAM not in items:
       return self.restore(step_dir)
     adam = {"count": jax.ShapeDtypeStruct((), jnp.int32, sharding=self.model.replicated),
             "mu": self.model.param_target, "nu": self.model.param_target}
@@ -257,8 +267,10 @@ def initialised(layout: StateLayout, resume: Resume, plan: RunPlan
   if "olmo_core" in meta:
     continuation.check_optimizer(meta["olmo_core"], exp.optimizer, source)
   if exp.checkpoint.init_mode is InitMode.NEW_STAGE:
-    logging.info("initialised from %s (its step %s): parameters and optimizer moments; step, "
-                 "schedule and data position start at 0", source, meta["step"])
+    logging.info("initialised from %s (its step %s): parameters and %s; step, schedule and "
+                 "data position start at 0", source, meta.get("step", "-"),
+                 "optimizer moments" if {checkpoint.ADAM, OPT_STATE} & set(meta[checkpoint.ARRAYS])
+                 else "fresh optimizer moments (it holds parameters only)")
     return layout.on_mesh(0, params, opt_state), DataPosition(plan.identity)
   step, position = continued_position(resume, plan, meta)
   skip = None if "olmo_core" in meta else meta.get("skip")  # OLMo-core saves no window
@@ -278,6 +290,10 @@ def continued_position(resume: Resume, plan: RunPlan, meta: dict[str, Any] | Non
     step, data_step = continuation.olmo_core_start(meta["olmo_core"], exp, plan.identity,
                                                    plan.steps_per_epoch, resume.olmo_core or path)
     return step, DataPosition(plan.identity, data_step - step)
+  if "step" not in meta:  # import-hf's, merge's: no step, schedule or data to continue
+    raise CheckpointError(f"checkpoint.init_from={path!r} holds parameters only (an import or a "
+                          "merge): nothing to continue; start a new stage from it "
+                          "(checkpoint.init_mode='new_stage')")
   return meta["step"], resumed_position(path, meta, plan.identity, exp.data.allow_changed_data)
 
 

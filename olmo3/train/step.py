@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import optax
 
 from olmo3 import sharding as sharding_lib
-from olmo3.config import Experiment
+from olmo3.config import Experiment, LossMean
 from olmo3.data.pipeline import batch_only
-from olmo3.loss import PerToken, lm_loss
+from olmo3.loss import PerToken, lm_loss, rank_divisors
 from olmo3.placement import ShardedModel
 from olmo3.train import optim
 from olmo3.train.state import StateLayout, TrainState
@@ -38,28 +38,31 @@ def loss_and_grads(exp: Experiment, token_losses: TokenLosses, param_shardings: 
                    params: Any, batch: Batch, num_sources: int = 1):
   """((loss, metrics), gradients) of the whole global batch; with train.microbatches = k,
   accumulated over k sequential microbatches (each a 1/k slice of every device's rows, so no
-  data moves), normalised by the whole batch's token count: the same loss and update.
+  data moves), each row divided by its divisor from the whole batch: the same loss and update.
   `token_losses(params, tokens, labels[, segments])` is the model's per-token loss
   (`ShardedModel.token_losses`: the fused, vocabulary-chunked cross-entropy).
 
-  The token count is OLMo-core's: the unmasked labels, plus all T positions of every instance
-  the repetition filter masked (they count as tokens with zero loss). The metrics include the
+  The mean is OLMo-core's (train.loss_mean): per data-parallel rank over AI2's
+  train.loss_ranks ranks (olmo3.loss.rank_divisors), or one over the global batch. A rank's
+  count is OLMo-core's: its unmasked labels, plus all T positions of every instance the
+  repetition filter masked (they count as tokens with zero loss). The metrics include the
   per-source sums of `lm_loss` over `num_sources` sources (batch["source"]).
   """
   z_loss_weight, k = exp.train.z_loss_weight, exp.train.microbatches
+  ranks = exp.train.loss_ranks if exp.train.loss_mean is LossMean.PER_RANK else 1
 
-  def loss_fn(params, batch_tokens, tokens_BT, labels_BT, source_B, *segments_BT):
+  def loss_fn(params, divisor_B, tokens_BT, labels_BT, source_B, *segments_BT):
     return lm_loss(token_losses(params, tokens_BT, labels_BT, *segments_BT), z_loss_weight,
-                   batch_tokens, source_B, num_sources)
+                   divisor_B, source_B, num_sources)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   seq_len = batch["labels"].shape[1]
-  batch_tokens = (batch["labels"] >= 0).sum() + batch["filtered"].sum() * seq_len
-  rows = (batch["input_ids"], batch["labels"], batch["source"])
+  tokens_B = (batch["labels"] >= 0).sum(axis=-1) + batch["filtered"] * seq_len
+  rows = (rank_divisors(tokens_B, ranks), batch["input_ids"], batch["labels"], batch["source"])
   if "segments" in batch:
     rows += (batch["segments"],)
   if k == 1:
-    return grad_fn(params, batch_tokens, *rows)
+    return grad_fn(params, *rows)
 
   def split(x_B):  # [B, ...] -> [k, B / k, ...]
     # Microbatch i holds rows i, i + k, ...: a slice of every device's rows.
@@ -67,12 +70,12 @@ def loss_and_grads(exp: Experiment, token_losses: TokenLosses, param_shardings: 
     return sharding_lib.constrain(x_KM, (None, "batch", "seq")[:x_KM.ndim])
 
   def accumulate(total, micro):
-    out = grad_fn(params, batch_tokens, *micro)
+    out = grad_fn(params, *micro)
     total = jax.tree.map(jnp.add, total, out)
     return (total[0], jax.lax.with_sharding_constraint(total[1], param_shardings)), None
 
   micro_K = tuple(split(x) for x in rows)
-  shapes = jax.eval_shape(grad_fn, params, batch_tokens, *(x[0] for x in micro_K))
+  shapes = jax.eval_shape(grad_fn, params, *(x[0] for x in micro_K))
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   zeros = (zeros[0], jax.lax.with_sharding_constraint(zeros[1], param_shardings))
   total, _ = jax.lax.scan(accumulate, zeros, micro_K)
