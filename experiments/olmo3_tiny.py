@@ -163,24 +163,29 @@ def stage3() -> fdl.Config[Experiment]:
 
 # The stage after each, where it is not stage<n+1> (the launcher's closing summary names it).
 NEXT_STAGE = {"stage3": "sft"}
-SFT_BATCH = 4  # 32 // BATCH_DIVISOR would be 1 instance: too few for 2 ranks' token means
+# 32 // BATCH_DIVISOR would be 1 instance: too few for 2 ranks' token means, and the train
+# loss the generalization-gap alarm reads too noisy (at 4 a step, logged every 5 steps, noise
+# alone fired it at the last evaluation).
+SFT_BATCH = 8
 
 
 def sft() -> fdl.Config[Experiment]:
   """SFT: the 7B's Think SFT (olmo3_7b.sft_think) at laptop size, from the tiny stage 3's final
   checkpoint (parameters and moments), on the embedded chat corpus (questions about the
   standard library answered by its own docstrings, rendered with AI2's Think template and
-  trained on the answers only): its 2 epochs of 4 x 1024 tokens a step, LR 5e-4 after a warmup
+  trained on the answers only): its 2 epochs of 8 x 1024 tokens a step, LR 5e-4 after a warmup
   of 3% of them, linear to 0, the loss averaged over 2 ranks' token means. Evaluates the
-  corpus's held-out conversations (assistant tokens only) every 25 steps and at its end.
+  corpus's held-out conversations (assistant tokens only) every 50 steps and at its end, the
+  train loss logged at every step (the alarm compares its means between evaluations).
 
     python launch/main.py --fdl_config=experiments.olmo3_tiny:sft
     python -m olmo3.sample --workdir runs/olmo3_tiny.sft --chat --prompt 'What does json.dumps do?'
   """
   cfg = laptop_stage(olmo3_7b.sft_think(), steps=olmo3_7b.INT32_MAX,
-                     init_from=workdir_of(stage3))
+                     init_from=workdir_of(stage3), eval_every=50)
   cfg.data.mix = "embedded_chat"
   cfg.data.global_batch_size = SFT_BATCH
+  cfg.train.log_every = 1
   cfg.eval.tasks = ()  # AI2's SFT scores no tasks in the loop; the held-out answers are watched
   return cfg
 

@@ -14,13 +14,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from olmo3 import config
 from olmo3.convert import hf, tokenizer_files
 from olmo3.convert.__main__ import main as convert_main
-from olmo3.data import chat, embedded
+from olmo3.data import chat
 from olmo3.io import checkpoint
 
 from hf_reference import save_transformers_model
+from data_helpers import chat_tokenizer
 
 MICRO = config.olmo3_micro()
-TURNS = ("<|im_start|>", "<|im_end|>")
 CONVERSATIONS = [
     [{"role": "user", "content": "What does os.path.join do?"},
      {"role": "assistant", "content": "It joins path parts with the separator."}],
@@ -35,15 +35,6 @@ CONVERSATIONS = [
 ]
 
 
-def _tokenizer(path, turns_whole: bool) -> str:
-  """A small BPE tokenizer (EOS id 0, PAD id 1); `turns_whole`: <|im_start|> and <|im_end|>
-  are one special token each (as in AI2's chat tokenizers), else several ordinary ones."""
-  texts = [f"some words {i} and more {i * 3}, user assistant system" for i in range(200)]
-  tok = embedded.train_tokenizer(texts, vocab_size=400)
-  if turns_whole:
-    tok.add_special_tokens(list(TURNS))
-  tok.save(str(path))
-  return str(path)
 
 
 def _chat_run(tmp_path, turns_whole: bool):
@@ -52,7 +43,7 @@ def _chat_run(tmp_path, turns_whole: bool):
   beside."""
   data = tmp_path / "chat_data"
   data.mkdir()
-  tok_file = _tokenizer(data / "tokenizer.json", turns_whole)
+  tok_file = chat_tokenizer(data / "tokenizer.json", turns_whole)
   template = chat.ChatTemplate.named("olmo3_think")
   (data / "manifest.json").write_text(json.dumps(  # the part of a manifest export-hf reads
       {"kind": "chat", "chat": {"template": tokenizer_files.template_entry(template)}}))
@@ -116,7 +107,7 @@ def test_import_hf_keeps_the_template_and_tokenizer_for_the_export(tmp_path, cap
   chat_template.jinja) imported and exported again renders every conversation as before."""
   src = tmp_path / "hf"
   save_transformers_model(src, MICRO)
-  tok = Tokenizer.from_file(_tokenizer(tmp_path / "tok.json", turns_whole=True))
+  tok = Tokenizer.from_file(chat_tokenizer(tmp_path / "tok.json", turns_whole=True))
   text = chat.ChatTemplate.named("olmo3_think").text
   PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
                           chat_template=text).save_pretrained(str(src))

@@ -13,24 +13,17 @@ from tokenizers import Tokenizer
 
 import forked
 from olmo3 import config
-from olmo3.data import chat as chat_lib, embedded
+from olmo3.data import chat as chat_lib
 from olmo3.io import checkpoint
 from olmo3.sample import chat
 from olmo3.sample.__main__ import main
 
 from conftest import random_params
+from data_helpers import chat_tokenizer
 
 MICRO = config.olmo3_micro()
-TURNS = ("<|im_start|>", "<|im_end|>")
 
 
-def _tokenizer(path, turns_whole: bool = True) -> str:
-  texts = [f"some words {i} and more {i * 3}, user assistant system" for i in range(200)]
-  tok = embedded.train_tokenizer(texts, vocab_size=400)
-  if turns_whole:
-    tok.add_special_tokens(list(TURNS))
-  tok.save(str(path))
-  return str(path)
 
 
 def _run(tmp_path, chat_data: bool = True, silent: bool = False):
@@ -39,7 +32,7 @@ def _run(tmp_path, chat_data: bool = True, silent: bool = False):
   EOS, at once."""
   data = tmp_path / "data"
   data.mkdir(parents=True)
-  tok_file = _tokenizer(data / "tokenizer.json")
+  tok_file = chat_tokenizer(data / "tokenizer.json")
   template = chat_lib.ChatTemplate.named("olmo3_think")
   manifest = {"kind": "chat", "chat": {"template": {"name": template.name, "text": template.text,
                                                     "sha256": template.sha256}}}
@@ -152,7 +145,7 @@ def test_end_of_turn_with_im_end_whole_or_split(tmp_path, turns_whole):
   """A model that answers "some words<|im_end|>\\n..." stops at <|im_end|>, whether the tokenizer
   holds it as one token (its id) or splits it (the decoded text); the reply appended to the
   conversation has no end-of-turn in it, and the next turn renders it as a past turn."""
-  tokenizer = Tokenizer.from_file(_tokenizer(tmp_path / "tok.json", turns_whole))
+  tokenizer = Tokenizer.from_file(chat_tokenizer(tmp_path / "tok.json", turns_whole))
   template = chat_lib.ChatTemplate.named("olmo3_think")
   renderer = chat_lib.Chat(template, tokenizer, chat_lib.special_tokens(tokenizer, 0))
   end = chat.EndOfTurn.of(template, tokenizer, eos_id=0)

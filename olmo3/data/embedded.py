@@ -24,6 +24,7 @@ import os
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from absl import logging
@@ -99,31 +100,41 @@ def corpus_dir(vocab_size: int = 8192, heldout_fraction: float = 0.05,
 def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: bool) -> Path:
   key = hashlib.sha256(json.dumps([FORMAT, vocab_size, heldout_fraction, _fingerprint()]).encode()
                        ).hexdigest()[:12]
-  out = root / f"embedded-{key}"
-  out.mkdir(parents=True, exist_ok=True)
-  with open(out / ".lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer at a time; the others wait, then reuse it
-    if (out / "manifest.json").exists():
-      return out
+
+  def build(out: Path, staging: str) -> int:
     # Imported only to build the corpus (once per machine): a run that finds it built never
     # loads the preparation tool (tests/test_imports.py).
     from olmo3.data import prepare as prepare_lib  # pylint: disable=import-outside-toplevel
 
-    started = time.perf_counter()
-    logging.info("preparing the embedded corpus in %s (once per machine: about a minute)", out)
     docs = documents()
     train_texts = [t for _, t in docs if not prepare_lib.is_heldout(t, heldout_fraction)]
     tokenizer = train_tokenizer(train_texts, vocab_size)  # prepare saves it beside the tokens
+    jsonl = os.path.join(staging, "documents.jsonl")
+    with open(jsonl, "w") as f:
+      for name, text in docs:
+        f.write(json.dumps({"id": name, "text": text}) + "\n")
+    # The fraction alone, no floor: the split (and every tiny run's numbers) as it always
+    # was, and the one `train_texts` above drew the tokenizer's documents from.
+    prepare_lib.prepare([jsonl], tokenizer, str(out), heldout_fraction, workers=1,
+                        progress=progress, tokenizer_name="embedded", heldout_min_documents=0)
+    return len(docs)
+
+  return _built(root / f"embedded-{key}", "corpus (documents; about a minute)", build)
+
+
+def _built(out: Path, what: str, build: Callable[[Path, str], int]) -> Path:
+  """`out`, a prepared directory built once per machine by `build(out, staging)` (which
+  returns how many documents it holds): one builder at a time, the others wait, then reuse it."""
+  out.mkdir(parents=True, exist_ok=True)
+  with open(out / ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if (out / "manifest.json").exists():
+      return out
+    started = time.perf_counter()
+    logging.info("preparing the embedded %s in %s, once per machine", what, out)
     with tempfile.TemporaryDirectory(dir=out) as staging:
-      jsonl = os.path.join(staging, "documents.jsonl")
-      with open(jsonl, "w") as f:
-        for name, text in docs:
-          f.write(json.dumps({"id": name, "text": text}) + "\n")
-      # The fraction alone, no floor: the split (and every tiny run's numbers) as it always
-      # was, and the one `train_texts` above drew the tokenizer's documents from.
-      prepare_lib.prepare([jsonl], tokenizer, str(out), heldout_fraction, workers=1,
-                          progress=progress, tokenizer_name="embedded", heldout_min_documents=0)
-    logging.info("prepared the embedded corpus (%d documents) in %.0f s", len(docs),
+      n = build(out, staging)
+    logging.info("prepared the embedded %s: %d in %.0f s", what.split(" (")[0], n,
                  time.perf_counter() - started)
   return out
 
@@ -207,25 +218,19 @@ def _chat_dir(root: Path, text_dir: Path, heldout_fraction: float, progress: boo
   key = hashlib.sha256(json.dumps([CHAT_FORMAT, text_dir.name, heldout_fraction,
                                    hashlib.sha256(template).hexdigest(), _fingerprint()]
                                   ).encode()).hexdigest()[:12]
-  out = root / f"embedded_chat-{key}"
-  out.mkdir(parents=True, exist_ok=True)
-  with open(out / ".lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # one preparer at a time; the others wait, then reuse it
-    if (out / "manifest.json").exists():
-      return out
+
+  def build(out: Path, staging: str) -> int:
     # Imported only to build the corpus (once per machine), as `prepare` above.
     from olmo3.data import prepare_chat  # pylint: disable=import-outside-toplevel
 
-    started = time.perf_counter()
     convs = conversations()
-    with tempfile.TemporaryDirectory(dir=out) as staging:
-      jsonl = os.path.join(staging, "conversations.jsonl")
-      with open(jsonl, "w") as f:
-        f.writelines(json.dumps({"messages": m}) + "\n" for m in convs)
-      prepare_chat.prepare_chat([jsonl], str(text_dir / "tokenizer.json"), str(out),
-                                CHAT_TEMPLATE, heldout_fraction=heldout_fraction,
-                                heldout_min_documents=0, progress=progress,
-                                tokenizer_name="embedded")
-    logging.info("prepared the embedded chat corpus (%d conversations) in %.0f s", len(convs),
-                 time.perf_counter() - started)
-  return out
+    jsonl = os.path.join(staging, "conversations.jsonl")
+    with open(jsonl, "w") as f:
+      f.writelines(json.dumps({"messages": m}) + "\n" for m in convs)
+    prepare_chat.prepare_chat([jsonl], str(text_dir / "tokenizer.json"), str(out),
+                              CHAT_TEMPLATE, heldout_fraction=heldout_fraction,
+                              heldout_min_documents=0, progress=progress,
+                              tokenizer_name="embedded")
+    return len(convs)
+
+  return _built(root / f"embedded_chat-{key}", "chat corpus (conversations)", build)

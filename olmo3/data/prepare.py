@@ -41,16 +41,13 @@ input reproduces the same bytes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gzip
 import itertools
 import json
 import multiprocessing
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -63,9 +60,9 @@ from olmo3.data import tokenizer as tokenizer_lib
 from olmo3.data.manifest import MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest
 from olmo3.data.preparing import (  # noqa: F401  # (is_heldout: the embedded corpus's split)
     DEFAULT_HELDOUT_FRACTION, DEFAULT_HELDOUT_MIN_DOCUMENTS, FLOOR_SHARE, eos_id, expand_inputs,
-    heldout_cut, into_place, is_heldout, rank, refuse_to_replace_foreign_files, remove_output)
+    Staging, heldout_cut, is_heldout, rank, refuse_to_replace_foreign_files)
 from olmo3.data.tokens import TOKEN_DTYPE, DataError, write_token_file
-from olmo3.io import clients, errors, pathnames, retry, storage
+from olmo3.io import clients, errors, pathnames, storage
 
 TOKENS_PER_FILE = 1 << 27  # 512 MB per token file
 _DOCS_PER_CHUNK = 256
@@ -205,15 +202,8 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
          else tokenizer_lib.load(tokenizer, what="--tokenizer"))
   eos_token = eos_id(tok, eos)
   cut = heldout_cut(_documents(files), heldout_fraction, heldout_min_documents)
-  remote = pathnames.is_url(out)
-  if remote:  # no rename in a bucket: every file goes straight to its place (module docstring)
-    remove_output(out)
-    root = out
-  else:
-    created = not os.path.exists(out)
-    os.makedirs(out, exist_ok=True)
-    root = tempfile.mkdtemp(prefix=".staging-", dir=out)
-  try:
+  staging = Staging(out)
+  with staging as root:  # in a bucket, `out` itself (module docstring)
     writers = {s: _SplitWriter(root, s) for s in SPLITS}
     pool = multiprocessing.get_context("spawn").Pool(
         workers, initializer=_init_worker, initargs=(tok.to_str(),)) if workers > 1 else None
@@ -239,8 +229,7 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
         tokenizer=tokenizer_name or (tokenizer if isinstance(tokenizer, str) else "<in memory>"),
         heldout_fraction=heldout_fraction, overlap=disjoint)
     _check_splits(manifest, inputs, cut)
-    if not remote:
-      into_place(root, out)
+    staging.into_place()
     # Flushed, as the token files: a tool that can run again, and a manifest whose files are
     # checked against it whenever it is read.
     flushed = storage.Durability.FLUSHED
@@ -251,17 +240,6 @@ def prepare(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str,
     storage.write_bytes_atomic(pathnames.join(out, MANIFEST_FILE), json.dumps(
         dataclasses.asdict(manifest), indent=2, sort_keys=True).encode(), durability=flushed)
     return manifest
-  except BaseException as e:
-    if remote:  # nothing of a failed run stays in the bucket
-      with retry.cleanup_after(e):
-        retry.quietly(f"removing what was written to {out}", lambda: remove_output(out))
-    raise
-  finally:
-    if not remote:
-      shutil.rmtree(root, ignore_errors=True)
-      if created:  # a failed or interrupted first preparation leaves no empty --out behind
-        with contextlib.suppress(OSError):
-          os.rmdir(out)
 
 
 def _check_splits(manifest: Manifest, inputs: Sequence[str], cut: bool) -> None:

@@ -21,15 +21,12 @@ manifest's `chat` record. Written, replaced and cleaned up as `prepare` does.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gzip
 import itertools
 import json
 import multiprocessing
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -42,7 +39,7 @@ from olmo3.data import label_masks, preparing
 from olmo3.data import tokenizer as tokenizer_lib
 from olmo3.data.manifest import MANIFEST_FILE, SPLITS, TOKENIZER_FILE, Manifest
 from olmo3.data.tokens import DataError, write_token_file
-from olmo3.io import clients, pathnames, retry, storage
+from olmo3.io import clients, pathnames, storage
 
 _CHUNK = 64  # conversations per worker task
 
@@ -231,15 +228,8 @@ def prepare_chat(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str, te
   cut = preparing.heldout_cut(
       (conversation_text(m) for f in files for _, m in read_conversations(f)),
       heldout_fraction, heldout_min_documents)
-  remote = pathnames.is_url(out)
-  if remote:  # no rename in a bucket: every file goes straight to its place (as prepare)
-    preparing.remove_output(out)
-    root = out
-  else:
-    created = not os.path.exists(out)
-    os.makedirs(out, exist_ok=True)
-    root = tempfile.mkdtemp(prefix=".staging-", dir=out)
-  try:
+  staging = preparing.Staging(out)
+  with staging as root:  # in a bucket, `out` itself (as prepare)
     writers = {s: _PartWriter(root, s, part_tokens) for s in SPLITS}
     counts = _write_splits(files, cut, writers, (chosen, tok.to_str(), special, max_tokens),
                            workers, progress)
@@ -253,8 +243,7 @@ def prepare_chat(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str, te
     if manifest.splits["train"]["tokens"] == 0:
       raise DataError(f"{inputs}: no conversation to train on ({counts.read} read, "
                       f"{counts.dropped} with no assistant token to train)")
-    if not remote:
-      preparing.into_place(root, out)
+    staging.into_place()
     flushed = storage.Durability.FLUSHED  # as `prepare`: a tool that can run again
     storage.write_bytes_atomic(pathnames.join(out, TOKENIZER_FILE), tok.to_str().encode(),
                                durability=flushed)
@@ -264,18 +253,6 @@ def prepare_chat(inputs: Sequence[str], tokenizer: str | Tokenizer, out: str, te
     storage.write_bytes_atomic(pathnames.join(out, MANIFEST_FILE), json.dumps(
         dataclasses.asdict(manifest), indent=2, sort_keys=True).encode(), durability=flushed)
     return manifest
-  except BaseException as e:
-    if remote:  # nothing of a failed run stays in the bucket
-      with retry.cleanup_after(e):
-        retry.quietly(f"removing what was written to {out}",
-                      lambda: preparing.remove_output(out))
-    raise
-  finally:
-    if not remote:
-      shutil.rmtree(root, ignore_errors=True)
-      if created:
-        with contextlib.suppress(OSError):
-          os.rmdir(out)
 
 
 def describe(manifest: Manifest) -> list[str]:

@@ -5,12 +5,14 @@ the EOS, and how an output directory is replaced (never a file no preparation wr
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import heapq
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 
 from etils import epath
@@ -148,3 +150,44 @@ def remove_output(out: str) -> None:
   for split in SPLITS:
     path = pathnames.join(out, split)
     retry.retried(lambda p=path: epath.Path(p).rmtree(missing_ok=True), path, "removing")
+
+
+class Staging:
+  """Where a preparation writes `out`: in a bucket, `out` itself (no rename there: every file
+  goes straight to its place, and what a failed run wrote is removed); on a disk, a staging
+  directory inside it whose splits `into_place` moves in, removed on the way out with an `out`
+  a failed first preparation created (no empty --out left behind).
+
+    with Staging(out) as root:
+      ... write the splits under root ...
+      staging.into_place()  # then the tokenizer and, last, the manifest into `out`
+  """
+
+  def __init__(self, out: str):
+    self.out, self.remote = out, pathnames.is_url(out)
+    self.root, self._created = out, False
+
+  def __enter__(self) -> str:
+    if self.remote:
+      remove_output(self.out)
+    else:
+      self._created = not os.path.exists(self.out)
+      os.makedirs(self.out, exist_ok=True)
+      self.root = tempfile.mkdtemp(prefix=".staging-", dir=self.out)
+    return self.root
+
+  def into_place(self) -> None:
+    if not self.remote:
+      into_place(self.root, self.out)
+
+  def __exit__(self, kind, error, tb) -> None:
+    if self.remote:
+      if error is not None:  # nothing of a failed run stays in the bucket
+        with retry.cleanup_after(error):
+          retry.quietly(f"removing what was written to {self.out}",
+                        lambda: remove_output(self.out))
+      return
+    shutil.rmtree(self.root, ignore_errors=True)
+    if self._created:
+      with contextlib.suppress(OSError):  # only if empty: the preparation failed
+        os.rmdir(self.out)
