@@ -84,7 +84,7 @@ def _cases(tmp) -> list[dict]:
            argv=["--fdl_config=experiments.olmo3_tiny:stagee1"],
            expect=config_error("error: --fdl_config='experiments.olmo3_tiny:stagee1': "
                                "experiments.olmo3_tiny has no experiment 'stagee1'; did you "
-                               "mean 'stage1'? experiments: memorize, stage1, stage2, stage3")),
+                               "mean 'stage1'? experiments: memorize, sft, stage1, stage2, stage3")),
       dict(name="the 7B without data.root", program="main",
            argv=["--fdl_config=experiments.olmo3_7b:stage1", f"--workdir={new('seven')}"],
            absent=[new("seven")],
@@ -100,7 +100,7 @@ def _cases(tmp) -> list[dict]:
            expect=config_error("error: --fdl_config='experiments.olmo3_tiny' names a module: add "
                                "':' and one of its experiments, e.g. "
                                "--fdl_config=experiments.olmo3_tiny:stage1 (it defines memorize, "
-                               "stage1, stage2, stage3)")),
+                               "sft, stage1, stage2, stage3)")),
       dict(name="misspelt module", program="main",
            argv=["--fdl_config=experiments.olmo3_tin:stage1"],
            expect=config_error("error: --fdl_config='experiments.olmo3_tin:stage1': no module "

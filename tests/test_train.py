@@ -126,7 +126,7 @@ def test_training_reduces_loss_and_resume_is_bit_identical(tmp_path, monkeypatch
   assert a[8] < a[1] - 1.0  # it learns
 
 
-@pytest.mark.seconds(4)
+@pytest.mark.seconds(6)
 def test_the_host_runs_one_step_ahead_of_the_devices_and_no_further(tmp_path, monkeypatch):
   """When step s is dispatched, step s - 2 has ended, though no row, evaluation or save needs
   it (rows every 100 steps): a signal stops the step under way or the one queued behind it.
@@ -147,11 +147,11 @@ def test_the_host_runs_one_step_ahead_of_the_devices_and_no_further(tmp_path, mo
     return dispatch
 
   monkeypatch.setattr(loop, "compiled_step", spy)
-  exp = micro_experiment(write_corpus(tmp_path), steps=12, every=100)
+  exp = micro_experiment(write_corpus(tmp_path), steps=8, every=100)
   exp = dataclasses.replace(exp, model=exp.model.replace(d_model=256, n_layers=4),
                             train=dataclasses.replace(exp.train, log_every=100))
   train(RunPlan.build(exp, str(tmp_path / "run")))
-  assert ready == {s: True for s in range(3, 13)}
+  assert ready == {s: True for s in range(3, 9)}
 
 
 @pytest.mark.seconds(22)
