@@ -175,14 +175,15 @@ def sft() -> fdl.Config[Experiment]:
   standard library answered by its own docstrings, rendered with AI2's Think template and
   trained on the answers only): its 2 epochs of 8 x 1024 tokens a step, LR 5e-4 after a warmup
   of 3% of them, linear to 0, the loss averaged over 2 ranks' token means. Evaluates the
-  corpus's held-out conversations (assistant tokens only) every 50 steps and at its end, the
-  train loss logged at every step (the alarm compares its means between evaluations).
+  corpus's held-out conversations (assistant tokens only) every 24 steps, a third of the run
+  (the alarm looks two evaluations back, so it can fire at the last), the train loss logged at
+  every step (the alarm compares its means between evaluations).
 
     python launch/main.py --fdl_config=experiments.olmo3_tiny:sft
     python -m olmo3.sample --workdir runs/olmo3_tiny.sft --chat --prompt 'What does json.dumps do?'
   """
   cfg = laptop_stage(olmo3_7b.sft_think(), steps=olmo3_7b.INT32_MAX,
-                     init_from=workdir_of(stage3), eval_every=50)
+                     init_from=workdir_of(stage3), eval_every=24)
   cfg.data.mix = "embedded_chat"
   cfg.data.global_batch_size = SFT_BATCH
   cfg.train.log_every = 1

@@ -297,7 +297,7 @@ def test_the_embedded_chat_corpus_is_a_named_source():
   assert split.manifest.kind == "chat" and split.mix("heldout") == "embedded_chat-heldout"
   assert split.manifest.chat["template"]["sha256"] == chat.ChatTemplate.named(
       embedded.CHAT_TEMPLATE).sha256
-  assert 3000 < split.manifest.chat["conversations"] < 10000
+  assert 1500 < split.manifest.chat["conversations"] < 5000
   held = sources.read_mix("embedded_chat-heldout")
   assert held and all(f.label == "embedded_chat" for f in held)
   assert embedded.conversations()[:50] == embedded.conversations()[:50]

@@ -32,7 +32,7 @@ from absl import logging
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 FORMAT = 2  # bump when the corpus or its preparation changes (2: the held-out split disjoint)
-CHAT_FORMAT = 1  # bump when the chat corpus or its preparation changes
+CHAT_FORMAT = 2  # bump when the chat corpus or its preparation changes
 CHAT_TEMPLATE = "olmo3_think"  # the chat corpus's template (olmo3.data.chat)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>")  # ids 0 (EOS) and 1 (PAD)
 
@@ -155,8 +155,9 @@ def _choice(name: str, salt: str, n: int) -> int:
 
 def documented() -> list[tuple[str, str, str]]:
   """(module, qualified name, first docstring paragraph) of every public top-level function
-  and class of the standard library's public modules, and public methods of those classes,
-  in file order; paragraphs under 20 characters left out."""
+  and class of the standard library's public modules, in file order (2,126 on Python 3.11:
+  the tiny SFT's two epochs in a few minutes; their methods would be 5,304); paragraphs
+  under 20 characters left out."""
   stdlib = Path(sysconfig.get_paths()["stdlib"])
   found = []
   for path in _source_paths():
@@ -169,22 +170,16 @@ def documented() -> list[tuple[str, str, str]]:
     except SyntaxError:  # a file of another Python's grammar (none in a release): skipped
       continue
     module = ".".join(parts)
-    for node, prefix in _public(tree.body, f"{module}."):
-      doc = ast.get_docstring(node)
-      paragraph = " ".join(doc.split("\n\n")[0].split()) if doc else ""
-      if len(paragraph) >= 20:
-        found.append((module, prefix + node.name, paragraph))
+    for node in tree.body:
+      if isinstance(node, _DEFINITIONS) and not node.name.startswith("_"):
+        doc = ast.get_docstring(node)
+        paragraph = " ".join(doc.split("\n\n")[0].split()) if doc else ""
+        if len(paragraph) >= 20:
+          found.append((module, f"{module}.{node.name}", paragraph))
   return found
 
 
-def _public(body: list, prefix: str):
-  defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-  for node in body:
-    if isinstance(node, defs) and not node.name.startswith("_"):
-      yield node, prefix
-      if isinstance(node, ast.ClassDef):
-        yield from ((m, f"{prefix}{node.name}.") for m in node.body
-                    if isinstance(m, defs[:2]) and not m.name.startswith("_"))
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def conversations() -> list[list[dict[str, str]]]:
