@@ -44,7 +44,6 @@ diff|, skip decisions equal, instances equal, skipped steps; `ok` says all are w
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -371,11 +370,9 @@ def within(result: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # float32 on the CPU on both sides
-  from olmo3 import platforms
+  from olmo3 import program
 
-  platforms.choose()
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python benchmarks/continue_olmo_core.py", __doc__)
   parser.add_argument("--steps", type=int, default=10, help="OLMo-core's first stage")
   parser.add_argument("--continue_steps", type=int, default=20)
   parser.add_argument("--spike_at", type=int, default=15,

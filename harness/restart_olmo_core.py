@@ -33,7 +33,6 @@ when not. The loop logs no instance ids: equal losses show the same batches.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -136,11 +135,9 @@ def olmo3_runs(model_cfg, paths: list[str], step0: str, root: str, restart_at: i
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # float32 on the CPU on both sides
-  from olmo3 import platforms
+  from olmo3 import program
 
-  platforms.choose()
-  parser = argparse.ArgumentParser(description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = program.parser("python benchmarks/restart_olmo_core.py", __doc__)
   parser.add_argument("--restart_at", type=int, default=5, help="the step both restart from")
   parser.add_argument("--steps", type=int, default=13)
   parser.add_argument("--spike_at", type=int, default=9,

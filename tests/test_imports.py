@@ -134,7 +134,7 @@ def test_every_program_picks_the_platform_first():
   (`program.parser(...)`, or `program.begin()` for absl's; the launcher through logs.configure)
   in the function its __main__ block runs, before anything that touches JAX: on a machine
   without an accelerator none of them probes for a TPU. Benchmarks, scripts beside the
-  library, call olmo3.platforms.choose() itself. The launcher and `python -m olmo3.eval` are
+  library, call olmo3.platforms.choose() itself, or open with program.parser (which calls it). The launcher and `python -m olmo3.eval` are
   run that way in tests/test_launch_lifecycle.py."""
   missing = []
   for path in sorted([*(ROOT / "olmo3").rglob("*.py"), *(ROOT / "launch").glob("*.py"),
@@ -154,7 +154,7 @@ def test_every_program_picks_the_platform_first():
     # The last __main__ block runs the program (an earlier one may set the process up).
     named = {n.id for n in ast.walk(mains[-1]) if isinstance(n, ast.Name)}  # main, app.run(main)
     entry_points = [functions[name] for name in sorted(named) if name in functions]
-    openings = (("platforms.choose()",) if path.parent.name == "benchmarks"
+    openings = (("platforms.choose()", "program.parser(") if path.parent.name == "benchmarks"
                 else ("program.parser(", "program.begin()", "logs.configure("))
     if not any(_opens_first(f, openings, functions) for f in entry_points):
       missing.append(f"{path.relative_to(ROOT)}: {[f.name for f in entry_points]}")

@@ -119,22 +119,23 @@ def _corpus_dir(root: Path, vocab_size: int, heldout_fraction: float, progress: 
                         progress=progress, tokenizer_name="embedded", heldout_min_documents=0)
     return len(docs)
 
-  return _built(root / f"embedded-{key}", "corpus (documents; about a minute)", build)
+  return _built(root / f"embedded-{key}", "corpus", "documents", build, lasts=": about a minute")
 
 
-def _built(out: Path, what: str, build: Callable[[Path, str], int]) -> Path:
+def _built(out: Path, what: str, unit: str, build: Callable[[Path, str], int],
+           lasts: str = "") -> Path:
   """`out`, a prepared directory built once per machine by `build(out, staging)` (which
-  returns how many documents it holds): one builder at a time, the others wait, then reuse it."""
+  returns how many `unit` it holds): one builder at a time, the others wait, then reuse it."""
   out.mkdir(parents=True, exist_ok=True)
   with open(out / ".lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if (out / "manifest.json").exists():
       return out
     started = time.perf_counter()
-    logging.info("preparing the embedded %s in %s, once per machine", what, out)
+    logging.info("preparing the embedded %s in %s (once per machine%s)", what, out, lasts)
     with tempfile.TemporaryDirectory(dir=out) as staging:
       n = build(out, staging)
-    logging.info("prepared the embedded %s: %d in %.0f s", what.split(" (")[0], n,
+    logging.info("prepared the embedded %s (%d %s) in %.0f s", what, n, unit,
                  time.perf_counter() - started)
   return out
 
@@ -228,4 +229,4 @@ def _chat_dir(root: Path, text_dir: Path, heldout_fraction: float, progress: boo
                               tokenizer_name="embedded")
     return len(convs)
 
-  return _built(root / f"embedded_chat-{key}", "chat corpus (conversations)", build)
+  return _built(root / f"embedded_chat-{key}", "chat corpus", "conversations", build)
