@@ -303,22 +303,27 @@ def mfu_sweep() -> list[dict[str, object]]:
 
 
 def cp_sweep() -> list[dict[str, object]]:
-  """Stage 3's layout on 512 devices (5 variants): the sequence split 8 ways (AI2's degree,
+  """Stage 3's layout on 512 devices (7 variants): the sequence split 8 ways (AI2's degree,
   fsdp 64: one sequence per data-parallel group), 16 ways (fsdp 32: two sequences a group), or
-  4 ways with the heads over 2 (tensor 2, fsdp 64); the Ironwood run's remat or full remat; and
-  splash's block at 512 or 1024 (its tile, and the granularity at which it skips the blocks the
-  causal mask leaves empty). Ranked by per-device memory, compile-only:
+  4 ways with the heads over 2 (tensor 2, fsdp 64); keys and values gathered (AI2's strategy)
+  or the sequence swapped for heads (all-to-all, at 8 and 16 ways: 32 heads divide); the
+  Ironwood run's remat or full remat; and splash's block at 512 or 1024 (its tile, and the
+  granularity at which it skips the blocks the causal mask leaves empty). Ranked by the MFU
+  ceiling of each variant's step-time bound where it fits, compile-only:
   python launch/sweep.py --fdl_config=experiments.olmo3_7b:stage3
   --sweep=experiments.olmo3_7b:cp_sweep --compile_only=tpu7x:4x8x8
   --out benchmarks/sweeps/olmo3_7b_stage3_tpu7x_4x8x8"""
   def mesh(sequence: int, tensor: int = 1) -> tuple[tuple[str, int], ...]:
     return (("data", 1), ("fsdp", -1), ("sequence", sequence), ("tensor", tensor))
 
+  a2a = {"model.context_parallel": "all_to_all"}
   return [{"mesh.shape": mesh(8), "model.remat": "custom"},
           {"mesh.shape": mesh(8), "model.remat": "full"},
           {"mesh.shape": mesh(16), "model.remat": "custom"},
           {"mesh.shape": mesh(4, tensor=2), "model.remat": "custom"},
-          {"mesh.shape": mesh(8), "model.remat": "custom", "model.splash_block": 1024}]
+          {"mesh.shape": mesh(8), "model.remat": "custom", "model.splash_block": 1024},
+          {"mesh.shape": mesh(8), "model.remat": "custom", **a2a},
+          {"mesh.shape": mesh(16), "model.remat": "custom", **a2a}]
 
 
 def head_shape_sweep() -> list[dict[str, object]]:

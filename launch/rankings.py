@@ -29,11 +29,13 @@ def write_results(out: str, rows: list[dict[str, Any]], rank_by: str = "mfu") ->
 
 
 def ranked(rows: list[dict[str, Any]], rank_by: str = "mfu") -> list[dict[str, Any]]:
-  """The rows best first: what fits first; then by (median) MFU, else tokens/s, else memory
-  (smallest first); or, by held-out CE, the lowest first (none: last)."""
+  """The rows best first: what fits first; then by (median) MFU, else tokens/s, else the MFU
+  ceiling of a compiled variant's step-time bound, else memory (smallest first); or, by
+  held-out CE, the lowest first (none: last)."""
 
   def rank(r):
-    score = r.get("mfu") or r.get("tokens_per_s") or -(r.get("memory_gb") or 1e9)
+    score = (r.get("mfu") or r.get("tokens_per_s") or r.get("mfu_ceiling")
+             or -(r.get("memory_gb") or 1e9))
     return (not r.get("fits"), -score if score is not None else 0)
 
   def rank_heldout(r):
@@ -79,7 +81,8 @@ def _chart(path: epath.Path, rows: list[dict[str, Any]], rank_by: str) -> None:
   import matplotlib.pyplot as plt
 
   metric = "heldout_ce" if rank_by == "heldout" else next(
-      (k for k in ("mfu", "tokens_per_s", "memory_gb") if any(r.get(k) for r in rows)), None)
+      (k for k in ("mfu", "tokens_per_s", "mfu_ceiling", "memory_gb")
+       if any(r.get(k) for r in rows)), None)
   fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
   names = [r["variant"] for r in rows]
   values = [r.get(metric) or 0 for r in rows]

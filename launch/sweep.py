@@ -12,15 +12,17 @@ A sweep is a function returning a list of override dicts ({"model.remat": "full"
 variant is named after its overrides. Variants run in worker processes, one per flag set, so
 each variant's XLA / libtpu flags take effect; a crash costs the variant that caused it alone
 (the others are rerun); --jobs N runs N workers at a time. With --compile_only each variant's
-train step is compiled for the target (memory, fits, compiled FLOPs); with --steps each trains
-N steps in a scratch workdir and is timed in steady state: the N steps form --repeats + 1
-windows of N // (repeats + 1) steps (at least 2); the first, which holds the compile, is not
+train step is compiled for the target (memory, fits, compiled FLOPs, collective bytes per token
+and the step-time bound with the MFU ceiling it implies: olmo3.train.aot.StepBound); with
+--steps each trains N steps in a scratch workdir and is timed in steady state: the N steps form
+--repeats + 1 windows of N // (repeats + 1) steps (at least 2); the first, which holds the compile, is not
 timed, and each of the others is one timed repeat. tokens/s, TFLOP/s per device and MFU (when
 the device's peak is known) are the repeats' median, with their min and max beside them
 (`<metric>_min`, `<metric>_max`). With --rank_by=heldout each also evaluates its held-out sets
 after its N steps (heldout_ce: the mean CE over the sets). Writes OUT/results.csv, OUT/results.md
-(ranked: what fits, by median MFU, else median tokens/s, else memory; or by held-out CE) and
-OUT/results.png (the ranking metric, the repeats' range as error bars), rewritten after each
+(ranked: what fits, by median MFU, else median tokens/s, else the MFU ceiling of a compiled
+variant's step-time bound, else memory; or by held-out CE) and OUT/results.png (the ranking
+metric, the repeats' range as error bars), rewritten after each
 variant, and prints "[k of N]" as variants finish. A misspelt override path stops the sweep
 before any variant runs. Ctrl-C (SIGINT) or SIGTERM stops the sweep at once: the running
 workers are killed, the variants they had not finished are left out of the tables (so --resume
@@ -130,9 +132,13 @@ def run_variant(exp, compile_only: str | None, steps: int | None,
       r = aot.compile_train_step(exp, None if compile_only == "local" else compile_only)
     except aot.DoesNotFit as e:
       return {"fits": False, "error": str(e)[:200]}
+    bound = {} if r.bound is None else {
+        "step_bound_s": round(r.bound.bound_s, 4), "mfu_ceiling": round(r.bound.mfu_ceiling, 4),
+        "bound_by": r.bound.limit}
     return {"fits": r.fits if r.fits is not None else True, "memory_gb": round(r.total_gb, 3),
             "temp_gb": round(r.temp_gb, 3), "compiled_tflops": r.compiled_tflops_per_step,
-            "analytic_tflops": r.analytic_tflops_per_step, "compile_s": round(r.compile_s, 1)}
+            "analytic_tflops": r.analytic_tflops_per_step, "compile_s": round(r.compile_s, 1),
+            "collective_mb_per_token": round(r.collective_mb_per_token, 3), **bound}
   from olmo3.io import metrics as metrics_lib
   from olmo3.run.plan import RunPlan
   from olmo3.train.loop import train

@@ -17,7 +17,8 @@ import numpy as np
 
 from olmo3 import platforms
 from olmo3.config import AttentionKernel, ModelConfig, RopePositions, Yarn
-from olmo3.sharding import logical_to_spec, sequence_axes, sequence_shards
+from olmo3.sharding import (heads_over_sequence_spec, logical_to_spec, sequence_axes,
+                            sequence_shards)
 
 
 def wide(dtype: jnp.dtype) -> jnp.dtype:
@@ -302,21 +303,31 @@ def _splash_mask(seq_len: int, window: int | None, positions_T: np.ndarray):
 
 
 def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS,
-                   block: int):
+                   block: int, heads_over_sequence: bool, keys_split: bool):
   """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh.
-  Documents (`segments_BT`) go in as splash's segment ids. With context parallelism each
-  shard runs its own queries (at `positions_T`) against every key: the kernel is made for the
-  whole sequence with q_seq_shards = the shards, each shard reading its part of the mask."""
+  Documents (`segments_BT`) go in as splash's segment ids. With context parallelism by
+  gathering, each shard runs its own queries (at `positions_T`) against every key: the kernel
+  is made for the whole sequence with q_seq_shards = the shards, each shard reading its part of
+  the mask. `keys_split`: keys, values and their documents come split along the sequence as
+  the queries are (laid out as `positions_T`) and are gathered inside the shard_map, then put
+  in position order, so that their gradient is a reduce-scatter (gathered outside, the
+  shard_map's transpose all-reduced the whole sequence's gradients: 34 GB a step of the 7B's
+  stage 3). `heads_over_sequence` (all-to-all context parallelism): the sequence is whole on
+  every device and the heads are split over the sequence's mesh axes too."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
   from flax.core import spmd
 
   t, s, heads = q_BTHK.shape[1], k_BSGK.shape[1], q_BTHK.shape[2]
+  inverse_S = None if positions_T is None or not keys_split else np.argsort(positions_T)
   mesh = jax.sharding.get_abstract_mesh()
   rules = spmd.get_logical_axis_rules()
   on_mesh = not mesh.empty and bool(rules)
   spec = logical_to_spec(("batch", "act_heads", "seq", None), rules) if on_mesh else None
   q_shards = sequence_shards()
+  if heads_over_sequence:
+    batch, _, heads_axes, _ = heads_over_sequence_spec()
+    spec, q_shards = jax.sharding.PartitionSpec(batch, heads_axes, None, None), 1
   if q_shards > 1 and positions_T is None:
     positions_T = np.arange(t)  # the mesh's contiguous split (Attention passes its own order)
   head_shards = 1
@@ -342,6 +353,15 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, seg
                               interpret=platforms.compile_target() != "tpu")
 
   def kernel(splash, q_BHTK, k_BGSK, v_BGSK, *segments):
+    if keys_split and on_mesh and spec[2] is not None:  # the shard's keys: gather them whole
+      k_BGSK, v_BGSK = (jax.lax.all_gather(x, spec[2], axis=2, tiled=True)
+                        for x in (k_BGSK, v_BGSK))
+      if segments:
+        segments = (segments[0], jax.lax.all_gather(segments[1], spec[2], axis=1, tiled=True))
+    if inverse_S is not None:  # in position order
+      k_BGSK, v_BGSK = k_BGSK[:, :, inverse_S], v_BGSK[:, :, inverse_S]
+      if segments:
+        segments = (segments[0], segments[1][:, inverse_S])
     if not segments:
       return jax.vmap(splash)(q_BHTK, k_BGSK, v_BGSK)
     return jax.vmap(lambda q, k, v, ids_q, ids_k: splash(
@@ -353,12 +373,14 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, seg
       segments_BT, segments_BT if segments_BS is None else segments_BS)
   if on_mesh:
     P = jax.sharding.PartitionSpec
-    kv_spec = P(spec[0], spec[1], None, None)  # every key on each sequence shard
+    # Every key on each sequence shard, or the shard's own (`keys_split`: gathered inside).
+    kv_spec = spec if keys_split else P(spec[0], spec[1], None, None)
     splash_spec = splash.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(spec[1],
                                                                                  spec[2])))
     kernel = jax.shard_map(kernel, mesh=mesh,
                            in_specs=(splash_spec, spec, kv_spec, kv_spec)
-                           + ((P(spec[0], spec[2]), P(spec[0], None)) if segments else ()),
+                           + ((P(spec[0], spec[2]), P(spec[0], kv_spec[2])) if segments
+                              else ()),
                            out_specs=spec, check_vma=False)
   return kernel(splash, q, k, v, *segments).transpose(0, 2, 1, 3)
 
@@ -366,14 +388,23 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, seg
 def attend(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int | None,
            kernel: AttentionKernel, segments_BT: jax.Array | None = None, *,
            positions_T: np.ndarray | None = None, segments_BS: jax.Array | None = None,
+           heads_over_sequence: bool = False, keys_split: bool = False,
            splash_block: int = 512) -> jax.Array:
   """Causal (sliding-window when `window` is set) grouped-query attention; with `segments_BT`
   (a document id per token of a packed instance), never across documents.
 
   Queries are at positions 0..T-1 and keys at 0..S-1 (S = T), or, with `positions_T` (context
   parallelism: the queries laid out across the sequence's shards), query row j is at position
-  positions_T[j], the keys still at 0..S-1 with their documents `segments_BS`."""
+  positions_T[j], the keys still at 0..S-1 with their documents `segments_BS`.
+  `keys_split` (splash only): keys, values and `segments_BS` are split along the sequence and
+  laid out as the queries are; the kernel gathers them itself.
+  `heads_over_sequence`: the inputs are laid out for all-to-all context parallelism
+  (olmo3.sharding.heads_over_sequence_spec), which the splash kernel's shard_map must know;
+  the other kernels follow their inputs' sharding."""
   args = (q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS)
+  if keys_split and kernel is not AttentionKernel.SPLASH:
+    raise ValueError(f"the {kernel.value} kernel reads keys gathered whole (keys_split is "
+                     "splash's)")
   match kernel:
     case AttentionKernel.XLA:
       return _attend_xla(*args)
@@ -382,5 +413,5 @@ def attend(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int 
     case AttentionKernel.CUDNN:
       return _attend_dot_product(*args, "cudnn")
     case AttentionKernel.SPLASH:
-      return _attend_splash(*args, splash_block)
+      return _attend_splash(*args, splash_block, heads_over_sequence, keys_split)
   raise ValueError(f"unknown attention kernel {kernel!r}")

@@ -1,4 +1,5 @@
-"""FLOP conventions, peak FLOP/s and HBM per device, MFU (docs/flops.md).
+"""FLOP conventions, each device's published peaks (FLOP/s, HBM, bandwidths), MFU
+(docs/flops.md).
 
 Our number is `ModelConfig.flops_per_token` (exact: causal halving and the sliding window).
 Other frameworks count differently; these functions reproduce their conventions so MFU figures
@@ -7,6 +8,7 @@ can be compared like for like. Always name the convention with an MFU.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Sequence
 
@@ -57,29 +59,45 @@ def within_document_flops_per_token(cfg: ModelConfig, lengths: Sequence[int]) ->
   return 6 * cfg.matmul_param_count + attn / seq_len
 
 
-# Peak dense bf16 FLOP/s and HBM bytes per JAX device, by a lowercase substring of
-# `device.device_kind`. TPU7x (Ironwood) exposes 2 devices per chip (2307e12 and 192 GB a chip).
+@dataclasses.dataclass(frozen=True)
+class DevicePeaks:
+  """One JAX device's published peaks: dense bf16 FLOP/s, HBM bytes and bytes/s, and the
+  interconnect's bytes/s into the device (half the chip's bidirectional ICI or NVLink figure,
+  shared among the chip's JAX devices)."""
+
+  flops: float
+  hbm_bytes: float
+  hbm_bandwidth: float
+  link_bandwidth: float
+
+
+# By a lowercase substring of `device.device_kind`, from the vendors' spec tables: Cloud TPU's
+# "System architecture" pages (per chip: BF16 TFLOP/s, HBM GiB and GB/s, bidirectional ICI
+# GB/s) and NVIDIA's H100 / H200 SXM datasheets (NVLink 900 GB/s bidirectional). TPU7x
+# (Ironwood) exposes its chip as 2 devices (2,307 TFLOP/s, 192 GB, 7,380 GB/s, ICI 1,200 GB/s
+# a chip); v5p's chip is one device (megacore).
 _DEVICES = (
-    ("tpu7x", 2307e12 / 2, 96e9),
-    ("tpu v6", 918e12, 32e9),  # v6e: "TPU v6 lite"
-    ("tpu v5 lite", 197e12, 16e9),  # v5e
-    ("tpu v5", 459e12, 95e9),  # v5p: "TPU v5" / "TPU v5p"
-    ("h200", 989e12, 141e9),
-    ("h100", 989e12, 80e9),
+    ("tpu7x", DevicePeaks(2307e12 / 2, 96e9, 7380e9 / 2, 1200e9 / 2 / 2)),
+    ("tpu v6", DevicePeaks(918e12, 32e9, 1638e9, 800e9 / 2)),  # v6e: "TPU v6 lite"
+    ("tpu v5 lite", DevicePeaks(197e12, 16e9, 819e9, 200e9 / 2)),  # v5e: ICI 1,600 Gbit/s
+    ("tpu v5", DevicePeaks(459e12, 95e9, 2765e9, 1200e9 / 2)),  # v5p: "TPU v5" / "TPU v5p"
+    ("h200", DevicePeaks(989e12, 141e9, 4.8e12, 900e9 / 2)),
+    ("h100", DevicePeaks(989e12, 80e9, 3.35e12, 900e9 / 2)),
 )
 
 
-def _lookup(device_kind: str) -> tuple[float, float] | None:
+def device_peaks(device_kind: str) -> DevicePeaks | None:
+  """None when unknown (CPUs): a bound or an MFU is then not reported rather than made up."""
   kind = device_kind.lower()
-  return next(((peak, hbm) for key, peak, hbm in _DEVICES if key in kind), None)
+  return next((peaks for key, peaks in _DEVICES if key in kind), None)
 
 
 def peak_flops_per_device(device_kind: str) -> float | None:
   """None when unknown (CPUs): MFU is then not reported rather than made up."""
-  found = _lookup(device_kind)
-  return found[0] if found else None
+  peaks = device_peaks(device_kind)
+  return peaks.flops if peaks else None
 
 
 def hbm_bytes_per_device(device_kind: str) -> float | None:
-  found = _lookup(device_kind)
-  return found[1] if found else None
+  peaks = device_peaks(device_kind)
+  return peaks.hbm_bytes if peaks else None

@@ -23,10 +23,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from olmo3 import attention as attention_lib
 from olmo3.attention import wide
-from olmo3.config import DType, ModelConfig
+from olmo3.config import AttentionKernel, ContextParallel, DType, ModelConfig
 from olmo3 import remat as remat_lib
 from olmo3.remat import Name
-from olmo3.sharding import constrain, sequence_shards
+from olmo3.sharding import constrain, heads_over_sequence, sequence_shards
 
 
 def truncated_normal(std: float, cutoff: float) -> nnx.Initializer:
@@ -99,24 +99,67 @@ class Attention(nnx.Module):
     parallelism (Transformer.features)."""
     cfg = self.cfg
     b, t, _ = x_BTD.shape
-    q_BTHK, k_BSGK, v_BSGK = self.qkv(x_BTD, rope)
-    segments_BS = None
-    if order_T is not None:
-      # Context parallelism: each shard keeps its queries and reads every key, so keys, values
-      # (and their documents) are gathered whole along the sequence, in position order (the
-      # all-gather of OLMo-core's llama3-style context parallelism; its gradient a
-      # reduce-scatter).
-      inverse_S = None if attention_lib.in_order(order_T) else np.argsort(order_T)
-      whole = lambda x: x if inverse_S is None else x[:, inverse_S]
-      k_BSGK, v_BSGK = (constrain(whole(x), ("batch", None, "act_heads", None))
-                        for x in (k_BSGK, v_BSGK))
-      if segments_BT is not None:
-        segments_BS = constrain(whole(segments_BT), ("batch", None))
-    out_BTHK = attention_lib.attend(q_BTHK, k_BSGK, v_BSGK, window, cfg.attention,
-                                    segments_BT, positions_T=order_T, segments_BS=segments_BS,
-                                    splash_block=cfg.splash_block)
+    q_BTHK, k_BTGK, v_BTGK = self.qkv(x_BTD, rope)
+    if order_T is None:
+      out_BTHK = attention_lib.attend(q_BTHK, k_BTGK, v_BTGK, window, cfg.attention,
+                                      segments_BT, splash_block=cfg.splash_block)
+    elif cfg.context_parallel is ContextParallel.ALL_TO_ALL:
+      out_BTHK = self._all_to_all(q_BTHK, k_BTGK, v_BTGK, window, segments_BT, order_T)
+    else:
+      out_BTHK = self._all_gather(q_BTHK, k_BTGK, v_BTGK, window, segments_BT, order_T)
     context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), Name.CONTEXT)
     return checkpoint_name(self.o_proj(context), Name.OUT_PROJ)
+
+  def _all_gather(self, q_BTHK, k_BTGK, v_BTGK, window, segments_BT, order_T):
+    """Context parallelism by gathering (ContextParallel.ALL_GATHER): each shard keeps its
+    queries (at their positions `order_T`) and reads every key, so keys, values (and their
+    documents) are gathered whole along the sequence, in position order (the all-gather of
+    OLMo-core's llama3-style context parallelism; its gradient a reduce-scatter)."""
+    if self.cfg.attention is AttentionKernel.SPLASH:  # gathers inside its shard_map
+      return attention_lib.attend(q_BTHK, k_BTGK, v_BTGK, window, self.cfg.attention,
+                                  segments_BT, positions_T=order_T, segments_BS=segments_BT,
+                                  keys_split=True, splash_block=self.cfg.splash_block)
+    inverse_S = None if attention_lib.in_order(order_T) else np.argsort(order_T)
+
+    def whole(x, names):
+      # Gathered first, then put in position order on each device: permuted while sharded,
+      # the partitioner moved the whole array through an all-reduce each way (twice an
+      # all-gather's bytes, and its gradient reduced whole where a reduce-scatter suffices).
+      x = constrain(x, names)
+      return x if inverse_S is None else constrain(x[:, inverse_S], names)
+
+    k_BSGK, v_BSGK = (whole(x, ("batch", None, "act_heads", None)) for x in (k_BTGK, v_BTGK))
+    segments_BS = None if segments_BT is None else whole(segments_BT, ("batch", None))
+    return attention_lib.attend(q_BTHK, k_BSGK, v_BSGK, window, self.cfg.attention, segments_BT,
+                                positions_T=order_T, segments_BS=segments_BS,
+                                splash_block=self.cfg.splash_block)
+
+  def _all_to_all(self, q_BTHK, k_BTGK, v_BTGK, window, segments_BT, order_T):
+    """Ulysses context parallelism (ContextParallel.ALL_TO_ALL): queries, keys and values go
+    from the sequence split to a head split (an all-to-all each), every device attends the
+    whole sequence, in position order, for its heads with the plain causal mask, and the output
+    goes back to the sequence split (a third all-to-all; the backward pass runs the same
+    swaps in reverse). No key is gathered whole and no mask is offset."""
+    inverse_T = None if attention_lib.in_order(order_T) else np.argsort(order_T)
+
+    def whole(x):  # the sequence whole on each device, in position order
+      x = heads_over_sequence(x)
+      return x if inverse_T is None else heads_over_sequence(x[:, inverse_T])
+
+    if segments_BT is not None:
+      segments_BT = constrain(segments_BT if inverse_T is None else segments_BT[:, inverse_T],
+                              ("batch", None))
+    q_BTHK, k_BTGK, v_BTGK = (checkpoint_name(whole(x), Name.SWAPPED_QKV)
+                              for x in (q_BTHK, k_BTGK, v_BTGK))
+    out_BTHK = attention_lib.attend(q_BTHK, k_BTGK, v_BTGK, window, self.cfg.attention,
+                                    segments_BT, heads_over_sequence=True,
+                                    splash_block=self.cfg.splash_block)
+    # Pinned to the head split before the swap back, so that the backward pass swaps the
+    # output's gradient too (left free, the partitioner gathers it whole along the heads).
+    out_BTHK = heads_over_sequence(out_BTHK)
+    if inverse_T is not None:
+      out_BTHK = heads_over_sequence(out_BTHK[:, order_T])
+    return constrain(out_BTHK, ("batch", "seq", "act_heads", None))
 
   def qkv(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array]
           ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -20,7 +20,7 @@ from flax import nnx
 from olmo3 import loss
 from olmo3 import model as model_lib
 from olmo3 import sharding as sharding_lib
-from olmo3.config import Experiment, ModelConfig
+from olmo3.config import ContextParallel, Experiment, ModelConfig
 
 
 class ShardedModel:
@@ -79,11 +79,14 @@ class ShardedModel:
     full float32 logits), or from the full logits when it is None; the same to float32
     rounding. Both read `features`. `segments_BT`: documents of packed instances.
 
-    With context parallelism (the mesh splits the sequence) the rows are laid out so that
-    causal attention costs every shard the same (olmo3.sharding.balanced_order): tokens,
-    labels and documents go in laid out, the per-token losses come back in position order."""
+    With context parallelism by gathering (the mesh splits the sequence; ContextParallel.
+    ALL_GATHER) the rows are laid out so that causal attention costs every shard the same
+    (olmo3.sharding.balanced_order): tokens, labels and documents go in laid out, the
+    per-token losses come back in position order. All-to-all context parallelism attends the
+    whole sequence on every device, so its split stays contiguous."""
     order_T = None
-    if sharding_lib.sequence_shards() > 1:
+    if (sharding_lib.sequence_shards() > 1
+        and self.cfg.context_parallel is ContextParallel.ALL_GATHER):
       order_T = sharding_lib.balanced_order(tokens_BT.shape[1], sharding_lib.sequence_shards())
       lay_out = lambda x_BT: sharding_lib.constrain(x_BT[:, order_T], ("batch", "seq"))
       tokens_BT, labels_BT = lay_out(tokens_BT), lay_out(labels_BT)

@@ -27,6 +27,9 @@ class Name(enum.StrEnum):
   MLPWI_0 = "mlpwi_0"  # the MLP gate projection
   MLPWI_1 = "mlpwi_1"  # the MLP up projection
   MLPWO = "mlpwo"  # the MLP down projection
+  # Queries, keys and values after all-to-all context parallelism swapped them to the head
+  # split (only there): kept, the backward pass does not swap them again.
+  SWAPPED_QKV = "swapped_qkv"
 
 
 NAMES = tuple(n.value for n in Name)

@@ -22,19 +22,23 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 
-# Pure FSDP (the 7B default): weights sharded over `fsdp` on their model dimension, batch over
-# (data, fsdp), activations' sequence dimension over `sequence` (context parallelism; size 1
-# unless a mesh asks for it). The embedding table is sharded on vocab, not embed: sharding it
-# over fsdp while the batch is sharded over (data, fsdp) makes XLA rematerialise the whole
-# gather (docs/performance.md#sharding), so the table has axis names of its own.
+# Pure FSDP (the 7B default): weights sharded on their model dimension over `fsdp` and
+# `sequence` together, batch over (data, fsdp), activations' sequence dimension over `sequence`
+# (context parallelism; size 1 unless a mesh asks for it). With the sequence split, a weight's
+# gradient is a sum over both axes, so sharding the weights over both makes it one
+# reduce-scatter (torchtitan's FSDP over data x context); sharded over fsdp alone, the
+# parameters, moments and gradients were replicated over the sequence axis and the gradients
+# all-reduced across it. The embedding table is sharded on vocab, not embed: sharding it over
+# fsdp while the batch is sharded over (data, fsdp) makes XLA rematerialise the whole gather
+# (docs/performance.md#sharding), so the table has axis names of its own.
 FSDP_RULES: Rules = (
     ("batch", ("data", "fsdp")),
     ("seq", "sequence"),
     ("layers", None),
-    ("table_vocab", ("fsdp", "tensor")),  # the input embedding table's rows
+    ("table_vocab", ("fsdp", "sequence", "tensor")),  # the input embedding table's rows
     ("table_embed", None),
     ("vocab", "tensor"),  # the LM head's output dimension
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "sequence")),
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -153,6 +157,36 @@ def sequence_shards() -> int:
   """How many pieces the active mesh cuts each sequence into (1: no context parallelism)."""
   mesh = jax.sharding.get_abstract_mesh()
   return int(np.prod([mesh.shape[a] for a in sequence_axes()], dtype=int))
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def heads_over_sequence_spec() -> PartitionSpec:
+  """[B, T, H, K] as all-to-all context parallelism lays it out for attention: rows as the
+  batch, the whole sequence on every device, the heads split over their own mesh axes and the
+  sequence's (olmo3.config.ContextParallel.ALL_TO_ALL). Needs an active mesh and rules."""
+  rules = spmd.get_logical_axis_rules()
+  mesh = jax.sharding.get_abstract_mesh()
+  batch, heads = logical_to_spec(("batch", "act_heads"), rules)
+  split = tuple(a for a in _axes(heads) if mesh.shape[a] > 1) + sequence_axes()
+  return PartitionSpec(batch, None, split or None, None)
+
+
+def heads_over_sequence(x_BTHK: jax.Array) -> jax.Array:
+  """`x_BTHK` constrained to `heads_over_sequence_spec` (from the sequence split: an
+  all-to-all), refusing in one line a head count the split does not divide."""
+  spec = heads_over_sequence_spec()
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = int(np.prod([mesh.shape[a] for a in _axes(spec[2])], dtype=int))
+  if x_BTHK.shape[2] % shards:
+    raise ValueError(
+        f"all-to-all context parallelism splits the heads over mesh axes {_axes(spec[2])} "
+        f"({shards} ways), which does not divide {x_BTHK.shape[2]} heads; use "
+        "model.context_parallel='all_gather' or a sequence (x tensor) degree that divides the "
+        "key/value heads")
+  return jax.lax.with_sharding_constraint(x_BTHK, spec)
 
 
 def balanced_order(seq_len: int, shards: int) -> np.ndarray:

@@ -4,6 +4,7 @@ launcher (the tiny stage 3: packed documents, YaRN), with a checkpoint saved at 
 sequence-axis size resumed at another. The kernels' and the layout's own tests are in
 tests/test_model.py."""
 
+import itertools
 import json
 import os
 
@@ -52,28 +53,34 @@ def _trained(exp, shape, steps):
   return out, jax.device_get(state.params)
 
 
-@pytest.mark.seconds(20)
+@pytest.mark.seconds(30)
 def test_float64_steps_with_the_sequence_split_equal_one_shard_to_1e_12(tmp_path):
   """Three float64 train steps of packed documents with per-document RoPE positions: losses,
   gradient norms and parameters (norm-wise) with the sequence over 8, and over 4 x 2 fsdp,
-  equal the sequence unsplit, relative 1e-12 (float32 rounding would be 1e-7)."""
+  gathering keys and values or swapping the sequence for heads (all-to-all: 8 key/value heads
+  here), equal the sequence unsplit, relative 1e-12 (float32 rounding would be 1e-7)."""
   exp = micro_experiment(_documents_corpus(tmp_path))
   exp = exp.__class__(**{**exp.__dict__,
                          "model": exp.model.replace(compute_dtype=config.DType.FLOAT64,
-                                                    rope_positions=RopePositions.DOCUMENT),
+                                                    rope_positions=RopePositions.DOCUMENT,
+                                                    n_kv_heads=8),
                          "data": exp.data.replace(packing=Packing(), seq_len=64,
                                                   global_batch_size=2)})
+  strategies = [exp.__class__(**{**exp.__dict__, "model": exp.model.replace(
+      context_parallel=cp)}) for cp in config.ContextParallel]
   with jax.enable_x64(True):
     ref_metrics, ref_params = _trained(exp, {"fsdp": 2, "tensor": 4}, 3)
-    for shape in ({"sequence": 8}, {"fsdp": 2, "sequence": 4}):
+    for exp, shape in itertools.product(strategies, ({"sequence": 8}, {"fsdp": 2, "sequence": 4})):
       metrics, params = _trained(exp, shape, 3)
       for ours, ref in zip(metrics, ref_metrics):
         for key in ref:
-          assert abs(ours[key] - ref[key]) <= 1e-12 * abs(ref[key]), (shape, key, ours, ref)
+          assert abs(ours[key] - ref[key]) <= 1e-12 * abs(ref[key]), (
+              exp.model.context_parallel, shape, key, ours, ref)
       for p, r in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
         # Norm-wise: Adam divides a gradient by its own size, so an entry whose gradient is
         # rounding noise moves by up to the LR either way (1.6e-13 seen, 2e-12 of the largest).
-        assert np.linalg.norm(p - r) <= 1e-12 * np.linalg.norm(r), shape
+        assert np.linalg.norm(p - r) <= 1e-12 * np.linalg.norm(r), (exp.model.context_parallel,
+                                                                   shape)
 
 
 # The tiny stage 3 (packed instances, YaRN) at a quarter of its length (512 tokens: 32 per chunk
@@ -88,10 +95,11 @@ ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
            + FAST_COMPILE_XLA_FLAGS)
 
 
-def _launch(workdir, mesh, steps):
+def _launch(workdir, mesh, steps, cp="all_gather"):
   shape = tuple(mesh.items())
   done = forked.completed("main", [*STAGE3, f"--workdir={workdir}", f"--fdl_set=train.steps={steps}",
-                                   f"--fdl_set=mesh.shape={shape!r}"], ENV)
+                                   f"--fdl_set=mesh.shape={shape!r}",
+                                   f"--fdl_set=model.context_parallel='{cp}'"], ENV)
   assert done.returncode == 0, done.stderr[-3000:]
   return done
 
@@ -114,15 +122,17 @@ def _params(workdir, step):
 
 @pytest.mark.slow(seconds=40)
 def test_stage3_through_the_launcher_equals_one_sequence_shard_and_resumes_resized(tmp_path):
-  """Through the launcher on 8 CPU devices: the sequence split 8 ways for 2 steps, then resumed
-  from that checkpoint split 2 ways (x 2 data x 2 tensor), logs the same losses, gradient norms
-  and held-out CE (per position band too) as the sequence unsplit (2 fsdp x 4 tensor), and ends
-  with the same parameters: float32 rounding (relative 1e-5). (Other splits, fsdp with the
-  sequence among them, are compared in process: above and tests/test_model.py.)"""
+  """Through the launcher on 8 CPU devices: the sequence split 8 ways (keys and values
+  gathered) for 2 steps, then resumed from that checkpoint split 2 ways (x 2 data x 2 tensor)
+  swapping the sequence for heads (all-to-all: the tiny model's 4 heads over sequence x
+  tensor), logs the same losses, gradient norms and held-out CE (per position band too) as the
+  sequence unsplit (2 fsdp x 4 tensor), and ends with the same parameters: float32 rounding
+  (relative 1e-5). (Other splits, fsdp with the sequence among them, are compared in process:
+  above and tests/test_model.py.)"""
   ref, resized = tmp_path / "ref", tmp_path / "resized"
   _launch(ref, {"fsdp": 2, "tensor": 4}, 3)
   _launch(resized, {"sequence": 8}, 2)
-  done = _launch(resized, {"data": 2, "sequence": 2, "tensor": 2}, 3)
+  done = _launch(resized, {"data": 2, "sequence": 2, "tensor": 2}, 3, cp="all_to_all")
   assert "checkpoints/2 (step 2, verified)" in done.stderr, done.stderr[-2000:]
   expected, logged = _metrics(ref), _metrics(resized)
   assert sorted(expected) == sorted(logged) == [1, 2, 3]

@@ -83,6 +83,7 @@ def test_resumable_fields_are_the_marked_ones():
       "train.microbatches", "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
       "data.num_workers", "data.prefetch", "mesh.shape", "mesh.dcn",
       "checkpoint.allow_restart_from_scratch", "data.allow_changed_data", "model.vocab_chunk", "model.splash_block",
+      "model.context_parallel",
       "data.device_prefetch", "wandb.mode", "wandb.project", "wandb.entity", "wandb.name",
       "optimizer.spike_window_on_restart"}
   old, new = olmo3_tiny.stage1(), olmo3_tiny.stage1()
@@ -160,7 +161,7 @@ def test_the_context_parallel_sweep_builds_distinct_layouts_for_512_devices():
     for path, value in overrides.items():
       refs.set_field(cfg, path, value)
     assert {c.path.split("[")[0] for c in config_changes.diff(olmo3_7b.stage3(), cfg)} <= {
-        "mesh.shape", "model.remat", "model.splash_block"}
+        "mesh.shape", "model.remat", "model.splash_block", "model.context_parallel"}
     exp = fdl.build(cfg)
     jobs.check_experiment(exp, jobs.Target.GKE, 512, 1)
     sizes = jobs.filled_mesh(exp.mesh, 512, 1)
@@ -168,3 +169,17 @@ def test_the_context_parallel_sweep_builds_distinct_layouts_for_512_devices():
     layouts.add((sizes["sequence"], sizes["tensor"]))
     names.add(refs.variant_name(overrides))
   assert len(names) == len(olmo3_7b.cp_sweep()) and layouts == {(8, 1), (16, 1), (4, 2)}
+
+
+def test_all_to_all_context_parallelism_refuses_a_degree_that_does_not_divide_the_kv_heads():
+  """Checked with the experiment, before anything starts: the tiny model's 4 key/value heads
+  split 8 ways; a degree that divides them builds."""
+  cfg = olmo3_tiny.stage3()
+  cfg.model.context_parallel = config.ContextParallel.ALL_TO_ALL
+  cfg.mesh.shape = (("fsdp", -1), ("sequence", 8))
+  with pytest.raises(config.ConfigError, match=r"^Experiment.model.context_parallel='all_to_all'"
+                     r": 'all_to_all' splits the heads 8 ways \(mesh sequence x tensor\), which "
+                     r"does not divide model.n_kv_heads \(4\)"):
+    fdl.build(cfg)
+  cfg.mesh.shape = (("fsdp", -1), ("sequence", 2), ("tensor", 2))
+  fdl.build(cfg)

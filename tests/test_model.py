@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,7 +195,8 @@ def test_sharded_on_8_devices_equals_one_device(micro_params, shape):
     specs = nnx.get_partition_spec(state)
     shardings = jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), specs)
     nnx.update(model, jax.device_put(state, shardings))
-    assert model.layers.mlp.gate_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert model.layers.mlp.gate_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(
+        None, ("fsdp", "sequence"), "tensor")
     out = nnx.jit(lambda m, t: m(t))(model, tokens)
   np.testing.assert_allclose(out, ref, atol=5e-5, rtol=1e-5)
 
@@ -221,22 +224,33 @@ def _loss_and_grads(sm, params, tokens, labels, segments):
   return jax.device_get((nll, grads))
 
 
-@pytest.mark.parametrize("kernel, shape, seq_len", [
-    ("xla", {"fsdp": 2, "sequence": 4}, 64),
-    ("xla", {"data": 2, "sequence": 2, "tensor": 2}, 64),
-    ("xla", {"sequence": 8}, 64),
-    ("dot_product", {"fsdp": 2, "sequence": 4}, 64),
+MHA = {"n_kv_heads": 8}  # all-to-all context parallelism splits the key/value heads 4 or 8 ways
+
+
+@pytest.mark.parametrize("kernel, shape, seq_len, cp, heads", [
+    ("xla", {"fsdp": 2, "sequence": 4}, 64, "all_gather", {}),
+    ("xla", {"data": 2, "sequence": 2, "tensor": 2}, 64, "all_gather", {}),
+    ("xla", {"sequence": 8}, 64, "all_gather", {}),
+    ("dot_product", {"fsdp": 2, "sequence": 4}, 64, "all_gather", {}),
     # Splash (interpret mode) tiles 128 queries a block: 512 tokens over 4 shards.
-    ("splash", {"sequence": 4, "tensor": 2}, 512),
+    ("splash", {"sequence": 4, "tensor": 2}, 512, "all_gather", {}),
+    ("xla", {"fsdp": 4, "sequence": 2}, 64, "all_to_all", {}),  # grouped-query: 2 kv heads
+    ("xla", {"fsdp": 2, "sequence": 4}, 64, "all_to_all", MHA),
+    ("xla", {"data": 2, "sequence": 2, "tensor": 2}, 64, "all_to_all", MHA),
+    ("splash", {"sequence": 4, "tensor": 2}, 256, "all_to_all", MHA),
+    # (All-to-all over 8 is tests/test_context_parallel.py's, in float64 through the step.)
 ])
 @pytest.mark.seconds(8)
-def test_context_parallel_equals_one_device(kernel, shape, seq_len):
+def test_context_parallel_equals_one_device(kernel, shape, seq_len, cp, heads):
   """Per-token losses and gradients with the sequence split over the mesh (and the batch or
-  heads over other axes) equal one device's: packed documents, per-document RoPE positions,
-  sliding and global layers, every query shard balanced. A mask that ignores a shard's place
-  in the sequence, or keys that stay sharded, fail this."""
+  heads over other axes) equal one device's, for both strategies: packed documents,
+  per-document RoPE positions, sliding and global layers, every query shard balanced
+  (gathering) or the sequence whole for a share of the heads (all-to-all). A mask that ignores
+  a shard's place in the sequence, keys that stay sharded, or heads swapped out of order, fail
+  this."""
   cfg = MICRO.replace(attention=AttentionKernel(kernel), splash_block=128,
-                      rope_positions=config.RopePositions.DOCUMENT)
+                      rope_positions=config.RopePositions.DOCUMENT,
+                      context_parallel=config.ContextParallel(cp), **heads)
   one = ShardedModel(cfg, sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
   params = jax.device_get(one.init_params(0))
   inputs = _cp_inputs(cfg, 2, seq_len)
@@ -247,6 +261,47 @@ def test_context_parallel_equals_one_device(kernel, shape, seq_len):
                           jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
                                err_msg=jax.tree_util.keystr(path[0]))
+
+
+def _gathered_and_swapped(cfg, mesh, seq_len=64):
+  """The compiled loss-and-gradient program on `mesh`: the element types of its all-gathers,
+  and how many all-to-alls it runs."""
+  sm = ShardedModel(cfg, mesh)
+  params = jax.device_get(ShardedModel(cfg, sharding.make_mesh(
+      {"fsdp": 1}, devices=jax.devices()[:1])).init_params(0))
+
+  def f(p, t, l, s):
+    return sm.token_losses(p, t, l, s).nll_BT.sum()
+
+  with sm.context():
+    text = jax.jit(jax.grad(f)).lower(params, *_cp_inputs(cfg, 2, seq_len)).compile().as_text()
+  return (re.findall(r"= (\w+)\[[\d,]*\]\S* all-gather\(", text),
+          len(re.findall(r" all-to-all\(", text)))
+
+
+@pytest.mark.parametrize("kernel", ["xla", "dot_product"])
+def test_all_to_all_context_parallelism_swaps_sequence_for_heads_and_gathers_no_keys(kernel):
+  """What the compiled program moves, forward and backward: all-to-all context parallelism
+  swaps the split with all-to-alls and gathers no activation along the sequence (only the
+  documents' ids, for the mask); gathering keys and values is the other strategy's. (Left
+  free, the partitioner gathered the attention output's gradient whole along the heads.)"""
+  cfg = MICRO.replace(attention=AttentionKernel(kernel), **MHA,
+                      context_parallel=config.ContextParallel.ALL_TO_ALL)
+  mesh = sharding.make_mesh({"sequence": 8})  # no fsdp: parameters are never gathered
+  gathered, swaps = _gathered_and_swapped(cfg, mesh)
+  assert swaps > 0 and set(gathered) <= {"s32"}, (gathered, swaps)
+  gathered, swaps = _gathered_and_swapped(
+      cfg.replace(context_parallel=config.ContextParallel.ALL_GATHER), mesh)
+  assert swaps == 0 and "f32" in gathered, (gathered, swaps)  # keys and values, all-gathered
+
+
+def test_all_to_all_refuses_a_degree_that_does_not_divide_the_kv_heads_in_one_line():
+  cfg = MICRO.replace(context_parallel=config.ContextParallel.ALL_TO_ALL)  # 2 kv heads
+  sm = ShardedModel(cfg, sharding.make_mesh({"fsdp": 2, "sequence": 4}))
+  tokens, labels, _ = _cp_inputs(cfg, 2, 64)
+  with sm.context(), pytest.raises(ValueError, match=r"splits the heads over mesh axes "
+                                   r"\('sequence',\) \(4 ways\), which does not divide 2 heads"):
+    jax.eval_shape(sm.token_losses, sm.param_shapes, tokens, labels)
 
 
 def _causal_pairs(positions, window=None):
@@ -302,6 +357,12 @@ def test_token_losses_lay_the_sequence_out_balanced():
   with sm.context():
     jax.eval_shape(sm.token_losses, sm.param_shapes, tokens, labels)
   np.testing.assert_array_equal(seen[-1], sharding.balanced_order(64, 4))
+  # All-to-all attends the whole sequence on each device: no layout, the mesh's own split.
+  sm = Spy(cfg.replace(context_parallel=config.ContextParallel.ALL_TO_ALL),
+           sharding.make_mesh({"fsdp": 4, "sequence": 2}))
+  with sm.context():
+    jax.eval_shape(sm.token_losses, sm.param_shapes, tokens, labels)
+  assert seen[-1] is None
 
 
 def test_cudnn_refuses_a_split_sequence_in_one_line():

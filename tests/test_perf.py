@@ -150,6 +150,60 @@ def test_collective_bytes_read_a_loops_trips_from_its_condition():
   assert known and moved["all-gather"] == 3 * 8 * 4 * 2 and moved["all-reduce"] == (16 + 16) * 4
 
 
+# Memory traffic: a fusion reads its operands and writes its result (what happens inside it
+# stays on chip); a loop's body counts once per trip; views, tuples and collectives move none.
+TRAFFIC_HLO = """HloModule step
+%fused (a: f32[8,4], b: f32[8,4]) -> f32[8,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  %b = f32[8,4]{1,0} parameter(1)
+  %m = f32[8,4]{1,0} multiply(%a, %b)
+  ROOT %s = f32[8,4]{1,0} add(%m, %a)
+}
+%cond (p: (s32[], f32[8,4])) -> pred[] {
+  %c = s32[]{:T(128)} constant(4)
+  %p = (s32[], f32[8,4]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+%body (p.1: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p.1 = (s32[], f32[8,4]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %x = f32[8,4]{1,0} get-tuple-element(%p.1), index=1
+  %f = f32[8,4]{1,0} fusion(%x, %x), kind=kLoop, calls=%fused
+  %ar = f32[8,4]{1,0} all-reduce(%f), to_apply=%cond
+  ROOT %t = (s32[], f32[8,4]{1,0}) tuple(%i.1, %ar)
+}
+ENTRY %main (a: (s32[], f32[8,4]), y: bf16[16,16]) -> (s32[], f32[8,4]) {
+  %a = (s32[], f32[8,4]{1,0}) parameter(0)
+  %y = bf16[16,16]{1,0} parameter(1)
+  %cp = bf16[16,16]{1,0} copy(%y)
+  ROOT %w = (s32[], f32[8,4]{1,0}) while(%a), condition=%cond, body=%body
+}
+"""
+
+
+def test_memory_traffic_counts_operands_and_results_outside_fusions_per_trip():
+  # The copy: 512 bytes read, 512 written; the fusion, 4 trips of two 128-byte operands and a
+  # 128-byte result; the all-reduce is interconnect traffic, the views and tuples none.
+  assert aot.memory_traffic_bytes(TRAFFIC_HLO) == 2 * 16 * 16 * 2 + 4 * 3 * 8 * 4 * 4
+
+
+def test_the_step_bound_is_its_slowest_resource_and_caps_mfu():
+  """Each term is the time one resource alone needs at the device's published peak: a step that
+  moves more bytes over the interconnect than it computes is bounded by them, and its MFU
+  ceiling is compute time over the bound."""
+  from olmo3 import flops as flops_lib
+
+  peaks = flops_lib.device_peaks("TPU7x")
+  assert peaks == flops_lib.DevicePeaks(1153.5e12, 96e9, 3690e9, 300e9)  # half a chip's
+  bound = aot.step_bound(1153.5e12 * 0.5, 3690e9 * 0.2, 300e9 * 0.8, peaks)
+  assert (bound.compute_s, bound.memory_s, bound.collective_s) == pytest.approx((0.5, 0.2, 0.8))
+  assert bound.bound_s == pytest.approx(0.8) and bound.limit == "collectives"
+  assert bound.mfu_ceiling == pytest.approx(0.625)
+  assert "MFU <= 62.5%" in bound.format() and "a lower bound" in bound.format()
+  assert flops_lib.device_peaks("cpu") is None  # no bound is made up for a CPU
+
+
 @pytest.mark.seconds(8)
 def test_evaluation_programs_compile_with_their_forward_flops():
   """What benchmarks/eval_price_7b.py compiles for the 7B: one evaluation batch (eval.batch_size
@@ -259,6 +313,8 @@ def test_compile_for_tpu_topologies_with_their_flag_sets(topologies, flag_set):
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.count("FITS") == len(topologies)
   assert all(t in done.stdout for t in topologies)
+  assert done.stdout.count("step time >= ") == len(topologies)  # the bound, from the peaks
+  assert "MB per token a device holds" in done.stdout
   if "v5p:2x2x1*2" in topologies:  # two slices over DCN: the slices form the data axis
     assert "8 x TPU v5, mesh {'data': 2, 'fsdp': 4, 'sequence': 1, 'tensor': 1}" in done.stdout
 

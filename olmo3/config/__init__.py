@@ -20,9 +20,9 @@ from olmo3.config_checks import Validated as _Validated
 from olmo3.config.data import DataConfig, LongDocuments, Packing, RepetitionFilter
 from olmo3.config.experiment import (EvalConfig, Experiment, WandbConfig, WandbMode,
                                      resumable_fields)
-from olmo3.config.model import (INT32_MAX, PRESETS, AttentionKernel, DType, ModelConfig,
-                                RopePositions, ScaledLayers, Yarn, olmo3_7b, olmo3_7b_long_context,
-                                olmo3_32b, olmo3_micro, olmo3_tiny)
+from olmo3.config.model import (INT32_MAX, PRESETS, AttentionKernel, ContextParallel, DType,
+                                ModelConfig, RopePositions, ScaledLayers, Yarn, olmo3_7b,
+                                olmo3_7b_long_context, olmo3_32b, olmo3_micro, olmo3_tiny)
 from olmo3.config.training import (SEED_MAX, CheckpointConfig, InitMode, LossMean, MeshConfig,
                                    OptimizerConfig, Schedule, SpikeWindowOnRestart, TrainConfig)
 from olmo3.config import data as _data, experiment as _experiment, model as _model
@@ -42,7 +42,8 @@ del _part, _cls
 __all__ = [
     "Any", "ConfigError", "Remat", "INT32_MAX", "SEED_MAX", "PRESETS", "resumable_fields",
     "olmo3_7b", "olmo3_7b_long_context", "olmo3_32b", "olmo3_micro", "olmo3_tiny",
-    "DType", "AttentionKernel", "ScaledLayers", "RopePositions", "Yarn", "ModelConfig",
+    "DType", "AttentionKernel", "ContextParallel", "ScaledLayers", "RopePositions", "Yarn",
+    "ModelConfig",
     "RepetitionFilter", "LongDocuments", "Packing", "DataConfig", "Schedule",
     "SpikeWindowOnRestart", "OptimizerConfig", "MeshConfig", "LossMean", "TrainConfig", "InitMode",
     "CheckpointConfig", "EvalConfig", "WandbMode", "WandbConfig", "Experiment"]

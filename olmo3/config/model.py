@@ -31,6 +31,21 @@ class AttentionKernel(enum.StrEnum):
   SPLASH = "splash"  # Pallas splash attention (TPU; interpret mode elsewhere, slow).
 
 
+class ContextParallel(enum.StrEnum):
+  """How attention reads a sequence that the mesh's `sequence` axis splits (context
+  parallelism; docs/performance.md#context-parallelism). Both give the same losses and
+  gradients as one device."""
+
+  # Each device keeps its queries and gathers every key and value along the sequence (the
+  # llama3-style context parallelism of OLMo-core, with which AI2 trained stage 3); the sequence
+  # is laid out zig-zag so that causal attention costs every device the same.
+  ALL_GATHER = "all_gather"
+  # Ulysses: an all-to-all swaps the sequence split for a head split, each device attends the
+  # whole sequence for its heads, and a second all-to-all swaps back. The degree must divide
+  # the key/value heads.
+  ALL_TO_ALL = "all_to_all"
+
+
 INT32_MAX = 2**31 - 1  # step counts and token ids live in int32 arrays on the device
 
 
@@ -108,6 +123,8 @@ class ModelConfig(Validated):
   pad_token_id: int | None = bounded(100_277, ge=0)  # and < vocab_size
   compute_dtype: DType = DType.BFLOAT16  # parameters are float32 (float64 with FLOAT64)
   attention: AttentionKernel = AttentionKernel.XLA
+  # With the sequence split over the mesh: gather keys and values, or swap sequence for heads.
+  context_parallel: ContextParallel = resumable(ContextParallel.ALL_GATHER)
   # Splash attention's query and key block (both; a shard's queries or the keys, if fewer):
   # the kernel's tile, and the granularity at which it skips masked blocks.
   splash_block: int = resumable(512, ge=8)

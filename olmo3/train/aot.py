@@ -73,6 +73,9 @@ class CompileReport:
   # trip count was known (else a loop's collectives are counted once).
   collective_gb: dict[str, float] = dataclasses.field(default_factory=dict)
   collective_trips_known: bool = True
+  collective_mb_per_token: float = 0.0  # all kinds, per device, per token the device holds
+  memory_traffic_gb: float = 0.0  # per device per step (`memory_traffic_bytes`)
+  bound: StepBound | None = None  # None where the target's peaks are unknown (CPUs)
 
   def format(self) -> str:
     fit = ("unknown HBM" if self.fits is None else
@@ -90,9 +93,14 @@ class CompileReport:
         + (f"; {self.flops_caveat}" if self.flops_caveat else ""),
         "collectives per device per step: " + ", ".join(
             f"{kind} {gb:,.2f} GB" for kind, gb in self.collective_gb.items())
+        + f"; {self.collective_mb_per_token:.2f} MB per token a device holds"
         + " (result sizes; loops counted per trip"
         + ("" if self.collective_trips_known else "; a loop of unknown trip count counted once")
-        + ")"])
+        + ")",
+        f"memory traffic per device per step: {self.memory_traffic_gb:,.1f} GB (each "
+        "instruction's operands and result, outside fusions; an estimate)",
+        self.bound.format() if self.bound else
+        f"step-time bound: no published peaks for {self.device_kind}"])
 
 
 def _compile(lowered: Any, topology: str | None) -> Any:
@@ -150,14 +158,8 @@ def _trip_count(while_line: str, bodies: dict[str, list[str]]) -> int | None:
   return limits[0] if compares_less and len(limits) == 1 else None
 
 
-def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
-  """Bytes each device moves through each kind of collective in one run of a compiled,
-  SPMD-partitioned program (`compiled.as_text()`: per-device shapes), and whether every loop's
-  trip count was known. A collective counts its result's size (an all-gather the gathered
-  array, a reduce-scatter its scattered shard, an all-reduce its operand); an asynchronous one
-  is counted at its `-done`. Ops inside a `while` body count once per iteration
-  (`_trip_count`; a loop whose count cannot be read counts once, and the second value says so). JAX has no API for this: the optimized
-  HLO text is what the compiler will run."""
+def _computations(hlo_text: str) -> tuple[str | None, dict[str, list[str]]]:
+  """The entry computation's name and every computation's instruction lines."""
   bodies: dict[str, list[str]] = {}
   entry, name = None, None
   for line in hlo_text.splitlines():
@@ -168,6 +170,18 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
       entry = name if line.startswith("ENTRY") else entry
     elif name is not None and line.startswith(" "):
       bodies[name].append(line)
+  return entry, bodies
+
+
+def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
+  """Bytes each device moves through each kind of collective in one run of a compiled,
+  SPMD-partitioned program (`compiled.as_text()`: per-device shapes), and whether every loop's
+  trip count was known. A collective counts its result's size (an all-gather the gathered
+  array, a reduce-scatter its scattered shard, an all-reduce its operand); an asynchronous one
+  is counted at its `-done`. Ops inside a `while` body count once per iteration
+  (`_trip_count`; a loop whose count cannot be read counts once, and the second value says so). JAX has no API for this: the optimized
+  HLO text is what the compiler will run."""
+  entry, bodies = _computations(hlo_text)
   known = True
 
   @functools.lru_cache(maxsize=None)
@@ -195,6 +209,155 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
   return dict(total(entry)) if entry else dict.fromkeys(COLLECTIVES, 0.0), known
 
 
+# Instructions that move no memory of their own (views, tuples, constants, control), and the
+# collectives (counted as interconnect traffic by `collective_bytes`).
+_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+               "partition-id", "replica-id", "iota", "opt-barrier", "optimization-barrier",
+               "add-dependency", "copy-start", "copy-done", "while", "conditional", "call"}
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_CONTROL_CALLEES = re.compile(r"(?:body|true_computation|false_computation)=%?([\w.\-]+)"
+                              r"|branch_computations=\{([^}]*)\}|\bto_apply=%?([\w.\-]+)")
+
+
+def _fusion_io(computation: str, bodies: dict[str, list[str]]
+               ) -> tuple[dict[int, int | None], int | None]:
+  """What a fused computation reads of each parameter and writes: a parameter used only as
+  the sliced operand of (dynamic-)slices reads those slices, one used only as the buffer a
+  dynamic-update-slice writes into reads nothing (updated in place), through nested fusions
+  too (the TPU compiler nests them); None: the whole of it. A root that is a
+  dynamic-update-slice (or a tuple of them) writes its updates only."""
+  sizes: dict[str, int] = {}
+  params: dict[str, int] = {}
+  alias: dict[str, str] = {}  # the same bytes under another name
+  uses: dict[str, list[int | None]] = {}  # bytes each use reads (None: all of it)
+  defs: dict[str, tuple[str, list[str]]] = {}
+  root = None
+  for line in bodies.get(computation, []):
+    name, op = _NAME.match(line), _OP.search(line)
+    if name is None or op is None:
+      continue
+    name, opcode = name.group(1), op.group(2)
+    sizes[name] = _shape_bytes(op.group(1))
+    args = [alias.get(a, a) for a in re.findall(r"%([\w.\-]+)", line[op.end():].split(")", 1)[0])]
+    defs[name] = (opcode, args)
+    nested = re.search(r"calls=%?([\w.\-]+)", line) if opcode == "fusion" else None
+    nested_read = _fusion_io(nested.group(1), bodies)[0] if nested else {}
+    if opcode == "parameter":
+      params[name] = int(re.search(r"parameter\((\d+)\)", line).group(1))
+    elif args and (opcode == "bitcast" or "output_to_operand_aliasing={{}: (0, {})}" in line):
+      alias[name] = args[0]  # the operand's bytes, viewed or updated in place (TPU's nesting)
+    else:
+      for position, a in enumerate(args):
+        if opcode in ("dynamic-slice", "slice") and position == 0:
+          uses.setdefault(a, []).append(sizes[name])
+        elif opcode == "dynamic-update-slice" and position == 0:
+          uses.setdefault(a, []).append(0)
+        else:
+          uses.setdefault(a, []).append(nested_read.get(position))
+    if line.lstrip().startswith("ROOT"):
+      root = alias.get(name, name)
+  read = {index: (None if not uses.get(name) or None in uses[name] else sum(uses[name]))
+          for name, index in params.items()}
+
+  def written(name: str) -> int | None:
+    opcode, args = defs.get(name, ("", []))
+    if opcode == "dynamic-update-slice":
+      return sizes[args[1]]
+    if opcode == "tuple":
+      parts = [written(alias.get(a, a)) for a in args]
+      return sum(p if p is not None else sizes[a] for p, a in zip(parts, args))
+    return None
+
+  return read, written(root) if root else None
+
+
+def memory_traffic_bytes(hlo_text: str) -> float:
+  """Bytes each device reads from and writes to its memory in one run of a compiled program,
+  as the instructions outside fusions see them: each instruction's result plus its operands
+  (a fusion's operands are what it reads from memory, a sliced operand only its slices, an
+  operand updated in place only the update; what happens inside it stays on chip), loops once
+  per iteration. An estimate, not a measurement: caches are not modelled, and a kernel that
+  reads an operand twice counts it once."""
+  entry, bodies = _computations(hlo_text)
+
+  @functools.lru_cache(maxsize=None)
+  def total(computation: str) -> float:
+    sizes: dict[str, int] = {}
+    moved = 0.0
+    for line in bodies.get(computation, ()):
+      name, op = _NAME.match(line), _OP.search(line)
+      if name is None or op is None:
+        continue
+      result = _shape_bytes(op.group(1))
+      sizes[name.group(1)] = result
+      opcode = op.group(2)
+      if opcode == "while":
+        times = _trip_count(line, bodies) or 1
+        body = re.search(r"body=%?([\w.\-]+)", line)
+        moved += times * total(body.group(1)) if body else 0.0
+      elif opcode in ("conditional", "call"):
+        for callee, branches, applied in _CONTROL_CALLEES.findall(line):
+          single = callee or applied
+          for c in ([single] if single else re.findall(r"%?([\w.\-]+)", branches)):
+            moved += total(c)
+      if opcode in _NO_TRAFFIC or opcode.removesuffix("-start").removesuffix("-done") in \
+          COLLECTIVES:
+        continue
+      operands = [sizes.get(a, 0) for a in
+                  re.findall(r"%([\w.\-]+)", line[op.end():].split(")", 1)[0])]
+      fused = re.search(r"calls=%?([\w.\-]+)", line) if opcode == "fusion" else None
+      if fused:
+        read, wrote = _fusion_io(fused.group(1), bodies)
+        operands = [size if read.get(i) is None else min(size, read[i])
+                    for i, size in enumerate(operands)]
+        result = result if wrote is None else wrote
+      moved += result + sum(operands)
+    return moved
+
+  return total(entry) if entry else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBound:
+  """A lower bound on one step's time on a device from the compiled program and the device's
+  published peaks (olmo3.flops.DevicePeaks), each term the time one resource alone needs: the
+  step's FLOPs (the exact analytic count, per device) at peak FLOP/s, its memory traffic
+  (`memory_traffic_bytes`) at peak HBM bandwidth, its collectives' bytes (`collective_bytes`)
+  at the interconnect's bandwidth into the device. The step cannot be faster than the largest
+  (the three overlapped perfectly); MFU cannot exceed compute_s / bound_s. A bound, not a
+  prediction: latencies, imperfect overlap and kernels below peak all add to it."""
+
+  compute_s: float
+  memory_s: float
+  collective_s: float
+
+  @property
+  def bound_s(self) -> float:
+    return max(self.compute_s, self.memory_s, self.collective_s)
+
+  @property
+  def mfu_ceiling(self) -> float:
+    return self.compute_s / self.bound_s
+
+  @property
+  def limit(self) -> str:
+    return max((("compute", self.compute_s), ("memory", self.memory_s),
+                ("collectives", self.collective_s)), key=lambda kv: kv[1])[0]
+
+  def format(self) -> str:
+    return (f"step time >= {self.bound_s:.3f} s (a lower bound; {self.limit} limits it: compute "
+            f"{self.compute_s:.3f} s, memory {self.memory_s:.3f} s, collectives "
+            f"{self.collective_s:.3f} s at the device's published peaks) -> MFU <= "
+            f"{self.mfu_ceiling:.1%}")
+
+
+def step_bound(analytic_flops_per_device: float, memory_bytes: float, collective_total: float,
+               peaks: flops_lib.DevicePeaks) -> StepBound:
+  return StepBound(compute_s=analytic_flops_per_device / peaks.flops,
+                   memory_s=memory_bytes / peaks.hbm_bandwidth,
+                   collective_s=collective_total / peaks.link_bandwidth)
+
+
 def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileReport:
   devices = topology_devices(topology) if topology else None
   model = ShardedModel.for_experiment(exp, devices)
@@ -209,9 +372,14 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
   kind = model.mesh.devices.flat[0].device_kind
   hbm = flops_lib.hbm_bytes_per_device(kind)
   per_device = _compiled_flops(compiled)
-  moved, known = collective_bytes(compiled.as_text())
+  text = compiled.as_text()
+  moved, known = collective_bytes(text)
+  traffic = memory_traffic_bytes(text)
   n = model.mesh.devices.size
   analytic = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
+  peaks = flops_lib.device_peaks(kind)
+  bound = None if peaks is None else step_bound(analytic / n, traffic, sum(moved.values()),
+                                                peaks)
   caveats = []
   if exp.model.scan_layers and exp.model.n_layers >= exp.model.global_every:
     caveats.append("XLA's cost analysis counts the scanned layer group once, not once per "
@@ -225,7 +393,9 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
       fits=None if hbm is None else total * 1e9 <= hbm,
       compiled_tflops_per_step=per_device * n / 1e12 if per_device else None,
       analytic_tflops_per_step=analytic / 1e12, compile_s=seconds, flops_caveat="; ".join(caveats),
-      collective_gb={k: v / 1e9 for k, v in moved.items()}, collective_trips_known=known)
+      collective_gb={k: v / 1e9 for k, v in moved.items()}, collective_trips_known=known,
+      collective_mb_per_token=sum(moved.values()) / (exp.tokens_per_step / n) / 1e6,
+      memory_traffic_gb=traffic / 1e9, bound=bound)
 
 
 @dataclasses.dataclass(frozen=True)
