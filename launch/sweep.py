@@ -134,6 +134,7 @@ def run_variant(exp, compile_only: str | None, steps: int | None,
       return {"fits": False, "error": str(e)[:200]}
     bound = {} if r.bound is None else {
         "step_bound_s": round(r.bound.bound_s, 4), "mfu_ceiling": round(r.bound.mfu_ceiling, 4),
+        "serial_s": round(r.bound.serial_s, 4),
         "bound_by": r.bound.limit}
     return {"fits": r.fits if r.fits is not None else True, "memory_gb": round(r.total_gb, 3),
             "temp_gb": round(r.temp_gb, 3), "compiled_tflops": r.compiled_tflops_per_step,

@@ -14,9 +14,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from olmo3 import platforms
 from olmo3.config import AttentionKernel, ModelConfig, RopePositions, Yarn
+from olmo3.remat import Name
 from olmo3.sharding import (heads_over_sequence_spec, logical_to_spec, sequence_axes,
                             sequence_shards)
 
@@ -302,6 +304,21 @@ def _splash_mask(seq_len: int, window: int | None, positions_T: np.ndarray):
   return PositionedCausalMask()
 
 
+def _whole_keys(k_BGSK, v_BGSK, segments, axes, inverse_S):
+  """Inside splash's shard_map: a shard's keys, values and key documents gathered whole along
+  the sequence's mesh `axes` (if any) and put in position order (`inverse_S`, if any)."""
+  if axes is not None:
+    k_BGSK, v_BGSK = (checkpoint_name(jax.lax.all_gather(x, axes, axis=2, tiled=True),
+                                      Name.GATHERED_KV) for x in (k_BGSK, v_BGSK))
+    if segments:
+      segments = (segments[0], jax.lax.all_gather(segments[1], axes, axis=1, tiled=True))
+  if inverse_S is not None:
+    k_BGSK, v_BGSK = k_BGSK[:, :, inverse_S], v_BGSK[:, :, inverse_S]
+    if segments:
+      segments = (segments[0], segments[1][:, inverse_S])
+  return k_BGSK, v_BGSK, segments
+
+
 def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS,
                    block: int, heads_over_sequence: bool, keys_split: bool):
   """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh.
@@ -353,15 +370,9 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, seg
                               interpret=platforms.compile_target() != "tpu")
 
   def kernel(splash, q_BHTK, k_BGSK, v_BGSK, *segments):
-    if keys_split and on_mesh and spec[2] is not None:  # the shard's keys: gather them whole
-      k_BGSK, v_BGSK = (jax.lax.all_gather(x, spec[2], axis=2, tiled=True)
-                        for x in (k_BGSK, v_BGSK))
-      if segments:
-        segments = (segments[0], jax.lax.all_gather(segments[1], spec[2], axis=1, tiled=True))
-    if inverse_S is not None:  # in position order
-      k_BGSK, v_BGSK = k_BGSK[:, :, inverse_S], v_BGSK[:, :, inverse_S]
-      if segments:
-        segments = (segments[0], segments[1][:, inverse_S])
+    if keys_split:
+      k_BGSK, v_BGSK, segments = _whole_keys(k_BGSK, v_BGSK, segments,
+                                             spec[2] if on_mesh else None, inverse_S)
     if not segments:
       return jax.vmap(splash)(q_BHTK, k_BGSK, v_BGSK)
     return jax.vmap(lambda q, k, v, ids_q, ids_k: splash(

@@ -125,7 +125,7 @@ class Attention(nnx.Module):
       # Gathered first, then put in position order on each device: permuted while sharded,
       # the partitioner moved the whole array through an all-reduce each way (twice an
       # all-gather's bytes, and its gradient reduced whole where a reduce-scatter suffices).
-      x = constrain(x, names)
+      x = checkpoint_name(constrain(x, names), Name.GATHERED_KV)
       return x if inverse_S is None else constrain(x[:, inverse_S], names)
 
     k_BSGK, v_BSGK = (whole(x, ("batch", None, "act_heads", None)) for x in (k_BTGK, v_BTGK))

@@ -30,6 +30,9 @@ class Name(enum.StrEnum):
   # Queries, keys and values after all-to-all context parallelism swapped them to the head
   # split (only there): kept, the backward pass does not swap them again.
   SWAPPED_QKV = "swapped_qkv"
+  # Keys and values gathered whole along the sequence by context parallelism's gathering
+  # strategy (only there): kept, the backward pass does not gather them again.
+  GATHERED_KV = "gathered_kv"
 
 
 NAMES = tuple(n.value for n in Name)

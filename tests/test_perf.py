@@ -199,9 +199,11 @@ def test_the_step_bound_is_its_slowest_resource_and_caps_mfu():
   bound = aot.step_bound(1153.5e12 * 0.5, 3690e9 * 0.2, 300e9 * 0.8, peaks)
   assert (bound.compute_s, bound.memory_s, bound.collective_s) == pytest.approx((0.5, 0.2, 0.8))
   assert bound.bound_s == pytest.approx(0.8) and bound.limit == "collectives"
-  assert bound.mfu_ceiling == pytest.approx(0.625)
+  assert bound.mfu_ceiling == pytest.approx(0.625) and bound.serial_s == pytest.approx(1.5)
   assert "MFU <= 62.5%" in bound.format() and "a lower bound" in bound.format()
   assert flops_lib.device_peaks("cpu") is None  # no bound is made up for a CPU
+  # An all-reduce's links carry its result twice (reduce-scatter, then all-gather).
+  assert aot.link_bytes({"all-gather": 3.0, "all-reduce": 2.0, "all-to-all": 1.0}) == 8.0
 
 
 @pytest.mark.seconds(8)
@@ -503,15 +505,45 @@ def test_a_signalled_sweep_stops_its_worker_records_nothing_and_resume_reruns_it
 
 
 @pytest.mark.slow(seconds=15)
-def test_mfu_gpu_benchmark_smoke_mode():
-  done = subprocess.run([sys.executable, "benchmarks/mfu_gpu.py", "--smoke", "--steps", "2"],
-                        capture_output=True, text=True, cwd=ROOT, env=COMPILING_ENV, timeout=600)
+def test_the_gpu_check_runs_its_cpu_part_and_says_what_it_skipped():
+  """benchmarks/gpu_check.sh on a CPU: the attention probe (dot_product against XLA on a packed
+  batch), benchmarks/mfu_gpu.py's smoke mode, and the GPU checks listed as skipped; one JSON
+  line on stdout."""
+  done = subprocess.run(["bash", "benchmarks/gpu_check.sh"], capture_output=True, text=True,
+                        cwd=ROOT, env=dict(COMPILING_ENV, PATH=os.path.dirname(sys.executable)
+                                           + os.pathsep + os.environ["PATH"]), timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   import json
 
-  result = json.loads(done.stdout.strip().splitlines()[-1])
-  assert result["tokens_per_s"] > 0 and result["tflops_exact"] > 0
-  assert result["mfu_exact"] is None  # a CPU has no known peak: no made-up MFU
+  (line,) = done.stdout.strip().splitlines()
+  report = json.loads(line)
+  assert report["ok"] and report["probe"]["dot_product"]["verdict"] == "ok"
+  assert set(report["skipped"]) == {"probe of cudnn", "cudnn_vs_dot_product", "mfu"}
+  smoke = report["mfu_smoke"]
+  assert smoke["tokens_per_s"] > 0 and smoke["tflops_exact"] > 0
+  assert smoke["mfu_exact"] is None  # a CPU has no known peak: no made-up MFU
+
+
+def test_the_gpu_probe_catches_a_kernel_that_attends_across_documents(monkeypatch):
+  import importlib.util
+
+  from olmo3 import attention
+  from olmo3.config import AttentionKernel
+
+  spec = importlib.util.spec_from_file_location("gpu_check",
+                                                os.path.join(ROOT, "benchmarks/gpu_check.py"))
+  gpu_check = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gpu_check)
+  real = attention.attend
+
+  def ignores_documents(q, k, v, window, kernel, segments=None, **kwargs):
+    if kernel is AttentionKernel.DOT_PRODUCT:
+      segments = None  # the bug: documents dropped on the way to the kernel
+    return real(q, k, v, window, kernel, segments, **kwargs)
+
+  monkeypatch.setattr(attention, "attend", ignores_documents)
+  assert gpu_check.probe(["dot_product"])["dot_product"]["verdict"] == (
+      "WRONG: documents not honoured")
 
 
 def test_flag_sets_are_applied_once_whatever_the_environment_already_holds(monkeypatch):

@@ -322,8 +322,8 @@ class StepBound:
   """A lower bound on one step's time on a device from the compiled program and the device's
   published peaks (olmo3.flops.DevicePeaks), each term the time one resource alone needs: the
   step's FLOPs (the exact analytic count, per device) at peak FLOP/s, its memory traffic
-  (`memory_traffic_bytes`) at peak HBM bandwidth, its collectives' bytes (`collective_bytes`)
-  at the interconnect's bandwidth into the device. The step cannot be faster than the largest
+  (`memory_traffic_bytes`) at peak HBM bandwidth, its collectives' bytes (`link_bytes` of
+  `collective_bytes`) at the interconnect's bandwidth into the device. The step cannot be faster than the largest
   (the three overlapped perfectly); MFU cannot exceed compute_s / bound_s. A bound, not a
   prediction: latencies, imperfect overlap and kernels below peak all add to it."""
 
@@ -340,6 +340,12 @@ class StepBound:
     return self.compute_s / self.bound_s
 
   @property
+  def serial_s(self) -> float:
+    """The three one after another, none overlapped: not a bound, a yardstick (a step that
+    overlaps nothing and runs every kernel at peak)."""
+    return self.compute_s + self.memory_s + self.collective_s
+
+  @property
   def limit(self) -> str:
     return max((("compute", self.compute_s), ("memory", self.memory_s),
                 ("collectives", self.collective_s)), key=lambda kv: kv[1])[0]
@@ -348,14 +354,23 @@ class StepBound:
     return (f"step time >= {self.bound_s:.3f} s (a lower bound; {self.limit} limits it: compute "
             f"{self.compute_s:.3f} s, memory {self.memory_s:.3f} s, collectives "
             f"{self.collective_s:.3f} s at the device's published peaks) -> MFU <= "
-            f"{self.mfu_ceiling:.1%}")
+            f"{self.mfu_ceiling:.1%}; with nothing overlapped {self.serial_s:.3f} s, MFU "
+            f"{self.compute_s / self.serial_s:.1%}")
 
 
-def step_bound(analytic_flops_per_device: float, memory_bytes: float, collective_total: float,
+def link_bytes(moved: dict[str, float]) -> float:
+  """What a device's links carry for `collective_bytes`' result sizes: an all-reduce twice its
+  result (a reduce-scatter, then an all-gather of the reduced shards), every other kind its
+  result (an all-gather brings in (n - 1) / n of what it returns; a reduce-scatter, counted at
+  its shard, sends more: an underestimate, as a bound may be)."""
+  return sum(v * (2 if kind == "all-reduce" else 1) for kind, v in moved.items())
+
+
+def step_bound(analytic_flops_per_device: float, memory_bytes: float, link_total: float,
                peaks: flops_lib.DevicePeaks) -> StepBound:
   return StepBound(compute_s=analytic_flops_per_device / peaks.flops,
                    memory_s=memory_bytes / peaks.hbm_bandwidth,
-                   collective_s=collective_total / peaks.link_bandwidth)
+                   collective_s=link_total / peaks.link_bandwidth)
 
 
 def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileReport:
@@ -378,8 +393,7 @@ def compile_train_step(exp: Experiment, topology: str | None = None) -> CompileR
   n = model.mesh.devices.size
   analytic = exp.model.flops_per_token(exp.data.seq_len) * exp.tokens_per_step
   peaks = flops_lib.device_peaks(kind)
-  bound = None if peaks is None else step_bound(analytic / n, traffic, sum(moved.values()),
-                                                peaks)
+  bound = None if peaks is None else step_bound(analytic / n, traffic, link_bytes(moved), peaks)
   caveats = []
   if exp.model.scan_layers and exp.model.n_layers >= exp.model.global_every:
     caveats.append("XLA's cost analysis counts the scanned layer group once, not once per "
