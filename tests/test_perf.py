@@ -173,10 +173,17 @@ TRAFFIC_HLO = """HloModule step
   %ar = f32[8,4]{1,0} all-reduce(%f), to_apply=%cond
   ROOT %t = (s32[], f32[8,4]{1,0}) tuple(%i.1, %ar)
 }
-ENTRY %main (a: (s32[], f32[8,4]), y: bf16[16,16]) -> (s32[], f32[8,4]) {
+%offloaded (q: f32[8,4]) -> f32[8,4] {
+  %q = f32[8,4]{1,0} parameter(0)
+  ROOT %n = f32[8,4]{1,0} negate(%q)
+}
+ENTRY %main (a: (s32[], f32[8,4]), y: bf16[16,16], z: f32[8,4]) -> (s32[], f32[8,4]) {
   %a = (s32[], f32[8,4]{1,0}) parameter(0)
   %y = bf16[16,16]{1,0} parameter(1)
+  %z = f32[8,4]{1,0} parameter(2)
   %cp = bf16[16,16]{1,0} copy(%y)
+  %cs = ((f32[8,4]{1,0}), f32[8,4]{1,0}, u32[]) call-start(%z), async_execution_thread="sparsecore", to_apply=%offloaded
+  %cd = f32[8,4]{1,0} call-done(%cs)
   ROOT %w = (s32[], f32[8,4]{1,0}) while(%a), condition=%cond, body=%body
 }
 """
@@ -184,8 +191,11 @@ ENTRY %main (a: (s32[], f32[8,4]), y: bf16[16,16]) -> (s32[], f32[8,4]) {
 
 def test_memory_traffic_counts_operands_and_results_outside_fusions_per_trip():
   # The copy: 512 bytes read, 512 written; the fusion, 4 trips of two 128-byte operands and a
-  # 128-byte result; the all-reduce is interconnect traffic, the views and tuples none.
-  assert aot.memory_traffic_bytes(TRAFFIC_HLO) == 2 * 16 * 16 * 2 + 4 * 3 * 8 * 4 * 4
+  # 128-byte result; the asynchronous call what its computation moves (its start's tuple
+  # repeats the operand: counted once); the all-reduce is interconnect traffic, the views and
+  # tuples none.
+  assert aot.memory_traffic_bytes(TRAFFIC_HLO) == (2 * 16 * 16 * 2 + 4 * 3 * 8 * 4 * 4
+                                                   + 2 * 8 * 4 * 4)
 
 
 def test_the_step_bound_is_its_slowest_resource_and_caps_mfu():

@@ -213,9 +213,10 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
 # collectives (counted as interconnect traffic by `collective_bytes`).
 _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
                "partition-id", "replica-id", "iota", "opt-barrier", "optimization-barrier",
-               "add-dependency", "copy-start", "copy-done", "while", "conditional", "call"}
+               "add-dependency", "copy-start", "copy-done", "while", "conditional", "call",
+               "call-start", "call-done", "async-start", "async-update", "async-done"}
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_CONTROL_CALLEES = re.compile(r"(?:body|true_computation|false_computation)=%?([\w.\-]+)"
+_CONTROL_CALLEES = re.compile(r"(?:body|true_computation|false_computation|calls)=%?([\w.\-]+)"
                               r"|branch_computations=\{([^}]*)\}|\bto_apply=%?([\w.\-]+)")
 
 
@@ -295,7 +296,9 @@ def memory_traffic_bytes(hlo_text: str) -> float:
         times = _trip_count(line, bodies) or 1
         body = re.search(r"body=%?([\w.\-]+)", line)
         moved += times * total(body.group(1)) if body else 0.0
-      elif opcode in ("conditional", "call"):
+      elif opcode in ("conditional", "call", "call-start", "async-start"):
+        # (An asynchronous call, as the TPU compiler offloads work to SparseCores, counts
+        # what its computation moves, once: its start's tuple repeats the operands.)
         for callee, branches, applied in _CONTROL_CALLEES.findall(line):
           single = callee or applied
           for c in ([single] if single else re.findall(r"%?([\w.\-]+)", branches)):
