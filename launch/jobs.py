@@ -28,7 +28,7 @@ import tomllib
 from collections.abc import Sequence
 
 from launch import refs
-from olmo3.config import AttentionKernel, Experiment, MeshConfig
+from olmo3.config import AttentionKernel, ContextParallel, Experiment, MeshConfig
 from olmo3.data import mixes, sources
 from olmo3.data.tokens import DataError
 from olmo3.io import pathnames
@@ -163,12 +163,27 @@ def check_experiment(exp: Experiment, target: Target, devices_per_slice: int,
     where = ("--topology/--num_slices" if target is not Target.SLURM
              else "--nodes/--gpus_per_node")
     raise LaunchError(f"{where}: {problem}")
-  shards = filled_mesh(exp.mesh, devices_per_slice, slices)["sequence"]
-  if shards > 1 and kernel is AttentionKernel.CUDNN:
+  sizes = filled_mesh(exp.mesh, devices_per_slice, slices)
+  shards = sizes["sequence"]
+  if shards <= 1:
+    return
+  if exp.model.context_parallel is ContextParallel.ALL_TO_ALL:
+    split = shards * sizes["tensor"]
+    if exp.model.n_kv_heads % split:
+      raise LaunchError(f"mesh.shape: sequence={shards} x tensor={sizes['tensor']} splits the "
+                        f"heads {split} ways for all-to-all context parallelism; "
+                        f"model.n_kv_heads={exp.model.n_kv_heads} is not a multiple of {split}")
+    if kernel is AttentionKernel.CUDNN and exp.data.packing is not None:
+      raise LaunchError("data.packing: model.attention=cudnn cannot mask packed documents "
+                        "(JAX's cuDNN attention takes them only as a dense mask); stage 3 does "
+                        "not run on GPUs yet")
+    return
+  if kernel is AttentionKernel.CUDNN:
     raise LaunchError(f"mesh.shape: sequence={shards} (context parallelism) needs an attention "
                       "kernel that offsets each shard's causal mask; model.attention=cudnn "
-                      "cannot (splash on TPUs can)")
-  if shards > 1 and exp.data.seq_len % (2 * shards):
+                      "cannot (splash on TPUs can; or model.context_parallel=all_to_all, which "
+                      "needs no offset)")
+  if exp.data.seq_len % (2 * shards):
     raise LaunchError(f"mesh.shape: sequence={shards} splits each sequence into {2 * shards} "
                       f"equal chunks; data.seq_len={exp.data.seq_len} is not a multiple of "
                       f"{2 * shards}")

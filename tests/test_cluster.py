@@ -172,6 +172,20 @@ def test_stage3_jobs_show_their_context_parallel_mesh_and_refuse_what_cannot_spl
                                              "into 16 equal chunks; data.seq_len=65528"):
     jobs.check_experiment(_exp("experiments.olmo3_7b:stage3", sets=["data.seq_len=65528"]),
                           jobs.Target.GKE, 512, 1)
+  # All-to-all needs no offset mask and no zig-zag chunks, but cuDNN still cannot mask the
+  # packed documents; and a head split the key/value heads do not divide is refused (the
+  # sequence axis filled from -1 here, so the experiment's own check could not see it).
+  a2a = "model.context_parallel='all_to_all'"
+  jobs.check_experiment(_exp("experiments.olmo3_7b:stage3", sets=[a2a, "data.seq_len=65528"]),
+                        jobs.Target.GKE, 512, 1)
+  with pytest.raises(jobs.LaunchError, match=r"^data.packing: model.attention=cudnn cannot "
+                                             "mask packed documents"):
+    jobs.check_experiment(_exp("experiments.olmo3_7b:stage3", sets=[a2a], fiddlers=["gpu"]),
+                          jobs.Target.SLURM, 512, 1)
+  with pytest.raises(jobs.LaunchError, match=r"^mesh.shape: sequence=64 x tensor=1 splits the "
+                                             r"heads 64 ways .*n_kv_heads=32"):
+    jobs.check_experiment(_exp("experiments.olmo3_7b:stage3", sets=[
+        a2a, "mesh.shape=(('data', 1), ('fsdp', 8), ('sequence', -1))"]), jobs.Target.GKE, 512, 1)
 
 
 def test_xpk_command_runs_the_same_job():
