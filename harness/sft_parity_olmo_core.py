@@ -79,6 +79,7 @@ import tempfile
 from typing import Any
 
 from harness import stage3_parity_olmo_core as stage3
+from harness import train_parity_olmo_core as bench
 
 MICROBATCHES = 2
 JOIN_EVERY, JOINED = 7, 3  # multi-turn conversations, some longer than an instance
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     # OLMo-core's trainer: the recipe's warmup fraction, over 2 epochs of its loader's batches.
     max_steps = recipe.train.stop_at_epoch * per_epoch
     their_rows = stage3.olmo_core_run(recipe, initial, theirs, max_steps)
-  stage3.print_rows(our_rows, their_rows, args.dtype)
+  bench.print_rows(our_rows, their_rows, args.dtype)
   counts = stage3.rank_label_counts(theirs)
   labels = np.stack([b["labels"] for b in batches])
   tokens = np.stack([b["input_ids"] for b in batches])

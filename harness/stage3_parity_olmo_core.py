@@ -90,7 +90,7 @@ from typing import Any
 import numpy as np
 
 # Its pieces shared here: OLMo-core's trainer stand-in, the float64 changes to its model and
-# optimizer, the comparison.
+# optimizer, the comparison, the table of each step.
 from harness import train_parity_olmo_core as bench
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -598,16 +598,6 @@ def _olmo_core_rank(exp, initial: dict, batches: list[dict[str, Any]], ranks: in
   return rows
 
 
-def print_rows(our_rows: list[dict], their_rows: list[dict], dtype: str) -> None:
-  """Each step's loss, grad norm and LR from both sides."""
-  digits = 7 if dtype == "float32" else 13
-  print(f"{'step':>4}  {'loss (ours)':>{digits + 5}} {'loss (OLMo-core)':>{digits + 5}}  "
-        f"{'grad norm':>10} {'grad norm':>10}  {'LR':>10} {'LR':>10}")
-  for i, (x, y) in enumerate(zip(our_rows, their_rows), start=1):
-    print(f"{i:>4}  {x['loss']:>{digits + 5}.{digits}f} {y['loss']:>{digits + 5}.{digits}f}  "
-          f"{x['grad_norm']:>10.6f} {y['grad_norm']:>10.6f}  {x['lr']:>10.4e} {y['lr']:>10.4e}")
-
-
 def main(argv: list[str] | None = None) -> dict:
   from olmo3.config import RopePositions
 
@@ -647,7 +637,7 @@ def main(argv: list[str] | None = None) -> dict:
     initial, our_rows, batches = ours(exp, packed_source(exp), args.steps, mutations)
     checks = {**check_batches(batches, theirs), "documents_per_row": documents_per_row(batches)}
     their_rows = olmo_core_run(exp, initial, theirs, exp.optimizer.decay_steps)
-  print_rows(our_rows, their_rows, args.dtype)
+  bench.print_rows(our_rows, their_rows, args.dtype)
   counts = rank_label_counts(theirs)
   result = {"dtype": args.dtype, **bench.compare(our_rows, their_rows), **checks,
             "first_loss": their_rows[0]["loss"], "last_loss": their_rows[-1]["loss"],

@@ -313,6 +313,19 @@ def compare(a: list[dict], b: list[dict]) -> dict:
   }
 
 
+def print_rows(our_rows: list[dict], their_rows: list[dict], dtype: str,
+               skipped: bool = False) -> None:
+  """Each step's loss, grad norm and LR from both sides (`skipped`: and whether each skipped the
+  step): the table of this harness and of those that share its pieces."""
+  digits = 7 if dtype == "float32" else 13
+  print(f"{'step':>4}  {'loss (ours)':>{digits + 5}} {'loss (OLMo-core)':>{digits + 5}}  "
+        f"{'grad norm':>10} {'grad norm':>10}  {'LR':>10} {'LR':>10}" + "  skipped" * skipped)
+  for i, (x, y) in enumerate(zip(our_rows, their_rows), start=1):
+    print(f"{i:>4}  {x['loss']:>{digits + 5}.{digits}f} {y['loss']:>{digits + 5}.{digits}f}  "
+          f"{x['grad_norm']:>10.6f} {y['grad_norm']:>10.6f}  {x['lr']:>10.4e} {y['lr']:>10.4e}"
+          + (f"  {int(x['skipped'])} {int(y['skipped'])}" if skipped else ""))
+
+
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -331,13 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
   tokens = _batches(args.steps, args.batch, args.seq_len, exp.model.vocab_size, args.spike_step)
   initial, our_rows = ours(exp, tokens)
   their_rows = olmo_core_run(exp, initial, tokens)
-  digits = 7 if args.dtype == "float32" else 13
-  print(f"{'step':>4}  {'loss (ours)':>{digits + 5}} {'loss (OLMo-core)':>{digits + 5}}  "
-        f"{'grad norm':>10} {'grad norm':>10}  {'LR':>10} {'LR':>10}  skipped")
-  for i, (x, y) in enumerate(zip(our_rows, their_rows), start=1):
-    print(f"{i:>4}  {x['loss']:>{digits + 5}.{digits}f} {y['loss']:>{digits + 5}.{digits}f}  "
-          f"{x['grad_norm']:>10.6f} {y['grad_norm']:>10.6f}  {x['lr']:>10.4e} {y['lr']:>10.4e}  "
-          f"{int(x['skipped'])} {int(y['skipped'])}")
+  print_rows(our_rows, their_rows, args.dtype, skipped=True)
   result = {"dtype": args.dtype, **compare(our_rows, their_rows)}
   result["within"] = result["skip_decisions_equal"] and all(
       result[k] <= bound for k, bound in TOLERANCES[args.dtype].items())

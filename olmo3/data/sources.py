@@ -412,8 +412,10 @@ def by_set(files: list[MixFile]) -> dict[str, tuple[str, ...]]:
 def _refuse_a_named_mix_without_root(field: str, mix: str, root: str) -> None:
   """A named mix of AI2's (a list olmo3 ships) lists paths relative to AI2's token store: with
   no root to put them under, a launch named a file inside the installed package as missing."""
-  if (not root and mix not in EMBEDDED and not pathnames.is_url(mix) and not storage.exists(mix)
-      and mixes.find(mix) is not None):
+  # Cheap checks first: the package lookup rules out nearly every mix before the store is asked
+  # (nothing before this asked it whether `mix` is a file; `prepared` looked for a manifest).
+  if (not root and mix not in EMBEDDED and not pathnames.is_url(mix)
+      and mixes.find(mix) is not None and not storage.exists(mix)):
     setting = "DataConfig.root" if field == "DataConfig.mix" else "eval.heldout_root (or data.root)"
     raise DataError(f"{field}={mix!r} is a named mix of AI2's token files, listed relative to "
                     f"where they are stored: set {setting} to that directory or URL "

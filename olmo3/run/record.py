@@ -166,14 +166,14 @@ def _launch(line: str, where: str) -> Launch:
 SET_ASIDE = ".set-aside"  # history.jsonl.set-aside: lines no launch record, as metrics.jsonl's
 
 
-def _read_history(path: epath.Path) -> tuple[list[Launch], list[str]]:
+def _read_history(path: epath.Path) -> tuple[list[Launch], list[str], str | None]:
   """(the launches of a history file, oldest first; its lines that are no launch record, each
-  logged with its number and why)."""
+  logged with its number and why; its text, None when there is none)."""
   if not path.exists():
-    return [], []
+    return [], [], None
+  text = path.read_bytes().decode(errors="replace")
   launches, garbled = [], []
-  for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(),
-                                start=1):
+  for number, line in enumerate(text.splitlines(), start=1):
     if not line.strip():
       continue
     try:
@@ -182,7 +182,7 @@ def _read_history(path: epath.Path) -> tuple[list[Launch], list[str]]:
       garbled.append(line)
       logging.warning("%s; skipped (the next launch sets it aside in %s%s)", e, path.name,
                       SET_ASIDE)
-  return launches, garbled
+  return launches, garbled, text
 
 
 def read_history(workdir: str | os.PathLike) -> list[Launch]:
@@ -250,7 +250,10 @@ class RunRecord:
     """The recorded launches; a workdir holding config.json without a history (lost, or
     written by hand) reads as one launch of revision 0 from step 0, so its config is still
     the one a resume is checked against."""
-    history = read_history(self.workdir.root)
+    return self._or_config_alone(read_history(self.workdir.root))
+
+  def _or_config_alone(self, history: list[Launch]) -> list[Launch]:
+    """`history`; when it is empty beside revision 0's config, the one launch that implies."""
     if history or not self.workdir.path(revision_files(0)[0]).exists():
       return history
     config, _, experiment = revision_files(0)
@@ -271,7 +274,10 @@ class RunRecord:
     self._found = self.workdir.listing()
     self._import_found = self.workdir.path(OLMO_CORE_IMPORT).exists()
     epath.Path(self.workdir.root).mkdir(parents=True, exist_ok=True)
-    history = self.history()
+    # One read gives the launches, the lines to set aside and the text `undo` restores.
+    path = self.workdir.history
+    history, garbled, self._history_before = _read_history(path)
+    history = self._or_config_alone(history)
     revision = history[-1].revision if history else 0
     if not history or new_config is not None:
       if new_config is None:
@@ -289,9 +295,6 @@ class RunRecord:
     launch = Launch(
         len(history) + 1, revision, start_step, config, exp_file, tuple(argv),
         datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), plan or {})
-    path = self.workdir.history
-    self._history_before = path.read_text() if path.exists() else None
-    _, garbled = _read_history(path)
     if garbled:  # kept beside it, never deleted: the history is rewritten without them
       aside = path.parent / (path.name + SET_ASIDE)
       before = aside.read_text() if aside.exists() else ""
