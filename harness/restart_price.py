@@ -97,9 +97,9 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
   }
   restart_s = sum(v for v in phases.values() if not math.isnan(v))
   mtbf = 86_400 / preemptions_per_day
-  # The loop's stall per save: what the async save blocks on, less the checksums (the TPU
-  # computes them at HBM speed): the copy of the host's share off the devices.
-  save_s = gcs["save_blocking_s"] - gcs["checksums_s"]
+  # The loop's stall per save: what the async save blocks on on a TPU, the copy of the host's
+  # share off the devices (its checksums run there at HBM speed), measured by itself.
+  save_s = gcs["copy_off_devices_s"]
   cadences = [100, 200, 500, 1000, 2000, 5000, 10_000]
   # Young's interval: sqrt(2 x the save's cost x the time between failures), in steps.
   best = max(1, round(math.sqrt(2 * save_s * mtbf) / step_s))
