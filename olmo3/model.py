@@ -125,10 +125,11 @@ class Attention(nnx.Module):
       # Gathered first, then put in position order on each device: permuted while sharded,
       # the partitioner moved the whole array through an all-reduce each way (twice an
       # all-gather's bytes, and its gradient reduced whole where a reduce-scatter suffices).
-      x = checkpoint_name(constrain(x, names), Name.GATHERED_KV)
+      x = constrain(x, names)
       return x if inverse_S is None else constrain(x[:, inverse_S], names)
 
-    k_BSGK, v_BSGK = (whole(x, ("batch", None, "act_heads", None)) for x in (k_BTGK, v_BTGK))
+    k_BSGK, v_BSGK = (checkpoint_name(whole(x, ("batch", None, "act_heads", None)),
+                                      Name.GATHERED_KV) for x in (k_BTGK, v_BTGK))
     segments_BS = None if segments_BT is None else whole(segments_BT, ("batch", None))
     return attention_lib.attend(q_BTHK, k_BSGK, v_BSGK, window, self.cfg.attention, segments_BT,
                                 positions_T=order_T, segments_BS=segments_BS,
@@ -138,8 +139,8 @@ class Attention(nnx.Module):
     """Ulysses context parallelism (ContextParallel.ALL_TO_ALL): queries, keys and values go
     from the sequence split to a head split (an all-to-all each), every device attends the
     whole sequence, in position order, for its heads with the plain causal mask, and the output
-    goes back to the sequence split (a third all-to-all; the backward pass runs the same
-    swaps in reverse). No key is gathered whole and no mask is offset."""
+    goes back to the sequence split (a fourth; the backward pass swaps the output's gradient
+    in and the three gradients back). No key is gathered whole and no mask is offset."""
     inverse_T = None if attention_lib.in_order(order_T) else np.argsort(order_T)
 
     def whole(x):  # the sequence whole on each device, in position order
