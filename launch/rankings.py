@@ -30,13 +30,14 @@ def write_results(out: str, rows: list[dict[str, Any]], rank_by: str = "mfu") ->
 
 def ranked(rows: list[dict[str, Any]], rank_by: str = "mfu") -> list[dict[str, Any]]:
   """The rows best first: what fits first; then by (median) MFU, else tokens/s, else the MFU
-  ceiling of a compiled variant's step-time bound, else memory (smallest first); or, by
+  ceiling of a compiled variant's step-time bound (ties, as where compute bounds several, by
+  the time with nothing overlapped, shortest first), else memory (smallest first); or, by
   held-out CE, the lowest first (none: last)."""
 
   def rank(r):
     score = (r.get("mfu") or r.get("tokens_per_s") or r.get("mfu_ceiling")
              or -(r.get("memory_gb") or 1e9))
-    return (not r.get("fits"), -score if score is not None else 0)
+    return (not r.get("fits"), -score if score is not None else 0, r.get("serial_s") or 0)
 
   def rank_heldout(r):
     ce = r.get("heldout_ce")

@@ -255,6 +255,13 @@ def test_sweep_ranks_by_heldout_loss_lowest_first(tmp_path):
 
   assert ranked("heldout") == ["best", "middle", "fast", "crashed"]
   assert ranked() == ranked("mfu") == ["fast", "middle", "best", "crashed"]
+  # Compiled, not run: by the bound's MFU ceiling, ties (compute bounds both) by the time with
+  # nothing overlapped; what does not fit last.
+  rows = [{"variant": "slow_tie", "fits": True, "mfu_ceiling": 1.0, "serial_s": 1.1},
+          {"variant": "memory_bound", "fits": True, "mfu_ceiling": 0.9, "serial_s": 1.2},
+          {"variant": "too_big", "fits": False, "error": "ran out of device memory"},
+          {"variant": "fast_tie", "fits": True, "mfu_ceiling": 1.0, "serial_s": 0.9}]
+  assert ranked("mfu") == ["fast_tie", "slow_tie", "memory_bound", "too_big"]
 
   def run(compile_only, steps, *sets):
     return sweep.run_sweep(sweep.Sweep(
