@@ -22,8 +22,8 @@ from harness import storage_servers
 from tests import forked
 from tests.test_reliability import TINY, _env, straight  # noqa: F401
 
-BUDGET_S = 8  # OLMO3_STORAGE_RETRY_S in these runs
-LIMITS = {settings.RETRY_ENV: str(BUDGET_S), settings.TIMEOUT_ENV: "5",
+BUDGET_S = 4  # OLMO3_STORAGE_RETRY_S in these runs
+LIMITS = {settings.RETRY_ENV: str(BUDGET_S), settings.TIMEOUT_ENV: "3",
           lease_lib.TAKEOVER_ENV: "40"}
 
 
