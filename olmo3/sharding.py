@@ -141,6 +141,11 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
   return PartitionSpec(*(table[n] if n is not None else None for n in names))
 
 
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+  """A PartitionSpec entry as the tuple of mesh axes it names."""
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
 def sequence_axes() -> tuple[str, ...]:
   """The mesh axes the active rules split the `seq` axis over, those of size > 1 (none
   outside a mesh context): context parallelism when there are any."""
@@ -148,19 +153,13 @@ def sequence_axes() -> tuple[str, ...]:
   active = spmd.get_logical_axis_rules()
   if mesh.empty or not active:
     return ()
-  axes = logical_to_spec(("seq",), active)[0]
-  axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-  return tuple(a for a in axes if mesh.shape[a] > 1)
+  return tuple(a for a in _axes(logical_to_spec(("seq",), active)[0]) if mesh.shape[a] > 1)
 
 
 def sequence_shards() -> int:
   """How many pieces the active mesh cuts each sequence into (1: no context parallelism)."""
   mesh = jax.sharding.get_abstract_mesh()
   return int(np.prod([mesh.shape[a] for a in sequence_axes()], dtype=int))
-
-
-def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
 def heads_over_sequence_spec() -> PartitionSpec:

@@ -138,6 +138,18 @@ _CALLEES = re.compile(r"(?:body|to_apply|calls|true_computation|false_computatio
                       r"|branch_computations=\{([^}]*)\}")
 
 
+def _callees(line: str) -> list[str]:
+  """The computations an instruction calls (a loop's body, a call's or reduction's
+  computation, a fusion's, a conditional's branches)."""
+  return [c for callee, branches in _CALLEES.findall(line)
+          for c in ([callee] if callee else re.findall(r"%?([\w.\-]+)", branches))]
+
+
+def _operands(line: str, op: re.Match) -> list[str]:
+  """The names an instruction's operand list (after its opcode, `op`) refers to."""
+  return re.findall(r"%([\w.\-]+)", line[op.end():].split(")", 1)[0])
+
+
 def _shape_bytes(shape: str) -> int:
   """Bytes of an HLO result type: an array type, or every array of a tuple type."""
   return sum(_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
@@ -200,10 +212,9 @@ def collective_bytes(hlo_text: str) -> tuple[dict[str, float], bool]:
         trips = _trip_count(line, bodies)
         known = known and trips is not None
         times = trips or 1
-      for callee, branches in _CALLEES.findall(line):
-        for c in ([callee] if callee else re.findall(r"%?([\w.\-]+)", branches)):
-          for k, v in total(c):
-            sums[k] += times * v
+      for c in _callees(line):
+        for k, v in total(c):
+          sums[k] += times * v
     return tuple(sums.items())
 
   return dict(total(entry)) if entry else dict.fromkeys(COLLECTIVES, 0.0), known
@@ -216,8 +227,6 @@ _NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "add-dependency", "copy-start", "copy-done", "while", "conditional", "call",
                "call-start", "call-done", "async-start", "async-update", "async-done"}
 _NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_CONTROL_CALLEES = re.compile(r"(?:body|true_computation|false_computation|calls)=%?([\w.\-]+)"
-                              r"|branch_computations=\{([^}]*)\}|\bto_apply=%?([\w.\-]+)")
 
 
 def _fusion_io(computation: str, bodies: dict[str, list[str]]
@@ -239,7 +248,7 @@ def _fusion_io(computation: str, bodies: dict[str, list[str]]
       continue
     name, opcode = name.group(1), op.group(2)
     sizes[name] = _shape_bytes(op.group(1))
-    args = [alias.get(a, a) for a in re.findall(r"%([\w.\-]+)", line[op.end():].split(")", 1)[0])]
+    args = [alias.get(a, a) for a in _operands(line, op)]
     defs[name] = (opcode, args)
     nested = re.search(r"calls=%?([\w.\-]+)", line) if opcode == "fusion" else None
     nested_read = _fusion_io(nested.group(1), bodies)[0] if nested else {}
@@ -292,22 +301,16 @@ def memory_traffic_bytes(hlo_text: str) -> float:
       result = _shape_bytes(op.group(1))
       sizes[name.group(1)] = result
       opcode = op.group(2)
-      if opcode == "while":
-        times = _trip_count(line, bodies) or 1
-        body = re.search(r"body=%?([\w.\-]+)", line)
-        moved += times * total(body.group(1)) if body else 0.0
-      elif opcode in ("conditional", "call", "call-start", "async-start"):
-        # (An asynchronous call, as the TPU compiler offloads work to SparseCores, counts
-        # what its computation moves, once: its start's tuple repeats the operands.)
-        for callee, branches, applied in _CONTROL_CALLEES.findall(line):
-          single = callee or applied
-          for c in ([single] if single else re.findall(r"%?([\w.\-]+)", branches)):
-            moved += total(c)
+      if opcode in ("while", "conditional", "call", "call-start", "async-start"):
+        # A loop's body once per trip. (An asynchronous call, as the TPU compiler offloads
+        # work to SparseCores, counts what its computation moves, once: its start's tuple
+        # repeats the operands.)
+        times = (_trip_count(line, bodies) or 1) if opcode == "while" else 1
+        moved += times * sum(total(c) for c in _callees(line))
       if opcode in _NO_TRAFFIC or opcode.removesuffix("-start").removesuffix("-done") in \
           COLLECTIVES:
         continue
-      operands = [sizes.get(a, 0) for a in
-                  re.findall(r"%([\w.\-]+)", line[op.end():].split(")", 1)[0])]
+      operands = [sizes.get(a, 0) for a in _operands(line, op)]
       fused = re.search(r"calls=%?([\w.\-]+)", line) if opcode == "fusion" else None
       if fused:
         read, wrote = _fusion_io(fused.group(1), bodies)
