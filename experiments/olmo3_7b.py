@@ -152,12 +152,14 @@ def stage3() -> fdl.Config[Experiment]:
   Context parallelism of 8, as AI2's (OLMo-core's TransformerContextParallelConfig.llama3,
   degree 8): each 65,536-token sequence split over 8 devices of the `sequence` axis, each
   holding 2 of 16 chunks (zig-zag: causal attention costs each the same), keys and values
-  gathered whole and kept for the backward pass (the custom remat keeps `gathered_kv`); fsdp
-  takes the rest (64 on tpu7x:4x8x8's 512 devices: one sequence each); weights over fsdp x
-  sequence. On tpu7x:4x8x8: 74.4 GB a device, 9.36 MB of collectives a token (2.0x stage 1:
-  the floor of gathering). `--fdl_set=model.context_parallel='all_to_all'` swaps sequence for
-  heads instead (Ulysses: 39.7 GB, 6.74 MB a token, 1.45x). docs/performance.md#context-
-  parallelism, benchmarks/RESULTS.md ("What stage 3 moves between devices", the cp_sweep)."""
+  gathered whole on the global layers, and on the sliding ones only the chunk before each of
+  a device's own (its 4,096-token chunk is the window), all kept for the backward pass (the
+  custom remat keeps `gathered_kv`); fsdp takes the rest (64 on tpu7x:4x8x8's 512 devices: one
+  sequence each); weights over fsdp x sequence. On tpu7x:4x8x8: 47.5 GB a device, 6.61 MB of
+  collectives a token (1.42x stage 1). `--fdl_set=model.context_parallel='all_to_all'` swaps
+  sequence for heads instead (Ulysses: 39.7 GB, 6.74 MB a token, 1.45x).
+  docs/performance.md#context-parallelism, benchmarks/RESULTS.md ("What stage 3 moves between
+  devices", the cp_sweep)."""
   cfg = stage2()
   cfg.mesh.shape = (("data", 1), ("fsdp", -1), ("sequence", 8), ("tensor", 1))
   cfg.model.rope_scaling = fdl.Config(Yarn, factor=8.0, beta_fast=32.0, beta_slow=1.0,

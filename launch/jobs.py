@@ -28,7 +28,8 @@ import tomllib
 from collections.abc import Sequence
 
 from launch import refs
-from olmo3.config import AttentionKernel, ContextParallel, Experiment, MeshConfig
+from olmo3.config import (AttentionKernel, ContextParallel, Experiment, MeshConfig,
+                          heads_split_problem)
 from olmo3.data import mixes, sources
 from olmo3.data.tokens import DataError
 from olmo3.io import pathnames
@@ -168,11 +169,10 @@ def check_experiment(exp: Experiment, target: Target, devices_per_slice: int,
   if shards <= 1:
     return
   if exp.model.context_parallel is ContextParallel.ALL_TO_ALL:
-    split = shards * sizes["tensor"]
-    if exp.model.n_kv_heads % split:
-      raise LaunchError(f"mesh.shape: sequence={shards} x tensor={sizes['tensor']} splits the "
-                        f"heads {split} ways for all-to-all context parallelism; "
-                        f"model.n_kv_heads={exp.model.n_kv_heads} is not a multiple of {split}")
+    problem = heads_split_problem(exp.model.n_kv_heads, shards * sizes["tensor"],
+                                  "key/value heads (model.n_kv_heads)")
+    if problem:
+      raise LaunchError(f"mesh.shape: sequence={shards} x tensor={sizes['tensor']}: {problem}")
     if kernel is AttentionKernel.CUDNN and exp.data.packing is not None:
       raise LaunchError("data.packing: model.attention=cudnn cannot mask packed documents "
                         "(JAX's cuDNN attention takes them only as a dense mask); stage 3 does "

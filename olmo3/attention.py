@@ -19,8 +19,8 @@ from jax.ad_checkpoint import checkpoint_name
 from olmo3 import platforms
 from olmo3.config import AttentionKernel, ModelConfig, RopePositions, Yarn
 from olmo3.remat import Name
-from olmo3.sharding import (heads_over_sequence_spec, logical_to_spec, sequence_axes,
-                            sequence_shards)
+from olmo3.sharding import (chunk_rows_spec, heads_over_sequence_spec, logical_to_spec,
+                            sequence_axes, sequence_shards)
 
 
 def wide(dtype: jnp.dtype) -> jnp.dtype:
@@ -277,6 +277,9 @@ def _attend_dot_product(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T
       implementation=implementation)
 
 
+SPLASH_LANES = 128  # splash's query blocks are multiples of this (a TPU vector's lanes)
+
+
 def _splash_mask(seq_len: int, window: int | None, positions_T: np.ndarray):
   """Splash's causal (sliding-window) mask with query row j at position positions_T[j] and keys
   at 0..S-1, computed inside the kernel; splash skips the blocks it masks whole."""
@@ -320,7 +323,7 @@ def _whole_keys(k_BGSK, v_BGSK, segments, axes, inverse_S):
 
 
 def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS,
-                   block: int, heads_over_sequence: bool, keys_split: bool):
+                   block: int, heads_over_sequence: bool, keys_split: bool, chunk_rows: bool):
   """Pallas splash attention; interpret mode off TPU (for tests). shard_map'd over the mesh.
   Documents (`segments_BT`) go in as splash's segment ids. With context parallelism by
   gathering, each shard runs its own queries (at `positions_T`) against every key: the kernel
@@ -330,7 +333,9 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, seg
   in position order, so that their gradient is a reduce-scatter (gathered outside, the
   shard_map's transpose all-reduced the whole sequence's gradients: 34 GB a step of the 7B's
   stage 3). `heads_over_sequence` (all-to-all context parallelism): the sequence is whole on
-  every device and the heads are split over the sequence's mesh axes too."""
+  every device and the heads are split over the sequence's mesh axes too. `chunk_rows`: each
+  row is one chunk of a sequence (olmo3.halo), the rows split over the batch's and the
+  sequence's mesh axes."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
   from flax.core import spmd
@@ -345,6 +350,8 @@ def _attend_splash(q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, seg
   if heads_over_sequence:
     batch, _, heads_axes, _ = heads_over_sequence_spec()
     spec, q_shards = jax.sharding.PartitionSpec(batch, heads_axes, None, None), 1
+  elif chunk_rows:
+    spec, q_shards = jax.sharding.PartitionSpec(chunk_rows_spec(), spec[1], None, None), 1
   if q_shards > 1 and positions_T is None:
     positions_T = np.arange(t)  # the mesh's contiguous split (Attention passes its own order)
   head_shards = 1
@@ -400,7 +407,7 @@ def attend(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int 
            kernel: AttentionKernel, segments_BT: jax.Array | None = None, *,
            positions_T: np.ndarray | None = None, segments_BS: jax.Array | None = None,
            heads_over_sequence: bool = False, keys_split: bool = False,
-           splash_block: int = 512) -> jax.Array:
+           chunk_rows: bool = False, splash_block: int = 512) -> jax.Array:
   """Causal (sliding-window when `window` is set) grouped-query attention; with `segments_BT`
   (a document id per token of a packed instance), never across documents.
 
@@ -411,7 +418,9 @@ def attend(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int 
   laid out as the queries are; the kernel gathers them itself.
   `heads_over_sequence`: the inputs are laid out for all-to-all context parallelism
   (olmo3.sharding.heads_over_sequence_spec), which the splash kernel's shard_map must know;
-  the other kernels follow their inputs' sharding."""
+  `chunk_rows`: each row is one chunk of a sequence, the rows split over the batch's and the
+  sequence's mesh axes (olmo3.halo), as the splash kernel's shard_map must know too.
+  The other kernels follow their inputs' sharding."""
   args = (q_BTHK, k_BSGK, v_BSGK, window, segments_BT, positions_T, segments_BS)
   if keys_split and kernel is not AttentionKernel.SPLASH:
     raise ValueError(f"the {kernel.value} kernel reads keys gathered whole (keys_split is "
@@ -424,5 +433,5 @@ def attend(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int 
     case AttentionKernel.CUDNN:
       return _attend_dot_product(*args, "cudnn")
     case AttentionKernel.SPLASH:
-      return _attend_splash(*args, splash_block, heads_over_sequence, keys_split)
+      return _attend_splash(*args, splash_block, heads_over_sequence, keys_split, chunk_rows)
   raise ValueError(f"unknown attention kernel {kernel!r}")

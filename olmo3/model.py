@@ -22,6 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from olmo3 import attention as attention_lib
+from olmo3 import halo as halo_lib
 from olmo3.attention import wide
 from olmo3.config import AttentionKernel, ContextParallel, DType, ModelConfig
 from olmo3 import remat as remat_lib
@@ -114,7 +115,14 @@ class Attention(nnx.Module):
     """Context parallelism by gathering (ContextParallel.ALL_GATHER): each shard keeps its
     queries (at their positions `order_T`) and reads every key, so keys, values (and their
     documents) are gathered whole along the sequence, in position order (the all-gather of
-    OLMo-core's llama3-style context parallelism; its gradient a reduce-scatter)."""
+    OLMo-core's llama3-style context parallelism; its gradient a reduce-scatter). A sliding
+    layer reads only the chunks its window reaches (`_halo`), where that moves less."""
+    halo = halo_lib.plan(order_T, sequence_shards(), window)
+    if halo is not None and self.cfg.attention is AttentionKernel.SPLASH and (
+        halo.chunk % attention_lib.SPLASH_LANES):
+      halo = None  # splash tiles queries by its lanes: chunks shorter than that are gathered
+    if halo is not None:
+      return self._halo(q_BTHK, k_BTGK, v_BTGK, window, segments_BT, halo)
     if self.cfg.attention is AttentionKernel.SPLASH:  # gathers inside its shard_map
       return attention_lib.attend(q_BTHK, k_BTGK, v_BTGK, window, self.cfg.attention,
                                   segments_BT, positions_T=order_T, segments_BS=segments_BT,
@@ -134,6 +142,20 @@ class Attention(nnx.Module):
     return attention_lib.attend(q_BTHK, k_BSGK, v_BSGK, window, self.cfg.attention, segments_BT,
                                 positions_T=order_T, segments_BS=segments_BS,
                                 splash_block=self.cfg.splash_block)
+
+  def _halo(self, q_BTHK, k_BTGK, v_BTGK, window, segments_BT, halo: halo_lib.Halo):
+    """A sliding layer under context parallelism by gathering: each chunk of queries reads the
+    chunks its window reaches, received from the shards that hold them (olmo3.halo), not the
+    whole sequence; the received keys and values are kept for the backward pass."""
+    k_NSGK, v_NSGK = (checkpoint_name(x, Name.GATHERED_KV)
+                      for x in halo_lib.keys_read(k_BTGK, v_BTGK, halo))
+    segments_NC, segments_NS = halo_lib.documents_read(segments_BT, q_BTHK.shape[0], halo)
+    out_NCHK = attention_lib.attend(halo_lib.chunked(q_BTHK, halo), k_NSGK, v_NSGK, window,
+                                    self.cfg.attention,
+                                    segments_NC, positions_T=halo.positions_C,
+                                    segments_BS=segments_NS, chunk_rows=True,
+                                    splash_block=self.cfg.splash_block)
+    return halo_lib.unchunked(out_NCHK, halo)
 
   def _all_to_all(self, q_BTHK, k_BTGK, v_BTGK, window, segments_BT, order_T):
     """Ulysses context parallelism (ContextParallel.ALL_TO_ALL): queries, keys and values go

@@ -16,7 +16,7 @@ from flax import nnx
 from flax.core import spmd  # holds the rules that nnx.logical_axis_rules sets
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from olmo3.config import MeshConfig
+from olmo3.config import MeshConfig, heads_split_problem
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -173,18 +173,23 @@ def heads_over_sequence_spec() -> PartitionSpec:
   return PartitionSpec(batch, None, split or None, None)
 
 
+def chunk_rows_spec() -> str | tuple[str, ...] | None:
+  """The row axis of [N, C, ...] arrays whose rows are (batch row, sequence chunk) pairs
+  (olmo3.halo): split over the batch's mesh axes and then the sequence's, so that each device's
+  rows are its own batch rows' own chunks. Needs an active mesh and rules."""
+  batch, seq = logical_to_spec(("batch", "seq"), spmd.get_logical_axis_rules())
+  return (_axes(batch) + _axes(seq)) or None
+
+
 def heads_over_sequence(x_BTHK: jax.Array) -> jax.Array:
   """`x_BTHK` constrained to `heads_over_sequence_spec` (from the sequence split: an
   all-to-all), refusing in one line a head count the split does not divide."""
   spec = heads_over_sequence_spec()
   mesh = jax.sharding.get_abstract_mesh()
   shards = int(np.prod([mesh.shape[a] for a in _axes(spec[2])], dtype=int))
-  if x_BTHK.shape[2] % shards:
-    raise ValueError(
-        f"all-to-all context parallelism splits the heads over mesh axes {_axes(spec[2])} "
-        f"({shards} ways), which does not divide {x_BTHK.shape[2]} heads; use "
-        "model.context_parallel='all_gather' or a sequence (x tensor) degree that divides the "
-        "key/value heads")
+  problem = heads_split_problem(x_BTHK.shape[2], shards)
+  if problem:
+    raise ValueError(f"mesh axes {_axes(spec[2])}: {problem}")
   return jax.lax.with_sharding_constraint(x_BTHK, spec)
 
 

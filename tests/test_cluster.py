@@ -182,8 +182,9 @@ def test_stage3_jobs_show_their_context_parallel_mesh_and_refuse_what_cannot_spl
                                              "mask packed documents"):
     jobs.check_experiment(_exp("experiments.olmo3_7b:stage3", sets=[a2a], fiddlers=["gpu"]),
                           jobs.Target.SLURM, 512, 1)
-  with pytest.raises(jobs.LaunchError, match=r"^mesh.shape: sequence=64 x tensor=1 splits the "
-                                             r"heads 64 ways .*n_kv_heads=32"):
+  with pytest.raises(jobs.LaunchError, match=r"^mesh.shape: sequence=64 x tensor=1: all-to-all "
+                                             r"context parallelism splits the heads 64 ways .* "
+                                             r"does not divide 32 key/value heads"):
     jobs.check_experiment(_exp("experiments.olmo3_7b:stage3", sets=[
         a2a, "mesh.shape=(('data', 1), ('fsdp', 8), ('sequence', -1))"]), jobs.Target.GKE, 512, 1)
 

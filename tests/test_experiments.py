@@ -178,8 +178,8 @@ def test_all_to_all_context_parallelism_refuses_a_degree_that_does_not_divide_th
   cfg.model.context_parallel = config.ContextParallel.ALL_TO_ALL
   cfg.mesh.shape = (("fsdp", -1), ("sequence", 8))
   with pytest.raises(config.ConfigError, match=r"^Experiment.model.context_parallel='all_to_all'"
-                     r": 'all_to_all' splits the heads 8 ways \(mesh sequence x tensor\), which "
-                     r"does not divide model.n_kv_heads \(4\)"):
+                     r": all-to-all context parallelism splits the heads 8 ways \(mesh sequence "
+                     r"x tensor\), which does not divide 4 key/value heads \(model.n_kv_heads\)"):
     fdl.build(cfg)
   cfg.mesh.shape = (("fsdp", -1), ("sequence", 2), ("tensor", 2))
   fdl.build(cfg)

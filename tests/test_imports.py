@@ -16,7 +16,7 @@ LAYERS = (
     ("olmo3.remat", "olmo3.loss", "olmo3.xla_flags", "olmo3.config_checks"),
     ("olmo3.config",),
     ("olmo3.sharding", "olmo3.flops"),
-    ("olmo3.attention",),
+    ("olmo3.attention", "olmo3.halo"),
     ("olmo3.model", "olmo3.data"),
     ("olmo3.placement", "olmo3.convert", "olmo3.run"),
     ("olmo3.eval",),

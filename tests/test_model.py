@@ -8,6 +8,7 @@ from flax import nnx
 
 from olmo3 import config, sharding
 from olmo3 import attention as attention_lib
+from olmo3 import halo as halo_lib
 from olmo3 import model as model_lib
 from olmo3.config import AttentionKernel
 from olmo3.placement import ShardedModel
@@ -232,8 +233,9 @@ MHA = {"n_kv_heads": 8}  # all-to-all context parallelism splits the key/value h
     ("xla", {"data": 2, "sequence": 2, "tensor": 2}, 64, "all_gather", {}),
     ("xla", {"sequence": 8}, 64, "all_gather", {}),
     ("dot_product", {"fsdp": 2, "sequence": 4}, 64, "all_gather", {}),
-    # Splash (interpret mode) tiles 128 queries a block: 512 tokens over 4 shards.
-    ("splash", {"sequence": 4, "tensor": 2}, 512, "all_gather", {}),
+    # Splash (interpret mode) tiles 128 queries a block: 1024 tokens over 4 shards, chunks of
+    # 128 (the sliding layers read a halo, the global ones gather).
+    ("splash", {"sequence": 4, "tensor": 2}, 1024, "all_gather", {}),
     ("xla", {"fsdp": 4, "sequence": 2}, 64, "all_to_all", {}),  # grouped-query: 2 kv heads
     ("xla", {"fsdp": 2, "sequence": 4}, 64, "all_to_all", MHA),
     ("xla", {"data": 2, "sequence": 2, "tensor": 2}, 64, "all_to_all", MHA),
@@ -299,8 +301,9 @@ def test_all_to_all_refuses_a_degree_that_does_not_divide_the_kv_heads_in_one_li
   cfg = MICRO.replace(context_parallel=config.ContextParallel.ALL_TO_ALL)  # 2 kv heads
   sm = ShardedModel(cfg, sharding.make_mesh({"fsdp": 2, "sequence": 4}))
   tokens, labels, _ = _cp_inputs(cfg, 2, 64)
-  with sm.context(), pytest.raises(ValueError, match=r"splits the heads over mesh axes "
-                                   r"\('sequence',\) \(4 ways\), which does not divide 2 heads"):
+  with sm.context(), pytest.raises(ValueError, match=r"mesh axes \('sequence',\): all-to-all "
+                                   r"context parallelism splits the heads 4 ways .* which does "
+                                   r"not divide 2 heads"):
     jax.eval_shape(sm.token_losses, sm.param_shapes, tokens, labels)
 
 
@@ -320,6 +323,70 @@ def test_the_balanced_order_gives_every_shard_the_same_causal_work(shards):
   assert _causal_pairs(contiguous[-1]) > 2 * _causal_pairs(contiguous[0])
   with pytest.raises(ValueError, match="multiple of 16"):
     sharding.balanced_order(72, 8)
+
+
+def _received(halo, shards, slots):
+  """Which chunks (by place in the sequence) each shard's slots receive, hop by hop, running
+  the halo's permutes on the chunk numbers as the devices would (-1: none)."""
+  order = sharding.balanced_order(shards * slots * halo.chunk, shards)
+  held = order[::halo.chunk].reshape(shards, slots) // halo.chunk
+  got = -np.ones((shards, slots, halo.hops), int)
+  for to_slot, hop, from_slot, pairs in halo.permutes:
+    for source, dest in pairs:
+      assert got[dest, to_slot, hop - 1] == -1  # one sender a chunk
+      got[dest, to_slot, hop - 1] = held[source, from_slot]
+  return held, got
+
+
+@pytest.mark.parametrize("seq_len, shards, window, chunk, hops", [
+    (65536, 8, 4096, 4096, 1),  # the 7B's stage 3: one chunk a slot, a seventh of gathering
+    (64, 4, 16, 8, 2), (512, 8, 128, 32, 4)])
+def test_a_sliding_layer_receives_exactly_the_chunks_its_window_reaches(seq_len, shards, window,
+                                                                          chunk, hops):
+  plan = halo_lib.plan(sharding.balanced_order(seq_len, shards), shards, window)
+  assert (plan.chunk, plan.hops, plan.slots) == (chunk, hops, 2)
+  held, got = _received(plan, shards, 2)
+  for hop in range(1, hops + 1):
+    expected = np.where(held - hop >= 0, held - hop, -1)
+    np.testing.assert_array_equal(got[..., hop - 1], expected)
+    np.testing.assert_array_equal(np.asarray(plan.present)[..., hop - 1], expected >= 0)
+  # The window's first key is within the chunks read, the last one read is needed.
+  assert (hops - 1) * chunk < window - 1 <= hops * chunk
+
+
+def test_layers_a_halo_would_not_save_gather_whole():
+  order = sharding.balanced_order(64, 4)
+  assert halo_lib.plan(order, 4, None) is None  # a global layer reads every key
+  assert halo_lib.plan(order, 4, 17).hops == 2  # 16 keys back: two chunks of 8
+  assert halo_lib.plan(order, 4, 18) is None  # 17: three chunks, as many as gathering reads
+  assert halo_lib.plan(np.arange(64), 1, 16) is None
+  assert halo_lib.plan(np.arange(64), 4, 16).slots == 1  # the mesh's contiguous split
+
+
+def test_sliding_layers_move_a_halo_not_the_whole_sequence(monkeypatch):
+  """What the compiled program moves with the sequence over 8 and gathering: sliding layers
+  permute the chunks their window reaches; gathering them whole (the halo switched off) moves
+  more, by over 1.5 times what the halo moves. Equal losses are
+  test_context_parallel_equals_one_device's."""
+  from olmo3.train import aot
+
+  cfg = MICRO.replace(context_parallel=config.ContextParallel.ALL_GATHER)
+  mesh = sharding.make_mesh({"sequence": 8})
+
+  def moved():
+    sm = ShardedModel(cfg, mesh)
+    with sm.context():
+      text = jax.jit(jax.grad(lambda p, t, l, s: sm.token_losses(p, t, l, s).nll_BT.sum())).lower(
+          sm.param_shapes, *_cp_inputs(cfg, 2, 128)).compile().as_text()
+    return aot.collective_bytes(text)[0]
+
+  halo = moved()
+  monkeypatch.setattr(halo_lib, "plan", lambda *args: None)
+  whole = moved()
+  permuted = halo["collective-permute"]
+  assert permuted > 0 and whole["collective-permute"] == 0, (halo, whole)
+  # (The parameters' gathers, the same in both, are most of either at this size.)
+  assert sum(whole.values()) - sum(halo.values()) > 1.5 * permuted, (halo, whole)
 
 
 def test_splash_skips_the_same_number_of_blocks_on_every_query_shard():

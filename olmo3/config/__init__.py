@@ -21,7 +21,8 @@ from olmo3.config.data import DataConfig, LongDocuments, Packing, RepetitionFilt
 from olmo3.config.experiment import (EvalConfig, Experiment, WandbConfig, WandbMode,
                                      resumable_fields)
 from olmo3.config.model import (INT32_MAX, PRESETS, AttentionKernel, ContextParallel, DType,
-                                ModelConfig, RopePositions, ScaledLayers, Yarn, olmo3_7b,
+                                ModelConfig, RopePositions, ScaledLayers, Yarn,
+                                heads_split_problem, olmo3_7b,
                                 olmo3_7b_long_context, olmo3_32b, olmo3_micro, olmo3_tiny)
 from olmo3.config.training import (SEED_MAX, CheckpointConfig, InitMode, LossMean, MeshConfig,
                                    OptimizerConfig, Schedule, SpikeWindowOnRestart, TrainConfig)
@@ -42,7 +43,7 @@ del _part, _cls
 __all__ = [
     "Any", "ConfigError", "Remat", "INT32_MAX", "SEED_MAX", "PRESETS", "resumable_fields",
     "olmo3_7b", "olmo3_7b_long_context", "olmo3_32b", "olmo3_micro", "olmo3_tiny",
-    "DType", "AttentionKernel", "ContextParallel", "ScaledLayers", "RopePositions", "Yarn",
+    "DType", "AttentionKernel", "ContextParallel", "heads_split_problem", "ScaledLayers", "RopePositions", "Yarn",
     "ModelConfig",
     "RepetitionFilter", "LongDocuments", "Packing", "DataConfig", "Schedule",
     "SpikeWindowOnRestart", "OptimizerConfig", "MeshConfig", "LossMean", "TrainConfig", "InitMode",

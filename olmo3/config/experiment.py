@@ -9,7 +9,7 @@ from typing import Any
 
 from olmo3.config_checks import RESUMABLE, Validated, bounded, fail, nonempty, require, resumable
 from olmo3.config.data import DataConfig
-from olmo3.config.model import ContextParallel, ModelConfig
+from olmo3.config.model import ContextParallel, ModelConfig, heads_split_problem
 from olmo3.config.training import (CheckpointConfig, LossMean, MeshConfig, OptimizerConfig,
                                    TrainConfig)
 
@@ -119,12 +119,11 @@ class Experiment(Validated):
            "the stage's epochs", None)
     shape = dict(self.mesh.shape)
     split = shape.get("sequence", 1) * max(shape.get("tensor", 1), 1)
+    problem = heads_split_problem(self.model.n_kv_heads, split,
+                                  "key/value heads (model.n_kv_heads)")
     if (self.model.context_parallel is ContextParallel.ALL_TO_ALL and shape.get("sequence", 1) > 1
-        and self.model.n_kv_heads % split):
-      fail(self, "model.context_parallel", f"'all_to_all' splits the heads {split} ways (mesh "
-           f"sequence x tensor), which does not divide model.n_kv_heads "
-           f"({self.model.n_kv_heads}); use 'all_gather' or a degree dividing the key/value "
-           "heads", self.model.context_parallel.value)
+        and problem):
+      fail(self, "model.context_parallel", problem, self.model.context_parallel.value)
     if (self.train.loss_mean is LossMean.PER_RANK
         and self.data.global_batch_size % self.train.loss_ranks):
       fail(self, "train.loss_ranks", "must divide data.global_batch_size "

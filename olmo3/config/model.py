@@ -46,6 +46,17 @@ class ContextParallel(enum.StrEnum):
   ALL_TO_ALL = "all_to_all"
 
 
+def heads_split_problem(heads: int, split: int, what: str = "heads") -> str | None:
+  """Why all-to-all context parallelism cannot split `heads` `split` ways (the mesh's sequence x
+  tensor size), or None: one rule, worded once, for the experiment, the cluster job and the
+  trace."""
+  if split <= 1 or heads % split == 0:
+    return None
+  return (f"all-to-all context parallelism splits the heads {split} ways (mesh sequence x "
+          f"tensor), which does not divide {heads} {what}; use "
+          "model.context_parallel='all_gather' or a degree that divides the key/value heads")
+
+
 INT32_MAX = 2**31 - 1  # step counts and token ids live in int32 arrays on the device
 
 
