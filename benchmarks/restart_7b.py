@@ -213,6 +213,26 @@ def phase_detection(workdir: str, lost: int) -> dict:
           "survivor_last_line": last[0] if last else ""}
 
 
+def phase_lease(workdir_url: str) -> dict:
+  """The restarted job's lease in the bucket: the lost attempt's lease (attempt 0, another host,
+  renewed no more) taken at once by the JobSet's next attempt (olmo3.run.lease); seconds from
+  the new launch's first read of it to its own lease written."""
+  from olmo3.run import lease
+
+  os.environ.update({lease.JOB_ENV: "jobset-uid", lease.ATTEMPT_ENV: "0"})
+  lost = lease.Lease(workdir_url)
+  lost.record.update(host="the-lost-host")
+  lost.acquire()
+  lost._stop.set()  # pylint: disable=protected-access  # the host is gone: no more renewals
+  os.environ[lease.ATTEMPT_ENV] = "1"
+  start = time.perf_counter()
+  later = lease.Lease(workdir_url)
+  later.acquire()
+  took = time.perf_counter() - start
+  later.release()
+  return {"takeover_s": took}
+
+
 def _free_port() -> int:
   import socket
 
@@ -237,7 +257,7 @@ def main() -> None:
   platforms.choose()  # the CPU: no TPU probing (the topology is compiled for, not run on)
   if args.phase:
     phases = {"imports": phase_imports, "sizes": phase_sizes, "lower": phase_lower,
-              "checkpoint": phase_checkpoint,
+              "checkpoint": phase_checkpoint, "lease": phase_lease,
               "detection": lambda w, lost: phase_detection(w, int(lost))}
     print(json.dumps(phases[args.phase](*args.arg)))
     return
@@ -258,6 +278,7 @@ def main() -> None:
       server.make_bucket("run")
       _upload_empty_objects(server, "run", restart_price.MIX_FILES)
       measured["plan"] = _child("sizes", "--arg", "gs://run", env=server.env)
+      measured["lease"] = _child("lease", "--arg", "gs://run/workdir", env=server.env)
       measured["checkpoint_local"] = _child("checkpoint", "--arg", os.path.join(tmp, "ckpt"),
                                             env=eight)
       measured["checkpoint_gcs"] = _child("checkpoint", "--arg", "gs://run/ckpt",

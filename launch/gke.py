@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from launch import jobs
+from olmo3.run import lease
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
@@ -57,12 +58,20 @@ def check_quantity(value: str, flag: str) -> str:
   return value
 
 
+# Which attempt of which JobSet a pod's launcher is (JobSet labels every pod with its uid and the
+# restart attempt it was created for): a later attempt takes the workdir's lease over at once
+# and fences the earlier one (olmo3.run.lease), instead of waiting out the takeover age.
+ATTEMPT_ENV = [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
+               for name, label in ((lease.JOB_ENV, "jobset.sigs.k8s.io/jobset-uid"),
+                                   (lease.ATTEMPT_ENV, "jobset.sigs.k8s.io/restart-attempt"))]
+
+
 def jobset(job: PodJob) -> dict[str, Any]:
   """The JobSet: one replicated job per slice, one pod per host, every pod the launcher."""
   s = job.slices
   container: dict[str, Any] = {
       "name": CONTAINER, "image": job.image, "command": job.command.argv(),
-      "env": [{"name": k, "value": v} for k, v in job.env.items()],
+      "env": [{"name": k, "value": v} for k, v in job.env.items()] + ATTEMPT_ENV,
       # 8471: the TPU runtime between hosts and slices; 8080: the TPU metrics endpoint.
       "ports": [{"containerPort": 8471}, {"containerPort": 8080}],
       "resources": {"limits": {TPU_RESOURCE: s.chips_per_host}},
@@ -168,6 +177,10 @@ def validate_jobset(text: str, job: PodJob) -> dict[str, Any]:
   for var, value in job.env.items():
     if env.get(var) != value:
       raise jobs.LaunchError(f"manifest: env {var} is {env.get(var)!r}, not {value!r}")
+  for entry in ATTEMPT_ENV:
+    if entry not in (_get(container, "env") or []):
+      raise jobs.LaunchError(f"manifest: env {entry['name']} is not read from the pod's "
+                             f"{entry['valueFrom']['fieldRef']['fieldPath']}")
   if _get(container, "command") != job.command.argv():
     raise jobs.LaunchError(f"manifest: the command is not {job.command.shell()!r}")
   shm = [v for v in _get(pod, "volumes") or [] if v.get("name") == SHM_VOLUME]

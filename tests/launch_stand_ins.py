@@ -38,14 +38,14 @@ def _pause_before_taking_the_lease() -> None:
 
 
 def _in_another_container() -> None:
-  from olmo3.run import lease
+  from olmo3.run import processes
 
-  machine = lease._machine  # pylint: disable=protected-access
+  machine = processes.machine
 
   def another() -> dict[str, str | None]:
     return {**machine(), "pid_ns": "pid:[another container]"}
 
-  lease._machine = another  # pylint: disable=protected-access
+  processes.machine = another
 
 
 def _say_when_xla_compiles() -> None:

@@ -59,8 +59,13 @@ def test_jobset_manifest_for_a_multislice_tpu7x_job():
                                  "cloud.google.com/gke-tpu-topology": "4x4x8"}
   (container,) = pod["containers"]
   assert container["resources"]["limits"] == {"google.com/tpu": 4}
-  assert container["env"] == [{"name": "LIBTPU_INIT_ARGS",
-                               "value": " ".join(FLAG_SETS["tpu7x"].libtpu)}]
+  assert container["env"] == [
+      {"name": "LIBTPU_INIT_ARGS", "value": " ".join(FLAG_SETS["tpu7x"].libtpu)},
+      # Which attempt of which JobSet: a later attempt fences the earlier one's lease at once.
+      {"name": "OLMO3_JOB", "valueFrom": {"fieldRef": {
+          "fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"}}},
+      {"name": "OLMO3_ATTEMPT", "valueFrom": {"fieldRef": {
+          "fieldPath": "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"}}}]
   assert container["command"] == [
       "python", "launch/main.py", f"--fdl_config={STAGE1}",
       "--fdl_set=data.root='http://olmo-data.org'", "--workdir=gs://b/s1"]
@@ -75,6 +80,9 @@ def test_jobset_manifest_for_a_multislice_tpu7x_job():
       "resources", "limits", "google.com/tpu"), 8, "google.com/tpu limit is 8"),
     (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
       "env"), [], "env LIBTPU_INIT_ARGS is None"),
+    (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
+      "env", 2), {"name": "OLMO3_ATTEMPT", "value": "0"},
+     "env OLMO3_ATTEMPT is not read from the pod's metadata.labels"),
     (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
       "command", 3), "--fdl_set=data.root=''", "the command is not"),
     (("metadata",), {}, "missing metadata.name"),
@@ -229,13 +237,16 @@ def test_slurm_script_one_task_per_gpu(tmp_path):
   fake = tmp_path / "bin" / "srun"
   fake.parent.mkdir()
   fake.write_text('#!/bin/bash\nprintf "%s\\n" "$XLA_FLAGS" "$CUDA_DEVICE_MAX_CONNECTIONS" '
-                  '"${JAX_LOCAL_DEVICE_IDS-unset}" "$@"\n')
+                  '"${JAX_LOCAL_DEVICE_IDS-unset}" "$OLMO3_JOB" "$OLMO3_ATTEMPT" "$@"\n')
   fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
   (tmp_path / "job.sh").write_text(script)
   done = subprocess.run(["bash", str(tmp_path / "job.sh")], capture_output=True, text=True,
                         env=dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}",
-                                 XLA_FLAGS="--xla_dump_to=/tmp/x"), check=True)
-  xla, connections, local_ids, *srun = done.stdout.splitlines()
+                                 XLA_FLAGS="--xla_dump_to=/tmp/x", SLURM_JOB_ID="4242",
+                                 SLURM_RESTART_COUNT="2"), check=True)
+  xla, connections, local_ids, job_id, attempt, *srun = done.stdout.splitlines()
+  # Which attempt of the (requeued) job this is: the lease fences the earlier attempts.
+  assert (job_id, attempt) == ("slurm-4242", "2")
   # The flag set is appended to what the environment had, as the launcher appends it.
   assert xla == " ".join(("--xla_dump_to=/tmp/x", *FLAG_SETS["gpu_hopper"].xla))
   assert (connections, local_ids) == ("1", "unset")

@@ -174,6 +174,78 @@ def test_a_run_stops_without_saving_once_another_launch_holds_its_lease(tmp_path
   assert json.loads((tmp_path / "lease.json").read_text())["pid"] == 4242  # theirs stays
 
 
+def _attempt(monkeypatch, job, attempt):
+  monkeypatch.setenv(lease_lib.JOB_ENV, job)
+  monkeypatch.setenv(lease_lib.ATTEMPT_ENV, str(attempt))
+
+
+@pytest.mark.seconds(3, waits=True)
+def test_a_later_attempt_of_the_job_fences_a_live_holder_at_once_and_no_other_launch_does(
+    tmp_path, monkeypatch):
+  """JobSet's restart attempt (SLURM's restart count): attempt 1 of a job takes the lease of
+  that job's attempt 0 at once, live and renewing, here or on another host; attempt 0's next
+  renewal finds it taken, and its save checks first. The same attempt, an earlier one, another
+  job's, or a launch that knows no attempt keeps the rules: watched (another host) and refused
+  when renewed, or refused at once (a live holder here)."""
+  _attempt(monkeypatch, "jobset-uid-1", 0)
+  for host in (socket.gethostname(), "elsewhere"):
+    held = Lease(tmp_path, takeover=TAKEOVER)
+    held.record.update(host=host)
+    lease_lib.hold(held)  # takes it
+    lease_lib.check_before_save(1)  # its own: nothing raised
+    _attempt(monkeypatch, "jobset-uid-1", 1)
+    assert _takes_and_keeps(tmp_path) < 1.0
+    with pytest.raises(LeaseLost, match=r"^pid \d+ on host .* \(attempt 1 of job jobset-uid-1\) "
+                       r"holds the workdir lease .*\. Step 2 was not saved"):
+      lease_lib.check_before_save(2)
+    deadline = time.monotonic() + 2
+    while held.lost() is None and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert "taken over by pid" in held.lost() and "(attempt 1 of job jobset-uid-1)" in held.lost()
+    held.release()
+    (tmp_path / "lease.json").unlink()
+    _attempt(monkeypatch, "jobset-uid-1", 0)
+  # Not a later attempt of the same job: a live holder elsewhere is watched and refused.
+  held = Lease(tmp_path, takeover=TAKEOVER)
+  held.record.update(host="elsewhere", attempt=1)
+  held.acquire()
+  for job, attempt in (("jobset-uid-1", 1), ("jobset-uid-1", 0), ("jobset-uid-2", 5), (None, 0)):
+    if job is None:
+      monkeypatch.delenv(lease_lib.JOB_ENV)
+      monkeypatch.delenv(lease_lib.ATTEMPT_ENV)
+    else:
+      _attempt(monkeypatch, job, attempt)
+    with pytest.raises(LeaseHeld, match=r"in use by pid .* on host elsewhere \(attempt 1 of job "
+                       r"jobset-uid-1\)"):
+      Lease(tmp_path, takeover=TAKEOVER).acquire()
+  assert held.lost() is None
+  held.release()
+
+
+def _takes_and_keeps(workdir) -> float:
+  """Seconds a new launch took to take the lease (it must); it then stops renewing, keeping it."""
+  start = time.monotonic()
+  lease = Lease(workdir, takeover=TAKEOVER)
+  lease.acquire()
+  took = time.monotonic() - start
+  lease._stop.set()  # pylint: disable=protected-access  # its holder, stopped renewing
+  return took
+
+
+def test_an_attempt_without_its_job_or_not_a_count_is_refused_naming_the_variable(monkeypatch):
+  monkeypatch.setenv(lease_lib.ATTEMPT_ENV, "1")
+  with pytest.raises(ValueError, match=r"^OLMO3_ATTEMPT='1' needs OLMO3_JOB"):
+    lease_lib.attempt_setting()
+  monkeypatch.setenv(lease_lib.JOB_ENV, "j")
+  for bad in ("-1", "one", "1.0"):
+    monkeypatch.setenv(lease_lib.ATTEMPT_ENV, bad)
+    with pytest.raises(ValueError, match=rf"^OLMO3_ATTEMPT='{re.escape(bad)}': expected the "
+                       "attempt of job 'j' as a count from 0"):
+      lease_lib.attempt_setting()
+  monkeypatch.setenv(lease_lib.ATTEMPT_ENV, "3")
+  assert lease_lib.attempt_setting() == ("j", 3)
+
+
 # --- through the launcher ----------------------------------------------------------------------
 
 
@@ -250,6 +322,41 @@ def test_a_live_run_whose_clock_lags_is_refused_and_one_whose_lease_was_taken_sa
   committed = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
   assert stopped not in committed and max(committed) < stopped, (committed, stopped)
   assert json.loads((workdir / "lease.json").read_text())["pid"] == os.getpid()  # theirs stays
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_later_attempt_takes_over_a_live_run_at_once_and_the_earlier_saves_nothing_more(
+    tmp_path):
+  """Through the launcher, as JobSet's restart attempts (or SLURM's requeue count) number them:
+  attempt 0 trains, saving every step; the same attempt launched again is refused; attempt 1
+  takes the lease over at once (no takeover age waited, though the holder is alive) and
+  trains to its end; attempt 0 stops at its next save in one line, not saving it."""
+  workdir = tmp_path / "run"
+  attempt = lambda n: dict(_env(1), **{lease_lib.JOB_ENV: "jobset-uid-7",
+                                       lease_lib.ATTEMPT_ENV: str(n),
+                                       lease_lib.TAKEOVER_ENV: "600"})
+  args = [f"--workdir={workdir}", "--fdl_set=checkpoint.every=1"]
+  run = _background([*args, "--fdl_set=train.steps=100000"], attempt(0))
+  try:
+    run.until(lambda: (workdir / "checkpoints" / "3").exists())
+    again = forked.completed("main", [*TINY, *args, "--fdl_set=train.steps=100000"], attempt(0),
+                             timeout=120)
+    assert again.returncode == 1 and f"is in use by pid {run.proc.pid}" in again.stderr
+    later = forked.completed("main", [*TINY, *args, "--fdl_set=train.steps=12"], attempt(1),
+                             timeout=300)
+    assert later.returncode == 0, later.stderr[-3000:]
+    assert re.search(r"taking over the workdir lease \S+: it is held by pid \d+ on host \S+ "
+                     r"\(attempt 0 of job jobset-uid-7\) and this launch is attempt 1",
+                     later.stderr), later.stderr[-3000:]
+    assert "waiting up to" not in later.stderr
+    assert run.finish() == 1, run.log()
+  finally:
+    run.kill()
+  assert re.search(r"^error: .*\(attempt 1 of job jobset-uid-7\).*Step (\d+) was not saved",
+                   run.lines[-1]), run.log()
+  assert "Traceback" not in run.log(1000)
+  assert max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == 12
+  assert not (workdir / "lease.json").exists()  # the later attempt ended and released it
 
 
 class _AnswerLost:

@@ -20,6 +20,13 @@ never compared with the reader's, nor the store's modification times. What is tr
 - the store's conditional writes (below), so that only one launch wins any change.
 
 When is a holder dead (its lease is taken over)?
+- at once when this launch is a later attempt of the holder's job: the scheduler that restarts
+  a job numbers its attempts (JobSet's restart attempt, SLURM's restart count of a requeued job,
+  or `OLMO3_JOB` / `OLMO3_ATTEMPT` set by hand; `attempt_setting`), and starts attempt n + 1
+  only once it has given attempt n up. The earlier attempt, if a process of it still runs, is
+  fenced: its next renewal finds this launch's token and it stops at its next step boundary
+  without saving (below). A launch of the same attempt, an earlier one or none keeps the rules
+  that follow;
 - at once when it is provably a dead process of this machine: its pid no longer runs, runs
   another process (started at another time: a reused pid), or is this launch's own pid (a
   restarted container's PID 1 finds its predecessor's lease);
@@ -65,9 +72,12 @@ from jax.experimental import multihost_utils
 
 from olmo3 import program
 from olmo3.io import conditional, errors, pathnames, retry, storage
+from olmo3.run import processes
 from olmo3.run.record import Workdir
 
 TAKEOVER_ENV = "OLMO3_LEASE_TAKEOVER_S"
+JOB_ENV = "OLMO3_JOB"  # the job's identity across its restarts (JobSet's uid, SLURM's job id)
+ATTEMPT_ENV = "OLMO3_ATTEMPT"  # which attempt of that job this launch is: 0, 1, ...
 DEFAULT_TAKEOVER_S = 360.0  # twice the storage retry budget: a renewal outlasts an outage
 _BEATS_PER_TAKEOVER = 12  # the heartbeat's period is the takeover age / 12 (30 s by default)
 
@@ -95,37 +105,20 @@ def takeover_s() -> float:
   return program.seconds_setting(TAKEOVER_ENV, DEFAULT_TAKEOVER_S)
 
 
-def _read_first_line(path: str) -> str | None:
-  try:
-    with open(path) as f:
-      return f.readline().strip() or None
-  except OSError:
+def attempt_setting() -> tuple[str, int] | None:
+  """(job, attempt) from `OLMO3_JOB` and `OLMO3_ATTEMPT` (a rendered JobSet or SLURM script
+  sets both from its scheduler), or None when neither is set; SettingError naming the variable
+  when only one is, or the attempt is not a count from 0."""
+  job, attempt = os.environ.get(JOB_ENV, ""), os.environ.get(ATTEMPT_ENV, "")
+  if not job and not attempt:
     return None
-
-
-def _machine() -> dict[str, str | None]:
-  """What makes two processes' pids comparable: the same boot of the same machine, in the same
-  pid namespace (a container has its own)."""
-  try:
-    pid_ns = os.readlink("/proc/self/ns/pid")
-  except OSError:
-    pid_ns = None
-  return {"boot_id": _read_first_line("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns}
-
-
-def _start_time(pid: int) -> str | None:
-  """When process `pid` started (clock ticks since boot, /proc/<pid>/stat's 22nd field), or
-  None when no such process runs (a zombie, killed and not yet reaped, runs nothing). '' where
-  /proc does not tell (not Linux)."""
-  try:
-    with open(f"/proc/{pid}/stat") as f:
-      stat = f.read()
-  except FileNotFoundError:
-    return None
-  except OSError:
-    return ""
-  fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
-  return None if fields[0] in ("Z", "X") else fields[19]
+  if not job:
+    raise program.SettingError(f"{ATTEMPT_ENV}={attempt!r} needs {JOB_ENV}: the job whose "
+                               "attempt this launch is")
+  if not attempt.isdigit():
+    raise program.SettingError(f"{ATTEMPT_ENV}={attempt!r}: expected the attempt of job "
+                               f"{job!r} as a count from 0 ({JOB_ENV} is set)")
+  return job, int(attempt)
 
 
 def _parse(data: bytes) -> dict | None:
@@ -143,7 +136,9 @@ def _ago(seconds: float) -> str:
 
 
 def _who(holder: dict) -> str:
-  return f"pid {holder['pid']} on host {holder.get('host')}"
+  job, attempt = holder.get("job"), holder.get("attempt")
+  of = f" (attempt {attempt} of job {job})" if job is not None and attempt is not None else ""
+  return f"pid {holder['pid']} on host {holder.get('host')}{of}"
 
 
 class Lease:
@@ -151,13 +146,15 @@ class Lease:
     self.path = Workdir(os.fspath(workdir)).lease
     self.url = os.fspath(self.path)
     self.takeover_s = takeover_s() if takeover is None else takeover
+    attempt = attempt_setting()
     self.beat_s = self.takeover_s / _BEATS_PER_TAKEOVER
     pid = os.getpid()
     # "takeover_s": how long a taker watches this lease unchanged at least (it is renewed every
     # takeover_s / 12): a launch watching with a shorter age of its own waits this one.
     self.record = {"host": socket.gethostname(), "pid": pid, "token": uuid.uuid4().hex,
-                   "started": time.time(), "pid_start": _start_time(pid),
-                   "takeover_s": self.takeover_s, **_machine()}
+                   "started": time.time(), "pid_start": processes.start_time(pid),
+                   "takeover_s": self.takeover_s, **processes.machine(),
+                   **({"job": attempt[0], "attempt": attempt[1]} if attempt else {})}
     self._writes = itertools.count(1)  # the renewal count: every write's bytes differ
     self._version = ""  # the object's generation / ETag as this launch last wrote it
     self._renewed = 0.0  # time.monotonic() when the last write that landed was sent
@@ -226,11 +223,17 @@ class Lease:
       return _Verdict.UNKNOWN, "it is not a readable lease (empty or torn)"
     who = _who(holder)
     mine = self.record
+    theirs = holder.get("attempt")
+    if ("attempt" in mine and holder.get("job") == mine["job"] and type(theirs) is int
+        and theirs < mine["attempt"]):
+      return (_Verdict.DEAD, f"it is held by {who} and this launch is attempt "
+              f"{mine['attempt']}, a later one: the earlier attempt is fenced (it stops at its "
+              "next renewal without saving)")
     same_host = holder.get("host") == mine["host"]
     if same_host and all(holder.get(k) == mine[k] and mine[k] is not None
                          for k in ("boot_id", "pid_ns")):
       pid = int(holder["pid"])
-      started = _start_time(pid)
+      started = processes.start_time(pid)
       if started is None:
         return _Verdict.DEAD, f"its holder ({who}) no longer runs"
       recorded = holder.get("pid_start")  # None: a lease that does not say
@@ -430,6 +433,29 @@ def hold(lease: Lease) -> None:
     raise error
 
 
+def _taken_elsewhere() -> tuple[bool, str | None]:
+  """Whether another launch holds the job's lease now (process 0 reads it, every process gets
+  its answer; every process calls this at the same step), and who, in words, on process 0."""
+  lease = _held if jax.process_index() == 0 else None
+  elsewhere = lease.elsewhere() if lease is not None else None
+  taken = elsewhere is not None
+  if jax.process_count() > 1:
+    taken = bool(multihost_utils.broadcast_one_to_all(np.int32(taken)))
+  return taken, elsewhere
+
+
+def check_before_save(step: int) -> None:
+  """Before a checkpoint: a run whose lease another launch holds now (a later attempt of its
+  job fenced it, between two of its renewals) stops here with LeaseLost, saving nothing. Only a
+  launch that knows its attempt can be fenced; others are not asked (no read of the lease)."""
+  if attempt_setting() is None:  # the same environment on every process of the job
+    return
+  taken, elsewhere = _taken_elsewhere()
+  if taken:
+    raise LeaseLost(f"{elsewhere or 'another launch holds the workdir lease now'}. Step {step} "
+                    "was not saved: the workdir's run is not this one's to write", taken=True)
+
+
 def stop_without_lease(reason: str | None, step: int, save: Callable[[], None]) -> NoReturn:
   """The run lost its lease (on this process, for `reason`, or on another) and stops with
   LeaseLost saying why, having saved `step` if the storage allows and the lease is still this
@@ -437,11 +463,7 @@ def stop_without_lease(reason: str | None, step: int, save: Callable[[], None]) 
   checkpoint into it. Every process of the job calls it at the same step (they agreed to stop
   there), so process 0's verdict reaches them all."""
   why = reason or "another process of this job lost the workdir lease"
-  lease = _held if jax.process_index() == 0 else None
-  elsewhere = lease.elsewhere() if lease is not None else None
-  taken = elsewhere is not None
-  if jax.process_count() > 1:
-    taken = bool(multihost_utils.broadcast_one_to_all(np.int32(taken)))
+  taken, elsewhere = _taken_elsewhere()
   if taken:
     whose = ("" if elsewhere is None or elsewhere == reason else f" ({elsewhere})")
     raise LeaseLost(f"{why}. Step {step} was not saved: another launch holds the workdir now"

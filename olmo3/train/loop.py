@@ -53,7 +53,7 @@ from olmo3.train import decisions, logs
 from olmo3.train import state as state_lib
 from olmo3.train.run_checkpoints import RunCheckpoints
 from olmo3.train.loop_evaluation import LoopEvaluation
-from olmo3.run.lease import Lease, LeaseLost, hold, stop_without_lease
+from olmo3.run.lease import Lease, LeaseLost, check_before_save, hold, stop_without_lease
 from olmo3.train.preemption import Preemption
 from olmo3.train.rows import MetricRows, open_writer
 from olmo3.train.skips import SkipLimit
@@ -271,6 +271,7 @@ class _StepIO:
     state_lib.save(self.checkpoints, self.state, self.plan, self.data_position)
 
   def save(self, decision: decisions.Decision) -> None:
+    check_before_save(decision.step)  # a fenced earlier attempt saves nothing (LeaseLost)
     self.writer.flush()  # metrics up to a checkpoint are on disk before it can exist
     logging.info("%s", decision.saving)
     self.preemption.notice = decision.notice
