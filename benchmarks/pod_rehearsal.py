@@ -335,14 +335,14 @@ class Rehearsal:
     from olmo3.io import settings
     from olmo3.run import lease
 
-    from launch import main as launcher
+    from launch import peers
 
     base = {k: v for k, v in os.environ.items()
             if k != "XLA_FLAGS" and not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES",
                                                       "JAX_PROCESS_ID", "SLURM_"))}
     return dict(base, **self.gcs.env, **{
         settings.RETRY_ENV: str(RETRY_S), settings.TIMEOUT_ENV: str(TIMEOUT_S),
-        lease.TAKEOVER_ENV: str(TAKEOVER_S), launcher.HEARTBEAT_ENV: str(self.plan.heartbeat_s)})
+        lease.TAKEOVER_ENV: str(TAKEOVER_S), peers.HEARTBEAT_ENV: str(self.plan.heartbeat_s)})
 
   def stage1_args(self, steps: int, workdir: str, every: int) -> list[str]:
     return ["--fdl_config=experiments.olmo3_tiny:stage1", *RECIPE,

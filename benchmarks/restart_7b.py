@@ -4,10 +4,11 @@ goodput of the whole run at one preemption a day with the checkpoint cadence tha
   python benchmarks/restart_7b.py [--quick] [--startup_json FILE] [--out FILE.json]
 
 Measured here, each in a process of its own as a restarted host would run it:
-- detection: the real launcher as a 2-process CPU job, one process SIGKILLed mid-run; the
-  seconds until the survivor has exited, for a lost worker and a lost coordinator (on CPU a
-  worker's loss fails the survivor's next Gloo collective at once; on TPU the collective
-  waits, and the price takes the coordination service's heartbeat timeout, 100 s);
+- detection: the real launcher as a 2-process CPU job, one process SIGKILLed (a crash: its
+  sockets close, and the survivor's next collective fails at once) or SIGSTOPped (a lost host:
+  its connections stay open, and only the coordination service's heartbeat timeout, the 30 s
+  that launch/cluster.py renders, finds it) mid-run; the seconds until the survivor has
+  exited, for a lost worker and a lost coordinator; the price takes the SIGSTOPped ones;
 - imports: a fresh interpreter importing the launcher and everything a launch imports;
 - the plan: the sizes of 1,016 objects looked up in a GCS emulator bucket (fake-gcs-server on
   this machine), as every launch looks up its remote token files;
@@ -43,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # olmo3/, launch/ and harness/ (the price, the storage servers)
 
 from harness import restart_price  # noqa: E402
+from launch import peers  # noqa: E402
 
 
 def _child(phase: str, *args: str, env: dict[str, str] | None = None, timeout: int = 1800
@@ -176,14 +178,19 @@ def phase_checkpoint(directory: str) -> dict:
           "restore_io_gb_per_s": gb / max(restore - checksums, 1e-9)}
 
 
-def phase_detection(workdir: str, lost: int) -> dict:
-  """The tiny stage 1 as a 2-process job of the real launcher; process `lost` SIGKILLed after
-  its second logged step; seconds from the kill until the other process has exited."""
+def phase_detection(workdir: str, lost: int, how: str = "SIGKILL", heartbeat_s: str = "100"
+                    ) -> dict:
+  """The tiny stage 1 as a 2-process job of the real launcher; process `lost` sent `how` after
+  its second logged step (SIGKILL: its sockets close with it, as a crashed process's; SIGSTOP:
+  it stops answering with its connections open, as a host that lost power or its network);
+  seconds from the signal until the other process has exited, at the coordination service's
+  heartbeat timeout `heartbeat_s` (OLMO3_HEARTBEAT_TIMEOUT_S)."""
   port = _free_port()
   procs, logs = [], []
   for rank in range(2):
     env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
            "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(rank),
+           "OLMO3_HEARTBEAT_TIMEOUT_S": heartbeat_s,
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     log = open(os.path.join(workdir, f"rank{rank}.log"), "w")
     logs.append(log)
@@ -200,11 +207,12 @@ def phase_detection(workdir: str, lost: int) -> dict:
       raise RuntimeError("the job did not reach its second step: "
                          + open(logs[0].name).read()[-2000:])
     time.sleep(0.2)
-  procs[lost].send_signal(signal.SIGKILL)
+  procs[lost].send_signal(getattr(signal, how))
   killed = time.perf_counter()
   survivor = procs[1 - lost]
   survivor.wait(timeout=600)
   seconds = time.perf_counter() - killed
+  procs[lost].kill()
   procs[lost].wait()
   for log in logs:
     log.close()
@@ -258,7 +266,7 @@ def main() -> None:
   if args.phase:
     phases = {"imports": phase_imports, "sizes": phase_sizes, "lower": phase_lower,
               "checkpoint": phase_checkpoint, "lease": phase_lease,
-              "detection": lambda w, lost: phase_detection(w, int(lost))}
+              "detection": lambda w, lost, *rest: phase_detection(w, int(lost), *rest)}
     print(json.dumps(phases[args.phase](*args.arg)))
     return
   from harness import storage_servers as servers
@@ -267,11 +275,15 @@ def main() -> None:
   measured: dict = {}
   with tempfile.TemporaryDirectory() as tmp:
     measured["imports"] = _child("imports")
-    for lost in (1, 0):
-      workdir = os.path.join(tmp, f"detect{lost}")
-      os.makedirs(workdir)
-      measured[f"detection_lost_{'worker' if lost else 'coordinator'}"] = _child(
-          "detection", "--arg", workdir, "--arg", str(lost))
+    # A crashed process (its sockets closed with it) and a lost host (frozen: its connections
+    # stay open, so only the heartbeat timeout the rendered jobs set finds it).
+    for how in ("SIGKILL", "SIGSTOP"):
+      for lost in (1, 0):
+        workdir = os.path.join(tmp, f"detect{lost}{how}")
+        os.makedirs(workdir)
+        measured[f"detection_{how}_{'worker' if lost else 'coordinator'}"] = _child(
+            "detection", "--arg", workdir, "--arg", str(lost), "--arg", how, "--arg",
+            str(peers.CLUSTER_HEARTBEAT_S))
     server = servers.GcsServer(os.path.join(tmp, "gcs"))
     server.start()
     try:

@@ -22,7 +22,6 @@ ASSUMED = {
                                    "compilation cache and loaded (tens of MB; not measurable "
                                    "here)"),
 }
-HEARTBEAT_S = 100.0  # launch/main.py's DEFAULT_HEARTBEAT_S: a lost worker's peers stop by then
 
 
 def step_seconds() -> tuple[float, float]:
@@ -78,8 +77,10 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
   # waits for it at the first step.
   first_batch = startup["first_batch_cold_s"]
   phases = {
-      "detection: a lost host's peers stop at the heartbeat timeout (assumed: TPU collectives "
-      "wait for it)": HEARTBEAT_S,
+      "detection: a lost host's peers stop within the heartbeat timeout the rendered jobs set "
+      "(measured: the longer of a frozen worker and a frozen coordinator)": max(
+          measured["detection_SIGSTOP_worker"]["detect_s"],
+          measured["detection_SIGSTOP_coordinator"]["detect_s"]),
       "replacement (assumed)": ASSUMED["replacement_s"][0],
       "process start and imports": measured["imports"]["imports_s"],
       f"the plan: {MIX_FILES:,} remote sizes looked up": measured["plan"]["sizes_s"],

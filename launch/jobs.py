@@ -27,7 +27,7 @@ import shlex
 import tomllib
 from collections.abc import Sequence
 
-from launch import refs
+from launch import peers, refs
 from olmo3.config import (AttentionKernel, ContextParallel, Experiment, MeshConfig,
                           heads_split_problem)
 from olmo3.data import mixes, sources
@@ -299,10 +299,12 @@ def check_hosts(exp: Experiment, host: Sequence[str]) -> None:
 
 def job_env(exp: Experiment) -> dict[str, str]:
   """The experiment's flag set as the job's environment, as `olmo3.xla_flags.apply_to_environ`
-  sets it in the launcher (which applies it again: the same flags, so the same values)."""
+  sets it in the launcher (which applies it again: the same flags, so the same values), and
+  the heartbeat timeout a cluster job detects a lost host by (the experiment's `env` wins)."""
   env = {var: " ".join(extra) for var, extra in (("XLA_FLAGS", exp.xla_flags),
                                                  ("LIBTPU_INIT_ARGS", exp.libtpu_flags))
          if extra}
+  env[peers.HEARTBEAT_ENV] = str(peers.CLUSTER_HEARTBEAT_S)  # a lost host found in 30 s
   env.update(dict(exp.env))
   return env
 

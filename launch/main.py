@@ -62,10 +62,6 @@ CACHE = flags.DEFINE_string(
     "compilation_cache", None,
     "persistent XLA compilation cache (a restart skips recompiling; a gs://... path serves every "
     "host); '' turns it off. Default: $JAX_COMPILATION_CACHE_DIR, else $OLMO3_CACHE/jax")
-# A process that dies stops sending heartbeats: this long after its last one every other process
-# of the job stops too, non-zero, instead of waiting in a collective (jax.distributed's default).
-HEARTBEAT_ENV = "OLMO3_HEARTBEAT_TIMEOUT_S"
-DEFAULT_HEARTBEAT_S = 100
 
 
 def start_jax() -> None:
@@ -75,7 +71,8 @@ def start_jax() -> None:
   if cache:
     compilation_cache.enable(cache)
   env = os.environ
-  heartbeat = max(1, round(program.seconds_setting(HEARTBEAT_ENV, DEFAULT_HEARTBEAT_S)))
+  heartbeat = max(1, round(program.seconds_setting(peers.HEARTBEAT_ENV,
+                                                       peers.DEFAULT_HEARTBEAT_S)))
   position = peers.job_position(env)
   if position is not None:  # a lost peer ends this process in one line (launch/peers.py)
     peers.watch_stderr(*position)

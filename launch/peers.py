@@ -28,6 +28,19 @@ MARKERS = (b"Terminating process because the JAX distributed service detected fa
 COORDINATOR_GONE = (b"leader task", b"Socket closed", b"Failed to send RPC to coordination",
                     b"Connection reset by peer", b"failed to connect")
 
+# A process that stops sending heartbeats (dead, frozen, or cut off) is taken for lost this long
+# after its last one: every other process of the job stops too, non-zero, instead of waiting in
+# a collective. jax.distributed's default, kept for jobs started by hand.
+HEARTBEAT_ENV = "OLMO3_HEARTBEAT_TIMEOUT_S"
+DEFAULT_HEARTBEAT_S = 100
+# What launch/cluster.py renders into its jobs: a lost host is detected within it (measured on
+# a 2-process CPU job with one process SIGSTOPped, its connections open: 24.7 s for a worker and
+# 25.6 s for the coordinator at 30 s; benchmarks/RESULTS.md). Safe because the heartbeat is
+# sent by the coordination service's client thread, beside the training: a long collective, a
+# compile or a checkpoint's copy never delays it; only a process frozen whole, or cut off from
+# the coordinator, for 30 s is taken for lost, and restarting it is then right.
+CLUSTER_HEARTBEAT_S = 30
+
 
 class PeerLost(RuntimeError):
   """A collective failed because another process of the job is gone."""

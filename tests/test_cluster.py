@@ -61,6 +61,8 @@ def test_jobset_manifest_for_a_multislice_tpu7x_job():
   assert container["resources"]["limits"] == {"google.com/tpu": 4}
   assert container["env"] == [
       {"name": "LIBTPU_INIT_ARGS", "value": " ".join(FLAG_SETS["tpu7x"].libtpu)},
+      # A lost host found within 30 s (launch/peers.py says why that is safe).
+      {"name": "OLMO3_HEARTBEAT_TIMEOUT_S", "value": "30"},
       # Which attempt of which JobSet: a later attempt fences the earlier one's lease at once.
       {"name": "OLMO3_JOB", "valueFrom": {"fieldRef": {
           "fieldPath": "metadata.labels['jobset.sigs.k8s.io/jobset-uid']"}}},
@@ -81,7 +83,7 @@ def test_jobset_manifest_for_a_multislice_tpu7x_job():
     (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
       "env"), [], "env LIBTPU_INIT_ARGS is None"),
     (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
-      "env", 2), {"name": "OLMO3_ATTEMPT", "value": "0"},
+      "env", 3), {"name": "OLMO3_ATTEMPT", "value": "0"},
      "env OLMO3_ATTEMPT is not read from the pod's metadata.labels"),
     (("spec", "replicatedJobs", 0, "template", "spec", "template", "spec", "containers", 0,
       "command", 3), "--fdl_set=data.root=''", "the command is not"),
@@ -207,7 +209,8 @@ def test_xpk_command_runs_the_same_job():
                   "--max-restarts": "2", "--termination-grace-period-seconds": "600",
                   "--zone": "us-central1-c"}
   assert [a for a in argv if a.startswith("--env=")] == [
-      "--env=LIBTPU_INIT_ARGS=" + " ".join(FLAG_SETS["tpu7x"].libtpu)]
+      "--env=LIBTPU_INIT_ARGS=" + " ".join(FLAG_SETS["tpu7x"].libtpu),
+      "--env=OLMO3_HEARTBEAT_TIMEOUT_S=30"]
   # xpk runs --command with bash: its words are the launcher's argv.
   assert argv[-1].startswith("--command=")
   assert shlex.split(argv[-1].removeprefix("--command=")) == job.command.argv()
