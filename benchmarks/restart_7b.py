@@ -307,7 +307,7 @@ def main() -> None:
                           capture_output=True, text=True, check=True)
     startup = json.loads(done.stdout.strip().splitlines()[-1])
   else:
-    startup = {"first_batch_cold_s": float("nan")}
+    startup = {"first_batch_new_host_beside_s": float("nan")}
   result = restart_price.price(measured, startup, args.preemptions_per_day)
   print(restart_price.markdown(result))
   print(json.dumps(result))

@@ -13,7 +13,10 @@ then measures in separate processes, as launches of the real job would:
   the first launch), and at step 1,000,000 after a restart;
 - the peak resident memory (VmHWM) of every process of each launch: the main process and each
   loader worker.
+Then, the run's workdir in a bucket (a GCS emulator): a launch keeps the order beside the run,
+and a host new to the run (an empty cache) reads its first batch's block of it from there.
 Prints one JSON object: first_batch_cold_s, first_batch_restart_s (step 0 and 1,000,000),
+first_batch_new_host_beside_s, keeping_beside_s,
 plan_s, max_rss_gb_per_process (per launch), instances.
 """
 
@@ -78,8 +81,9 @@ def _hwm_gb(pid: int) -> float | None:
     return None
 
 
-def launch(root: str, step: int, workers: int) -> dict:
-  """One launch's loader, measured in its own process."""
+def launch(root: str, step: int, workers: int, beside: str | None = None) -> dict:
+  """One launch's loader, measured in its own process (`beside`: the run's kept order in a
+  bucket, as a run whose workdir is there has it)."""
   import fiddle as fdl
   import jax
   import numpy as np
@@ -108,7 +112,8 @@ def launch(root: str, step: int, workers: int) -> dict:
   mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
   batch_sharding = jax.sharding.NamedSharding(
       mesh, sharding.logical_to_spec(("batch", "seq"), sharding.FSDP_RULES))
-  loader = pipeline.Loader(exp.data, batch_sharding, start_step=step, num_steps=2, source=source)
+  loader = pipeline.Loader(exp.data, batch_sharding, start_step=step, num_steps=2, source=source,
+                           order_beside=beside)
   batch = next(loader.host_batches())
   first_s = time.perf_counter() - start
   assert int(batch["step"]) == step and batch["input_ids"].shape == (512, SEQ_LEN)
@@ -120,11 +125,12 @@ def launch(root: str, step: int, workers: int) -> dict:
           "rss_gb": sorted((round(v, 2) for v in peaks.values()), reverse=True)}
 
 
-def _child(root: str, cache: str, step: int, workers: int) -> dict:
-  env = dict(os.environ, OLMO3_CACHE=cache)
+def _child(root: str, cache: str, step: int, workers: int, beside: str | None = None,
+           env: dict[str, str] | None = None) -> dict:
+  env = dict(os.environ, OLMO3_CACHE=cache, **(env or {}))
   done = subprocess.run([sys.executable, __file__, "--child", str(step), "--root", root,
-                         "--workers", str(workers)], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=3600)
+                         "--workers", str(workers)] + (["--beside", beside] if beside else []),
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
   if done.returncode:
     raise RuntimeError(done.stderr[-3000:])
   return json.loads(done.stdout.strip().splitlines()[-1])
@@ -137,13 +143,14 @@ def main() -> None:
   parser.add_argument("--workers", type=int, default=None,
                       help="loader workers (default: the experiment's, 2)")
   parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--beside", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   sys.path.insert(0, ROOT)
   from olmo3 import platforms
 
   platforms.choose()  # the CPU: no TPU probing
   if args.child is not None:
-    print(json.dumps(launch(args.root, args.child, args.workers)))
+    print(json.dumps(launch(args.root, args.child, args.workers, args.beside)))
     return
   if args.workers is None:
     import fiddle as fdl
@@ -159,6 +166,22 @@ def main() -> None:
     cold = _child(root, cache, 0, args.workers)
     warm = _child(root, cache, 0, args.workers)
     later = _child(root, cache, 1_000_000, args.workers)
+    # A run in a bucket (a GCS emulator here): its first launch's process 0 keeps the order
+    # beside it; a host new to the run (its cache empty) reads the block it needs from there.
+    from harness import storage_servers as servers
+
+    server = servers.GcsServer(os.path.join(work, "gcs"))
+    server.start()
+    try:
+      server.make_bucket("run")
+      beside = "gs://run/workdir/order"
+      start = time.perf_counter()
+      _child(root, cache, 0, args.workers, beside, server.env)
+      keep_s = time.perf_counter() - start - warm["first_batch_s"]
+      new_host = _child(root, os.path.join(work, "new-host-cache"), 1_000_000, args.workers,
+                        beside, server.env)
+    finally:
+      server.close()
   finally:
     shutil.rmtree(work, ignore_errors=True)
   # The kept order is the order: the batches the launches read are those of the permutation
@@ -173,7 +196,8 @@ def main() -> None:
   b = data.global_batch_size
   batch = lambda step: order[step * b:step * b + 4].tolist()
   assert cold["first_instances"] == warm["first_instances"] == batch(0), (cold, batch(0))
-  assert later["first_instances"] == batch(1_000_000), (later, batch(1_000_000))
+  assert later["first_instances"] == new_host["first_instances"] == batch(1_000_000), (
+      later, new_host, batch(1_000_000))
   print(json.dumps({
       "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
       f"{os.cpu_count()} CPUs", "files": files, "instances": cold["instances"],
@@ -181,6 +205,10 @@ def main() -> None:
       "first_batch_cold_s": cold["first_batch_s"],
       "first_batch_restart_s": {"step_0": warm["first_batch_s"],
                                 "step_1000000": later["first_batch_s"]},
+      # a host new to a run in a bucket, at step 1,000,000; and what keeping the order there
+      # cost the first launch (about: the launch less a warm one's first batch)
+      "first_batch_new_host_beside_s": new_host["first_batch_s"],
+      "keeping_beside_s": round(keep_s, 1),
       "max_rss_gb_per_process": {"cold": cold["rss_gb"], "restart": warm["rss_gb"],
                                  "restart_step_1000000": later["rss_gb"]}}))
 

@@ -72,10 +72,11 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
   step_s, tflop = step_seconds()
   gcs = measured["checkpoint_gcs"]
   state_gb = gcs["gb"] * HOSTS
-  # The host that replaced the lost one starts with an empty cache: it computes the epoch's
-  # order (the surviving hosts read theirs: startup's first_batch_restart_s), and every host
-  # waits for it at the first step.
-  first_batch = startup["first_batch_cold_s"]
+  # The host that replaced the lost one starts with an empty cache: it reads the block of the
+  # epoch's order its first step needs from the copy kept beside the run in the bucket (it
+  # computed the whole order before: startup's first_batch_cold_s), and every host waits for
+  # it at the first step.
+  first_batch = startup["first_batch_new_host_beside_s"]
   phases = {
       "detection: a lost host's peers stop within the heartbeat timeout the rendered jobs set "
       "(measured: the longer of a frozen worker and a frozen coordinator)": max(
@@ -94,8 +95,8 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
           gcs["restore_s"] - gcs["checksums_s"]),
       "the restore's verification (checksums; on the TPU at HBM speed, here "
       f"{gcs['checksums_s']:.1f} s on the CPU)": 0.0,
-      "the first batch: the new host computes the epoch's order (startup_7b.py, cold)":
-          first_batch,
+      "the first batch: the new host reads its block of the order kept beside the run "
+      "(startup_7b.py)": first_batch,
   }
   restart_s = sum(v for v in phases.values() if not math.isnan(v))
   mtbf = 86_400 / preemptions_per_day

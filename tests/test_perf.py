@@ -581,11 +581,13 @@ def test_a_restart_is_priced_as_the_sum_of_its_phases_and_youngs_interval_maximi
               "detection_SIGSTOP_coordinator": {"detect_s": 26.0},
               "lease": {"takeover_s": 0.5}, "lower": {"trace_and_lower_s": 40.0},
               "checkpoint_gcs": save}
-  result = restart_price.price(measured, {"first_batch_cold_s": 83.0}, preemptions_per_day=1.0)
+  result = restart_price.price(measured, {"first_batch_cold_s": 83.0,
+                                          "first_batch_new_host_beside_s": 8.0},
+                               preemptions_per_day=1.0)
   step_s, _ = restart_price.step_seconds()
   assert step_s == pytest.approx(195_275e12 / (512 * 2307e12 / 2 * 0.445), rel=1e-3)
   # The JobSet's next attempt takes the lease at once; without an attempt it waits 360 s.
-  assert result["restart_s"] == pytest.approx(26 + 120 + 2 + 1.5 + 0.5 + 40 + 10 + 8 + 83)
+  assert result["restart_s"] == pytest.approx(26 + 120 + 2 + 1.5 + 0.5 + 40 + 10 + 8 + 8)
   assert result["restart_s_without_attempt"] == pytest.approx(result["restart_s"] - 0.5 + 360)
   assert result["state_gb"] == pytest.approx(1.37 * 64)
   # The loop's stall per save is the copy off the devices, measured (2 s): Young's interval.

@@ -809,3 +809,59 @@ def test_refused_or_missing_credentials_are_no_access_naming_the_operation():
     assert str(found).startswith(f"reading s3://b/k failed: {says}"), str(found)
     assert "AWS_ACCESS_KEY_ID" in str(found)
   assert retry._credentials_problem(FileNotFoundError("s3://b/k"), "x") is None  # pylint: disable=protected-access
+
+
+# GCS's emulator is a process of its own; S3's (moto) serves from a thread of this one.
+@pytest.mark.parametrize("store", [pytest.param("gs", marks=pytest.mark.slow(seconds=6)),
+                                   pytest.param("s3", marks=pytest.mark.seconds(3))])
+def test_a_new_host_reads_the_order_kept_beside_the_run_and_never_a_damaged_or_foreign_copy(
+    store, request, tmp_path, monkeypatch):
+  """A run in a bucket keeps its epoch's global order beside it (WORKDIR/order: process 0 puts
+  its machine's there). A host new to the run, its cache empty (a lost host's replacement),
+  computes nothing: it reads the block its first step needs from the bucket, checked against
+  the copy's sidecar. A block damaged in the bucket is never used (the order is computed on the
+  host), nor a copy of another order (its sidecar another seed's)."""
+  from olmo3.data import order as order_lib
+  from olmo3.data.order import GlobalOrder
+
+  request.getfixturevalue("gcs_env" if store == "gs" else "s3_env")
+  bucket = f"{store}://olmo3-kept-order"
+  storage_servers.make_bucket(bucket)
+  beside = f"{bucket}/run/order"
+  copy = f"{beside}/order-10000-7-1-1.u32"
+  monkeypatch.setattr(order_lib, "_BLOCK_BYTES", 4096)  # 1,024 indices a block: 10 blocks
+  order = order_lib.epoch_permutation(10_000, 7, 1)
+  host = lambda name, **kw: GlobalOrder(10_000, 64, 7, 1, tmp_path / name, beside=beside, **kw)
+  host("first", keeps_beside=True).prepare(1)  # process 0 computes it and keeps it beside
+  assert storage.read_bytes(copy) == order.tobytes()
+  computed = []
+  compute = order_lib.epoch_permutation
+  monkeypatch.setattr(order_lib, "epoch_permutation", lambda *a: computed.append(a) or compute(*a))
+  new = host("new")
+  new.prepare(1)
+  np.testing.assert_array_equal(new.batch(3), order[3 * 64:4 * 64])
+  np.testing.assert_array_equal(new.batch(100), order[100 * 64:101 * 64])
+  assert computed == [] and set(new._epoch(1).fetched) == {0, 6}  # the blocks read, no more
+  assert not (tmp_path / "new" / "order-10000-7-1-1.u32").exists()
+  # Block 5 damaged in the bucket: steps outside it still read the copy; step 85 computes.
+  data = bytearray(storage.read_bytes(copy))
+  data[5 * 4096 + 8] ^= 1
+  storage.write_bytes_atomic(copy, bytes(data), durability=storage.Durability.FLUSHED)
+  damaged = host("damaged")
+  np.testing.assert_array_equal(damaged.batch(3), order[3 * 64:4 * 64])
+  assert computed == []
+  np.testing.assert_array_equal(damaged.batch(85), order[85 * 64:86 * 64])
+  assert len(computed) == 1
+  # Another order's copy (its sidecar says seed 8): computed at once, the copy not read.
+  sidecar = json.loads(storage.read_text(f"{beside}/order-10000-7-1-1.json"))
+  storage.write_bytes_atomic(f"{beside}/order-10000-7-1-1.json", json.dumps(
+      {**sidecar, "key": {**sidecar["key"], "seed": 8}}).encode(),
+      durability=storage.Durability.FLUSHED)
+  foreign = host("foreign")
+  foreign.prepare(1)
+  assert len(computed) == 2 and not foreign._epoch(1).reading_beside
+  np.testing.assert_array_equal(foreign.batch(85), order[85 * 64:86 * 64])
+  # Process 0 puts its order back beside the run where the copy is not this order's.
+  host("foreign", keeps_beside=True).prepare(1)
+  assert json.loads(storage.read_text(f"{beside}/order-10000-7-1-1.json"))["key"]["seed"] == 7
+  assert storage.read_bytes(copy) == order.tobytes()

@@ -132,11 +132,13 @@ def steps_per_epoch(cfg: DataConfig, source: TokenFiles) -> int:
 SHARED_ORDER_MIN_INSTANCES = 1 << 20  # below: milliseconds to compute, kept in process
 
 
-def order_for(cfg: DataConfig, source: TokenFiles | PackedInstances) -> GlobalOrder:
+def order_for(cfg: DataConfig, source: TokenFiles | PackedInstances,
+              beside: str | None = None) -> GlobalOrder:
   """The global order `source`'s instances are drawn in. A large one takes seconds to compute
   (AI2's stage 1, 724M instances: 48 s, 2.9 GB) in every process and loader worker, at each
   launch: computed once per machine instead, and shared through the page cache
-  (olmo3.data.order.KeptOrder)."""
+  (olmo3.data.order.KeptOrder); with `beside` (a directory of the run's, in its bucket), also
+  kept there by process 0, for hosts new to the run to read instead of computing it."""
   n = instances(cfg, source)
   if n < cfg.global_batch_size:
     packed = " (documents packed)" if isinstance(source, PackedInstances) else ""
@@ -145,7 +147,9 @@ def order_for(cfg: DataConfig, source: TokenFiles | PackedInstances) -> GlobalOr
                     f"(DataConfig.global_batch_size={cfg.global_batch_size}): give more data "
                     "or a smaller global_batch_size")
   shared = embedded.cache_root() / "order" if n >= SHARED_ORDER_MIN_INSTANCES else None
-  return GlobalOrder(n, cfg.global_batch_size, cfg.seed, cfg.chunk_instances, shared)
+  return GlobalOrder(n, cfg.global_batch_size, cfg.seed, cfg.chunk_instances, shared,
+                     beside=beside if shared is not None else None,
+                     keeps_beside=jax.process_index() == 0)
 
 
 class Loader:
@@ -154,13 +158,13 @@ class Loader:
   def __init__(self, cfg: DataConfig, sharding: jax.sharding.NamedSharding, *, start_step: int,
                num_steps: int, vocab_size: int | None = None,
                source: TokenFiles | PackedInstances | None = None,
-               microbatches: int = 1):
+               microbatches: int = 1, order_beside: str | None = None):
     # The one check of the training batch's split (over devices, and into the train step's
     # microbatches: TrainConfig.microbatches).
     check_divisible(cfg.global_batch_size, sharding, "DataConfig.global_batch_size", microbatches)
     self.cfg = cfg
     self.source = source or sources.token_files(cfg, vocab_size)
-    self.order = order_for(cfg, self.source)
+    self.order = order_for(cfg, self.source, order_beside)
     self.order.prepare(self.order.epoch_of(start_step))  # computed here, not raced by workers
     self.host_rows = HostRows.of(sharding, cfg.global_batch_size, cfg.seq_len)
     dataset = grain.MapDataset.range(start_step, start_step + num_steps).map(

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import enum
 import os
+import shutil
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -278,6 +279,28 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes | memoryview, *,
       os.fsync(descriptor)
     finally:
       os.close(descriptor)
+
+
+def copy_file(local: str | os.PathLike, path: str | os.PathLike) -> None:
+  """Copies the local file `local` to `path`, whole or not at all, streamed (a file of
+  gigabytes is never held in memory): one upload to an object store (published when it
+  completes), or a temporary renamed into place on a disk."""
+  text = os.fspath(path)
+  clients.check_supported(text, writable=True)
+  if pathnames.is_url(text):
+    fs = clients.filesystem(text)
+    retry.retried(lambda: fs.put_file(os.fspath(local), text), text, "writing")
+    return
+  directory, name = os.path.split(os.path.abspath(text))
+  os.makedirs(directory, exist_ok=True)
+  tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:16]}.tmp")
+  try:
+    shutil.copyfile(local, tmp)
+    os.replace(tmp, text)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+    raise
 
 
 def remove(path: str | os.PathLike) -> None:

@@ -81,6 +81,13 @@ class Workdir:
     return pathnames.join(self.root, "file_sizes.json")
 
   @property
+  def kept_order(self) -> str | None:
+    """Where a run in a bucket keeps its epochs' global orders (olmo3.data.order.KeptOrder), so
+    that a host new to the run reads them instead of computing them; None for a workdir on a
+    disk (the machine's own kept order is as near)."""
+    return pathnames.join(self.root, "order") if pathnames.is_url(self.root) else None
+
+  @property
   def history(self) -> epath.Path:
     return self.path("history.jsonl")
 

@@ -220,7 +220,8 @@ class _StepIO:
     loader = pipeline.Loader(exp.data, model.batch_sharding,
                              start_step=data_position.data_step(self.start),
                              num_steps=plan.end - self.start, source=plan.train_files,
-                             microbatches=exp.train.microbatches)
+                             microbatches=exp.train.microbatches,
+                             order_beside=plan.workdir.kept_order)
     self.batches = (pipeline.DevicePrefetch(iter(loader), exp.data.device_prefetch)
                     if exp.data.device_prefetch else iter(loader))
     self.writer = open_writer(plan, self.start)
