@@ -3,8 +3,9 @@ cluster starts it, taken through the faults a weeks-long run meets, in order:
 
   a. SIGTERM to one process only: all four stop at the step they agree on, save it, exit 0;
   b. SIGKILL of one process: the other three exit non-zero within a bounded time (JAX's
-     coordination heartbeat, OLMO3_HEARTBEAT_TIMEOUT_S), and the same job relaunched (the same
-     hostnames, the lease the dead job left behind) resumes from the newest checkpoint;
+     coordination heartbeat, OLMO3_HEARTBEAT_TIMEOUT_S), and the same job requeued (its job id,
+     restart count 1, the same hostnames, the lease the dead job left behind, taken over by
+     that attempt number) resumes from the newest checkpoint;
   c. the store down mid-run (during a checkpoint save: connections refused, those open cut)
      and back within the retry budget (OLMO3_STORAGE_RETRY_S): nothing lost;
   d. the run resumed on 1 process x 2 devices (a quarter of the devices): the same data order;
@@ -311,6 +312,7 @@ class Rehearsal:
     self.resize_diff: dict[str, float] = {}  # the losses after d against the straight job's
     self.same_sharding: dict[str, int] = {}  # the job's losses against the straight job's
     self.state_equal: bool | None = None  # the job's last state against the straight job's
+    self.kill_job_id = ""  # b's SLURM job id, which its requeue keeps
 
   @contextlib.contextmanager
   def servers(self) -> Iterator[None]:
@@ -351,8 +353,9 @@ class Rehearsal:
             f"--fdl_set=train.steps={steps}", f"--workdir={workdir}"]
 
   def job(self, name: str, args: list[str], nodes: int | None = None,
-          devices: int = DEVICES) -> Job:
-    job = Job(name, args, nodes or self.plan.processes, devices, self.env(), self.logs)
+          devices: int = DEVICES, env: dict[str, str] | None = None) -> Job:
+    job = Job(name, args, nodes or self.plan.processes, devices, {**self.env(), **(env or {})},
+              self.logs)
     self.jobs.append(job)
     return job
 
@@ -429,6 +432,8 @@ class Rehearsal:
     p = self.plan
     job = self.job("b-sigkill", self.stage1_args(p.job_steps, STAGE1, p.every))
     resumed = int(job.wait_for(r"resumed from \S+/(\d+) \(step")[1])
+    # The id the job's tasks got (srun's stand-in chose one): its requeue keeps it.
+    self.kill_job_id = _environ(job.task_pid(0))["SLURM_JOB_ID"]
     self.checks("b: resumed from the step the SIGTERM saved", resumed == resumed_at,
                 {"resumed": resumed, "expected": resumed_at})
     saved = int(job.wait_for(r"saving the checkpoint of step (\d+)")[1])
@@ -453,20 +458,27 @@ class Rehearsal:
     return committed[-1]
 
   def relaunch_with_outage(self, newest: int) -> None:
-    """b's relaunch (the same script: the same hostnames, the lease behind) and c: the store
-    taken down during a save and brought back within the budget."""
+    """b's relaunch (the same script, requeued: the same job id, restart count 1, the same
+    hostnames, the lease behind) and c: the store taken down during a save and brought back
+    within the budget."""
     p = self.plan
     left = self.exists(STAGE1, "lease.json")
     start = time.monotonic()
-    job = self.job("b-relaunch-c-outage", self.stage1_args(p.job_steps, STAGE1, p.every))
+    # Requeued, as SLURM gives it to its tasks: the killed job's id, restart count 1 (a launch
+    # of it is a later attempt of the killed one's).
+    job = self.job("b-relaunch-c-outage", self.stage1_args(p.job_steps, STAGE1, p.every),
+                   env={"SLURM_JOB_ID": self.kill_job_id, "SLURM_RESTART_COUNT": "1"})
     resumed = int(job.wait_for(r"resumed from \S+/(\d+) \(step")[1])
     job.wait_for(rf"\] step {resumed + 1}/")
     first_s = time.monotonic() - start
     took_over = bool(job.find("taking over the workdir lease"))
+    by_attempt = bool(job.find(r"\(attempt 0 of job slurm-\d+\) and this launch is attempt 1"))
     self.checks("b: the relaunch resumed from the newest checkpoint", resumed == newest,
                 {"resumed": resumed, "newest": newest})
-    self.checks("b: the lease left behind was taken over at once", not left or (
-        took_over and not job.find("waiting up to")), {"left": left, "taken_over": took_over})
+    self.checks("b: the lease left behind was taken over at once, by the requeued job's "
+                "restart count", not left or (took_over and by_attempt and not job.find(
+                    "waiting up to")), {"left": left, "taken_over": took_over,
+                                        "by_attempt": by_attempt})
     self.faults.append({"fault": "relaunch of the killed job", "lease_left_behind": left,
                         "lease_taken_over": took_over, "resumed_from": resumed,
                         "seconds_from_start_to_first_step": round(first_s, 1)})

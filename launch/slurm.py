@@ -9,7 +9,6 @@ import shlex
 from collections.abc import Mapping
 
 from launch import jobs
-from olmo3.run import lease
 
 # A SLURM job with a time limit has its tasks sent SIGTERM this long before it (sbatch
 # --signal), time for the step in flight and a checkpoint save.
@@ -72,10 +71,6 @@ def slurm_script(job: SlurmJob) -> str:
   lines = ["#!/bin/bash", f"# {job.describe()}", *jobs.mesh_comment(job.mesh).splitlines(),
            *(f"#SBATCH {h}" for h in header),
            "set -euo pipefail", *(_export(k, v) for k, v in job.env.items())]
-  # Which attempt of the job this is (a requeued job keeps its id and counts its restarts): a
-  # later attempt takes the workdir's lease over at once and fences the earlier one.
-  lines.append(f'export {lease.JOB_ENV}="slurm-$SLURM_JOB_ID" '
-               f'{lease.ATTEMPT_ENV}="${{SLURM_RESTART_COUNT:-0}}"')
   if job.processes is jobs.Processes.PER_NODE:
     # JAX's SLURM detection would give each process the one GPU of its SLURM_LOCALID (0 for
     # every node's only task): name all of the node's GPUs instead.

@@ -244,6 +244,16 @@ def test_an_attempt_without_its_job_or_not_a_count_is_refused_naming_the_variabl
       lease_lib.attempt_setting()
   monkeypatch.setenv(lease_lib.ATTEMPT_ENV, "3")
   assert lease_lib.attempt_setting() == ("j", 3)
+  # Neither set: SLURM's job id and restart count (a requeued job counts up), if any.
+  monkeypatch.delenv(lease_lib.JOB_ENV)
+  monkeypatch.delenv(lease_lib.ATTEMPT_ENV)
+  monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+  monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+  assert lease_lib.attempt_setting() is None
+  monkeypatch.setenv("SLURM_JOB_ID", "4242")
+  assert lease_lib.attempt_setting() == ("slurm-4242", 0)
+  monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+  assert lease_lib.attempt_setting() == ("slurm-4242", 2)
 
 
 # --- through the launcher ----------------------------------------------------------------------

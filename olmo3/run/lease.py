@@ -22,7 +22,7 @@ never compared with the reader's, nor the store's modification times. What is tr
 When is a holder dead (its lease is taken over)?
 - at once when this launch is a later attempt of the holder's job: the scheduler that restarts
   a job numbers its attempts (JobSet's restart attempt, SLURM's restart count of a requeued job,
-  or `OLMO3_JOB` / `OLMO3_ATTEMPT` set by hand; `attempt_setting`), and starts attempt n + 1
+  or `OLMO3_JOB` / `OLMO3_ATTEMPT`; `attempt_setting`), and starts attempt n + 1
   only once it has given attempt n up. The earlier attempt, if a process of it still runs, is
   fenced: its next renewal finds this launch's token and it stops at its next step boundary
   without saving (below). A launch of the same attempt, an earlier one or none keeps the rules
@@ -106,12 +106,16 @@ def takeover_s() -> float:
 
 
 def attempt_setting() -> tuple[str, int] | None:
-  """(job, attempt) from `OLMO3_JOB` and `OLMO3_ATTEMPT` (a rendered JobSet or SLURM script
-  sets both from its scheduler), or None when neither is set; SettingError naming the variable
-  when only one is, or the attempt is not a count from 0."""
+  """(job, attempt) from `OLMO3_JOB` and `OLMO3_ATTEMPT` (a rendered JobSet sets both from its
+  pod's labels; set them by hand for other schedulers), else from SLURM's own job id and
+  restart count (a requeued job keeps its id and counts up), or None when neither says;
+  SettingError naming the variable when only one of ours is set, or the attempt is not a count
+  from 0."""
   job, attempt = os.environ.get(JOB_ENV, ""), os.environ.get(ATTEMPT_ENV, "")
   if not job and not attempt:
-    return None
+    slurm = os.environ.get("SLURM_JOB_ID", "")
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0") or "0"
+    return (f"slurm-{slurm}", int(restarts)) if slurm and restarts.isdigit() else None
   if not job:
     raise program.SettingError(f"{ATTEMPT_ENV}={attempt!r} needs {JOB_ENV}: the job whose "
                                "attempt this launch is")
