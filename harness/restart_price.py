@@ -21,6 +21,9 @@ ASSUMED = {
     "compile_cache_load_s": (10.0, "the 7B's TPU executable read from the persistent "
                                    "compilation cache and loaded (tens of MB; not measurable "
                                    "here)"),
+    "restart_in_place_s": (15.0, "a restart in place (a crashed process, its host kept): the "
+                                 "job's containers started again where they ran, no pod "
+                                 "rescheduled (not measurable here)"),
 }
 
 
@@ -63,6 +66,14 @@ def markdown(result: dict) -> str:
     best = " (Young's interval)" if int(cadence) == result["best_cadence_steps"] else ""
     lines.append(f"| {int(cadence):,}{best} | {int(cadence) / 2:,.0f} | {share:.2%} | "
                  f"{other[cadence]:.2%} |")
+  lines += ["", "| phase of a restart in place (a crashed process) | seconds |", "|---|---|"]
+  lines += [f"| {name} | {seconds:,.1f} |"
+            for name, seconds in result["restart_in_place_phases_s"].items()]
+  lines += [f"| **restart in place, in all** | **{result['restart_in_place_s']:,.0f}** |", "",
+            "| checkpoint every (steps) | goodput, a crash every "
+            f"{result['mtbf_s'] / 3600:.0f} h, restarted in place |", "|---|---|"]
+  lines += [f"| {int(c):,} | {share:.2%} |"
+            for c, share in result["goodput_in_place_by_cadence"].items()]
   return "\n".join(lines)
 
 
@@ -116,8 +127,30 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
   store_clock_s = waiting_s - min(lease.DEFAULT_TAKEOVER_S, sum(before_watching))
   table_store_clock = {c: goodput(c, step_s, save_s, store_clock_s, mtbf)
                        for c in [*cadences, best]}
+  # A restart in place: a process crashed (its sockets closed with it: found at once), the
+  # hosts stay, so every host's cache holds the epoch's order (startup's restart at a far
+  # step) and nothing is rescheduled.
+  lost_host = list(phases)
+  in_place = dict(phases)
+  in_place[lost_host[0]] = max(measured["detection_SIGKILL_worker"]["detect_s"],
+                               measured["detection_SIGKILL_coordinator"]["detect_s"])
+  in_place[lost_host[1]] = ASSUMED["restart_in_place_s"][0]
+  in_place[lost_host[-1]] = startup["first_batch_restart_s"]["step_1000000"]
+  in_place = {name.replace("a lost host's peers stop within the heartbeat timeout the "
+                           "rendered jobs set (measured: the longer of a frozen worker and a "
+                           "frozen coordinator)",
+                           "a crashed process's peers stop at once (measured: its sockets "
+                           "close)").replace("replacement (assumed)", "the containers "
+                                             "restarted in place (assumed)").replace(
+              "the new host reads its block of the order kept beside the run",
+              "every host reads its kept order, at step 1,000,000"): v
+              for name, v in in_place.items()}
+  in_place_s = sum(v for v in in_place.values() if not math.isnan(v))
   run_days = STEPS * step_s / 86_400
   return {
+      "restart_in_place_phases_s": in_place, "restart_in_place_s": in_place_s,
+      "goodput_in_place_by_cadence": {str(c): goodput(c, step_s, save_s, in_place_s, mtbf)
+                                      for c in sorted([*cadences, best])},
       "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, "
       f"{os.cpu_count()} cores", "measured": measured, "startup": startup,
       "assumed": {k: {"seconds": v, "why": why} for k, (v, why) in ASSUMED.items()}

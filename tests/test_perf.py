@@ -577,18 +577,24 @@ def test_a_restart_is_priced_as_the_sum_of_its_phases_and_youngs_interval_maximi
   save = {"gb": 1.37, "checksums_s": 12.0, "save_blocking_s": 10.0, "copy_off_devices_s": 2.0,
           "restore_s": 20.0}
   measured = {"imports": {"imports_s": 2.0}, "plan": {"sizes_s": 1.5},
+              "detection_SIGKILL_worker": {"detect_s": 0.2},
+              "detection_SIGKILL_coordinator": {"detect_s": 0.1},
               "detection_SIGSTOP_worker": {"detect_s": 24.0},
               "detection_SIGSTOP_coordinator": {"detect_s": 26.0},
               "lease": {"takeover_s": 0.5}, "lower": {"trace_and_lower_s": 40.0},
               "checkpoint_gcs": save}
   result = restart_price.price(measured, {"first_batch_cold_s": 83.0,
-                                          "first_batch_new_host_beside_s": 8.0},
+                                          "first_batch_new_host_beside_s": 8.0,
+                                          "first_batch_restart_s": {"step_1000000": 5.0}},
                                preemptions_per_day=1.0)
   step_s, _ = restart_price.step_seconds()
   assert step_s == pytest.approx(195_275e12 / (512 * 2307e12 / 2 * 0.445), rel=1e-3)
   # The JobSet's next attempt takes the lease at once; without an attempt it waits 360 s.
   assert result["restart_s"] == pytest.approx(26 + 120 + 2 + 1.5 + 0.5 + 40 + 10 + 8 + 8)
   assert result["restart_s_without_attempt"] == pytest.approx(result["restart_s"] - 0.5 + 360)
+  # In place (a crashed process): found at once, no pod rescheduled, every host's order kept.
+  assert result["restart_in_place_s"] == pytest.approx(0.2 + 15 + 2 + 1.5 + 0.5 + 40 + 10 + 8 + 5)
+  assert "restart in place, in all" in restart_price.markdown(result)
   assert result["state_gb"] == pytest.approx(1.37 * 64)
   # The loop's stall per save is the copy off the devices, measured (2 s): Young's interval.
   best = result["best_cadence_steps"]
