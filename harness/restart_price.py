@@ -83,32 +83,47 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
   step_s, tflop = step_seconds()
   gcs = measured["checkpoint_gcs"]
   state_gb = gcs["gb"] * HOSTS
+  def phases_of(detection: tuple[str, float], restarted: tuple[str, float],
+                first_batch: tuple[str, float]) -> dict[str, float]:
+    """A restart's phases: those a kind of restart changes given, the rest shared."""
+    return dict([
+        detection, restarted,
+        ("process start and imports", measured["imports"]["imports_s"]),
+        (f"the plan: {MIX_FILES:,} remote sizes looked up", measured["plan"]["sizes_s"]),
+        ("the workdir's lease: the JobSet's next restart attempt takes the lost attempt's over "
+         "at once (measured against the bucket)", measured["lease"]["takeover_s"]),
+        ("tracing and lowering the train step",
+         measured.get("lower", {}).get("trace_and_lower_s", float("nan"))),
+        ("the compiled program from the persistent cache (assumed)",
+         ASSUMED["compile_cache_load_s"][0]),
+        (f"restore: {gcs['gb']:.2f} GB a host read from the bucket and resharded",
+         gcs["restore_s"] - gcs["checksums_s"]),
+        ("the restore's verification (checksums; on the TPU at HBM speed, here "
+         f"{gcs['checksums_s']:.1f} s on the CPU)", 0.0),
+        first_batch])
+
   # The host that replaced the lost one starts with an empty cache: it reads the block of the
   # epoch's order its first step needs from the copy kept beside the run in the bucket (it
   # computed the whole order before: startup's first_batch_cold_s), and every host waits for
   # it at the first step.
-  first_batch = startup["first_batch_new_host_beside_s"]
-  phases = {
-      "detection: a lost host's peers stop within the heartbeat timeout the rendered jobs set "
-      "(measured: the longer of a frozen worker and a frozen coordinator)": max(
-          measured["detection_SIGSTOP_worker"]["detect_s"],
-          measured["detection_SIGSTOP_coordinator"]["detect_s"]),
-      "replacement (assumed)": ASSUMED["replacement_s"][0],
-      "process start and imports": measured["imports"]["imports_s"],
-      f"the plan: {MIX_FILES:,} remote sizes looked up": measured["plan"]["sizes_s"],
-      "the workdir's lease: the JobSet's next restart attempt takes the lost attempt's over at "
-      "once (measured against the bucket)": measured["lease"]["takeover_s"],
-      "tracing and lowering the train step": measured.get("lower", {}).get(
-          "trace_and_lower_s", float("nan")),
-      "the compiled program from the persistent cache (assumed)":
-          ASSUMED["compile_cache_load_s"][0],
-      f"restore: {gcs['gb']:.2f} GB a host read from the bucket and resharded": (
-          gcs["restore_s"] - gcs["checksums_s"]),
-      "the restore's verification (checksums; on the TPU at HBM speed, here "
-      f"{gcs['checksums_s']:.1f} s on the CPU)": 0.0,
-      "the first batch: the new host reads its block of the order kept beside the run "
-      "(startup_7b.py)": first_batch,
-  }
+  phases = phases_of(
+      ("detection: a lost host's peers stop within the heartbeat timeout the rendered jobs set "
+       "(measured: the longer of a frozen worker and a frozen coordinator)",
+       max(measured["detection_SIGSTOP_worker"]["detect_s"],
+           measured["detection_SIGSTOP_coordinator"]["detect_s"])),
+      ("replacement (assumed)", ASSUMED["replacement_s"][0]),
+      ("the first batch: the new host reads its block of the order kept beside the run "
+       "(startup_7b.py)", startup["first_batch_new_host_beside_s"]))
+  # A restart in place: a process crashed (its sockets closed with it: found at once), the
+  # hosts stay, so every host's cache holds the epoch's order (startup's restart at a far
+  # step) and nothing is rescheduled.
+  in_place = phases_of(
+      ("detection: a crashed process's peers stop at once (measured: its sockets close)",
+       max(measured["detection_SIGKILL_worker"]["detect_s"],
+           measured["detection_SIGKILL_coordinator"]["detect_s"])),
+      ("the containers restarted in place (assumed)", ASSUMED["restart_in_place_s"][0]),
+      ("the first batch: every host reads its kept order, at step 1,000,000 (startup_7b.py)",
+       startup["first_batch_restart_s"]["step_1000000"]))
   restart_s = sum(v for v in phases.values() if not math.isnan(v))
   mtbf = 86_400 / preemptions_per_day
   # The loop's stall per save: what the async save blocks on on a TPU, the copy of the host's
@@ -127,24 +142,6 @@ def price(measured: dict, startup: dict, preemptions_per_day: float) -> dict:
   store_clock_s = waiting_s - min(lease.DEFAULT_TAKEOVER_S, sum(before_watching))
   table_store_clock = {c: goodput(c, step_s, save_s, store_clock_s, mtbf)
                        for c in [*cadences, best]}
-  # A restart in place: a process crashed (its sockets closed with it: found at once), the
-  # hosts stay, so every host's cache holds the epoch's order (startup's restart at a far
-  # step) and nothing is rescheduled.
-  lost_host = list(phases)
-  in_place = dict(phases)
-  in_place[lost_host[0]] = max(measured["detection_SIGKILL_worker"]["detect_s"],
-                               measured["detection_SIGKILL_coordinator"]["detect_s"])
-  in_place[lost_host[1]] = ASSUMED["restart_in_place_s"][0]
-  in_place[lost_host[-1]] = startup["first_batch_restart_s"]["step_1000000"]
-  in_place = {name.replace("a lost host's peers stop within the heartbeat timeout the "
-                           "rendered jobs set (measured: the longer of a frozen worker and a "
-                           "frozen coordinator)",
-                           "a crashed process's peers stop at once (measured: its sockets "
-                           "close)").replace("replacement (assumed)", "the containers "
-                                             "restarted in place (assumed)").replace(
-              "the new host reads its block of the order kept beside the run",
-              "every host reads its kept order, at step 1,000,000"): v
-              for name, v in in_place.items()}
   in_place_s = sum(v for v in in_place.values() if not math.isnan(v))
   run_days = STEPS * step_s / 86_400
   return {

@@ -61,7 +61,8 @@ def check_quantity(value: str, flag: str) -> str:
 # Which attempt of which JobSet a pod's launcher is (JobSet labels every pod with its uid and the
 # restart attempt it was created for): a later attempt takes the workdir's lease over at once
 # and fences the earlier one (olmo3.run.lease), instead of waiting out the takeover age.
-ATTEMPT_ENV = [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
+ATTEMPT_ENV = [{"name": name,
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
                for name, label in ((lease.JOB_ENV, "jobset.sigs.k8s.io/jobset-uid"),
                                    (lease.ATTEMPT_ENV, "jobset.sigs.k8s.io/restart-attempt"))]
 

@@ -55,10 +55,12 @@ def plan(order_T: np.ndarray, shards: int, window: int | None) -> Halo | None:
   if window is None or shards < 2 or t % shards:
     return None
   per = t // shards
-  runs = [j for j in range(t) if j % per == 0 or order_T[j] != order_T[j - 1] + 1]
-  chunk = int(np.gcd.reduce(np.diff(runs + [t])))  # contiguous runs cut into equal chunks
-  starts = list(range(0, t, chunk))
-  if (np.asarray(order_T)[starts] % chunk).any():
+  order_T = np.asarray(order_T)
+  # Where a contiguous run of positions starts: each shard's first column, and every break.
+  runs = np.flatnonzero((np.arange(t) % per == 0) | np.r_[True, np.diff(order_T) != 1])
+  chunk = int(np.gcd.reduce(np.diff(np.r_[runs, t])))  # the runs cut into equal chunks
+  starts = range(0, t, chunk)
+  if (order_T[starts] % chunk).any():
     return None
   hops = -(-(window - 1) // chunk)
   if hops >= shards - 1:
