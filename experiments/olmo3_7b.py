@@ -24,8 +24,8 @@ import fiddle as fdl
 from experiments.common import as_config
 from olmo3.config import (INT32_MAX, AttentionKernel, CheckpointConfig, DataConfig, DType,
                           EvalConfig, Experiment, LongDocuments, LossMean, MeshConfig,
-                          OptimizerConfig, Packing, Remat, RopePositions, ScaledLayers, Schedule,
-                          TrainConfig, Yarn, olmo3_7b)
+                          OptimizerConfig, Packing, Remat, RopePositions, RulerConfig,
+                          ScaledLayers, Schedule, TrainConfig, Yarn, olmo3_7b)
 from olmo3.xla_flags import FLAG_SETS
 from olmo3.remat import Mode, Name
 from olmo3.run.record import workdir_of
@@ -135,6 +135,11 @@ def stage2() -> fdl.Config[Experiment]:
   return cfg
 
 
+# RULER's lengths for the long-context model: those of AI2's reported scores for OLMo 3 7B
+# (Olmo Hybrid paper, Table 3), which the evaluation shows beside the run's.
+RULER_LENGTHS = (4096, 8192, 16384, 32768, 65536)
+
+
 def stage3() -> fdl.Config[Experiment]:
   """Stage 3 long-context extension to 65,536 tokens (OLMo-3-1025-7B-long-context.py, run with
   ai2-olmo-core 2.4.0): stage 2 with YaRN RoPE scaling (factor 8, beta_fast 32, beta_slow 1,
@@ -183,6 +188,7 @@ def stage3() -> fdl.Config[Experiment]:
   cfg.train.loss_ranks = 32
   cfg.eval.batch_size = 64
   cfg.eval.position_band = 8192  # held-out CE per 8192 positions: within and beyond stage 2's
+  cfg.eval.ruler = fdl.Config(RulerConfig, lengths=RULER_LENGTHS)
   cfg.checkpoint.init_from = workdir_of(stage2)  # runs/olmo3_7b.stage2
   return cfg
 

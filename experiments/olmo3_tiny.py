@@ -39,6 +39,11 @@ SIZE_FIELDS = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_head
 BATCH_DIVISOR = 32  # 512 -> 16 instances per step in stage 1, 256 -> 8 in stage 2
 SEQ_LEN = 256  # the window (128) is half of it, as the 7B's 4096 of 8192
 BASE_SEQ_LEN = 8192  # the 7B's stage 1-2 sequence, which SEQ_LEN stands for
+# RULER at laptop size: the 7B's lengths scaled as the context is, from 1024 tokens (variable
+# tracking's worked example of up to 500 tokens, common words' worked example and the 128-token
+# answers of the needles leave a shorter length no room), 4 instances a task and length (a
+# CPU's share of the run).
+RULER_SHORTEST, RULER_SAMPLES = 1024, 4
 LR_SCALE = 10.0  # a 2.9M-parameter model takes a 10x larger learning rate
 WARMUP_STEPS = 10  # for stages that warm up (the 7B's 2000 would be most of the run)
 # OLMo's reading-comprehension suite, zero-shot (short contexts for a 256-token model).
@@ -102,6 +107,12 @@ def laptop_size(cfg: fdl.Config[Experiment], steps: int = 50) -> fdl.Config[Expe
     cfg.model.rope_scaling.original_context = tiny.max_seq_len
   if cfg.eval.position_band is not None:  # the bands stand for the same stretch of context
     cfg.eval.position_band = cfg.eval.position_band * SEQ_LEN // BASE_SEQ_LEN
+  ruler = cfg.eval.ruler
+  if isinstance(ruler, fdl.Config) and ruler.lengths:  # the same stretches of context, those
+    # long enough for RULER's answers (128 tokens) beside a haystack, within the model's
+    scaled = (n * SEQ_LEN // BASE_SEQ_LEN for n in ruler.lengths)
+    ruler.lengths = tuple(n for n in scaled if RULER_SHORTEST <= n <= cfg.model.max_seq_len)
+    ruler.samples, ruler.prefill_chunk = RULER_SAMPLES, SEQ_LEN * 2
   cfg.data.mix, cfg.data.root = "embedded", ""
   cfg.data.seq_len = SEQ_LEN * longer
   if cfg.data.max_target_seq_len is not None:  # the 7B's target is its sequence (see above)

@@ -154,7 +154,7 @@ def masked_attention(q_BTHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array,
                      mask_TS: jax.Array) -> jax.Array:
   """Grouped-query attention where query t sees key s when mask_TS[t, s] (one [T, S] mask for
   every row, or [B, T, S], each row its own); softmax in float32. The XLA kernel, and the
-  KV-cache decode (olmo3.sample.decode: queries at later positions).
+  KV-cache decode (olmo3.decode: queries at later positions, through `grouped_attention`).
 
   Laid out for XLA:CPU, where it is the training kernel: each key/value head's R query heads
   form one [U, K] block of queries (keys and values are never repeated), every [U, S] array is
@@ -195,11 +195,22 @@ def _attention(mask_TS, q_BTHK, k_BSGK, v_BSGK):
 
 
 def _attention_fwd(mask_TS, q_BTHK, k_BSGK, v_BSGK):
-  t, g, k = q_BTHK.shape[1], k_BSGK.shape[2], q_BTHK.shape[3]
+  k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
+  return _grouped(mask_TS, q_BTHK, k_BGSK, v_BGSK)
+
+
+def grouped_attention(q_BTHK: jax.Array, k_BGSK: jax.Array, v_BGSK: jax.Array,
+                      mask_TS: jax.Array) -> jax.Array:
+  """`masked_attention` over keys and values laid out head-major, [B, G, S, K]: the layout
+  olmo3.decode's KV cache keeps, so that no step copies the cache into it. Forward only."""
+  return _grouped(mask_TS, q_BTHK, k_BGSK, v_BGSK)[0]
+
+
+def _grouped(mask_TS, q_BTHK, k_BGSK, v_BGSK):
+  t, g, k = q_BTHK.shape[1], k_BGSK.shape[1], q_BTHK.shape[3]
   accum = wide(q_BTHK.dtype)
   # Scaled before the matmul: a scalar inside it is a [U, S] operand XLA:CPU materialises.
   q_BGUK = _to_groups(q_BTHK, g) * k ** -0.5
-  k_BGSK, v_BGSK = k_BSGK.transpose(0, 2, 1, 3), v_BSGK.transpose(0, 2, 1, 3)
   # The mask as an additive bias (0 or the most negative float, so a row with no visible key
   # averages them all, as a masked softmax does): XLA:CPU adds it in the scores' matmul, where
   # a select would be a pass of its own. Query row u = t·R + r repeats mask row t.

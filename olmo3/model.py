@@ -187,7 +187,7 @@ class Attention(nnx.Module):
   def qkv(self, x_BTD: jax.Array, rope: tuple[jax.Array, jax.Array]
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries [B, T, H, K], keys and values [B, T, G, K] as attention reads them (keys and
-    values are also what olmo3.sample.decode's KV cache holds)."""
+    values are also what olmo3.decode's KV cache holds)."""
     cfg = self.cfg
     b, t, _ = x_BTD.shape
     q = self.q_norm(checkpoint_name(self.q_proj(x_BTD), Name.QUERY_PROJ))

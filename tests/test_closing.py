@@ -132,3 +132,19 @@ def test_a_complete_run_with_garbled_metrics_lines_still_prints_its_summary(
       assert f"{metrics}:{number}: {why} (" in done.stderr, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
   assert metrics.read_bytes() == before
+
+
+def test_ruler_beside_ai2s_and_the_long_context_alarm(tmp_path):
+  """The last RULER evaluation's mean per length, AI2's OLMo 3 7B figures at the lengths they
+  share, and where the long-context alarm fired."""
+  rows = ROWS + [{"step": 8, "ruler/mean/4096": 0.9, "ruler/mean/8192": 0.5,
+                  "ruler/niah_single_1/4096": 1.0, "alarm/long_context": 1.0}]
+  summary = RunSummary.read(_workdir(tmp_path, rows), Experiment())
+  assert summary.ruler == (8, {4096: 0.9, 8192: 0.5}) and summary.long_context_fired == 8
+  lines = summary.lines()
+  at = lines.index("  RULER           4096 90.0, 8192 50.0 (mean over its tasks, step 8)")
+  assert lines[at + 1] == " " * 18 + "AI2's OLMo 3 7B: 4096 95.8, 8192 89.3"
+  assert lines[at + 2].startswith("  long context    alarm FIRED at step 8")
+  (tmp_path / "none").mkdir()
+  assert not any("RULER" in line for line in RunSummary.read(
+      _workdir(tmp_path / "none", ROWS), Experiment()).lines())

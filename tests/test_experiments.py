@@ -16,6 +16,8 @@ SIZE = {f"model.{f}" for f in olmo3_tiny.SIZE_FIELDS} | {
     "optimizer.stitch_second_steps",
     "train.steps", "train.log_every", "train.loss_ranks",
     "train.eval_every", "checkpoint.every", "eval.batch_size",
+    # RULER's lengths scaled as the context is, fewer instances, a smaller prefill on a CPU
+    "eval.ruler.lengths", "eval.ruler.samples", "eval.ruler.prefill_chunk",
     "model.rope_scaling.original_context",  # stage 3: YaRN extends the tiny context
     "eval.position_band"}
 DATA = {"data.mix", "data.root", "checkpoint.init_from", "eval.heldout", "eval.tokenizer",
@@ -85,7 +87,8 @@ def test_resumable_fields_are_the_marked_ones():
       "checkpoint.allow_restart_from_scratch", "data.allow_changed_data", "model.vocab_chunk", "model.splash_block",
       "model.context_parallel",
       "data.device_prefetch", "wandb.mode", "wandb.project", "wandb.entity", "wandb.name",
-      "optimizer.spike_window_on_restart"}
+      "optimizer.spike_window_on_restart", "eval.ruler.lengths", "eval.ruler.tasks",
+      "eval.ruler.samples", "eval.ruler.seed", "eval.ruler.prefill_chunk", "eval.ruler.alarm_drop"}
   old, new = olmo3_tiny.stage1(), olmo3_tiny.stage1()
   new.train.steps, new.mesh.shape = 200, (("data", 2), ("fsdp", -1))
   new.optimizer.spike_window_on_restart = config.SpikeWindowOnRestart.EMPTY  # read at restarts

@@ -23,7 +23,7 @@ from olmo3 import config
 from olmo3 import model as model_lib
 from olmo3 import program
 from olmo3.io import checkpoint
-from olmo3.sample import decode
+from olmo3 import decode
 from olmo3.sample.__main__ import _one_line_errors, main
 
 from conftest import random_params

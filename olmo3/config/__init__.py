@@ -18,8 +18,8 @@ from typing import Any  # (annotations name it: type hints resolve in this names
 from olmo3.config_checks import ConfigError
 from olmo3.config_checks import Validated as _Validated
 from olmo3.config.data import DataConfig, LongDocuments, Packing, RepetitionFilter
-from olmo3.config.experiment import (EvalConfig, Experiment, WandbConfig, WandbMode,
-                                     resumable_fields)
+from olmo3.config.experiment import (RULER_TASKS, EvalConfig, Experiment, RulerConfig,
+                                     WandbConfig, WandbMode, resumable_fields)
 from olmo3.config.model import (INT32_MAX, PRESETS, AttentionKernel, ContextParallel, DType,
                                 ModelConfig, RopePositions, ScaledLayers, Yarn,
                                 heads_split_problem, olmo3_7b,
@@ -47,4 +47,4 @@ __all__ = [
     "ModelConfig",
     "RepetitionFilter", "LongDocuments", "Packing", "DataConfig", "Schedule",
     "SpikeWindowOnRestart", "OptimizerConfig", "MeshConfig", "LossMean", "TrainConfig", "InitMode",
-    "CheckpointConfig", "EvalConfig", "WandbMode", "WandbConfig", "Experiment"]
+    "CheckpointConfig", "RULER_TASKS", "RulerConfig", "EvalConfig", "WandbMode", "WandbConfig", "Experiment"]

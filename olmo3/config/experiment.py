@@ -14,6 +14,48 @@ from olmo3.config.training import (CheckpointConfig, LossMean, MeshConfig, Optim
                                    TrainConfig)
 
 
+# RULER's tasks that olmo3 generates (olmo3.eval.ruler): needle in a haystack (one needle; several
+# keys; several values; several queries), variable tracking, common and frequent words.
+RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
+               "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery",
+               "ruler_vt", "ruler_cwe", "ruler_fwe")
+
+
+@dataclasses.dataclass(frozen=True)
+class RulerConfig(Validated):
+  """RULER's synthetic long-context tasks in the evaluation (olmo3.eval.ruler,
+  docs/evaluation.md#ruler): instances generated offline from the evaluation's tokenizer (and,
+  for the essay-haystack tasks, the run's held-out documents) at each length, scored by greedy
+  generation of the answer; the long-context alarm watches the longest length. Every field is
+  resumable: RULER may be turned on for a run under way."""
+
+  # Each instance's length in tokens, prompt and answer budget together (RULER's
+  # max_seq_length). Empty: RULER off.
+  lengths: tuple[int, ...] = resumable(())
+  tasks: tuple[str, ...] = resumable(RULER_TASKS)
+  samples: int = resumable(20, ge=1)  # instances per task and length
+  seed: int = resumable(42, ge=0)  # the same instances on every host and at every evaluation
+  # Prompt positions sent through the model at a time (attention's arrays grow with it).
+  prefill_chunk: int = resumable(2048, ge=1)
+  # The long-context alarm fires when the longest length's mean score falls by more than this
+  # (a fraction: scores are 0..1) while the shortest length's falls by less than half of it.
+  alarm_drop: float = resumable(0.1, gt=0, le=1)
+
+  def _check(self) -> None:
+    require(self, "lengths", all(n >= 64 for n in self.lengths)
+            and list(self.lengths) == sorted(set(self.lengths)),
+            "increasing prompt lengths of at least 64 tokens")
+    unknown = sorted(set(self.tasks) - set(RULER_TASKS))
+    require(self, "tasks", bool(self.tasks) and not unknown
+            and len(set(self.tasks)) == len(self.tasks),
+            f"distinct names among {list(RULER_TASKS)}"
+            + (f" ({unknown} unknown)" if unknown else ""))
+
+  @property
+  def enabled(self) -> bool:
+    return bool(self.lengths)
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig(Validated):
   """Evaluation during training (and standalone, `python -m olmo3.eval`), as OLMo-core's
@@ -52,6 +94,7 @@ class EvalConfig(Validated):
   alarm_window: int = bounded(2, ge=1)  # evaluations the alarm looks back
   alarm_margin: float = bounded(0.05, gt=0)  # train-loss improvement (nats) counted as improving
   stop_on_alarm: bool = False
+  ruler: RulerConfig = dataclasses.field(default_factory=RulerConfig)
 
   def _check(self) -> None:
     nonempty(self, "heldout", "heldout_tokenizer_id", "tokenizer")
@@ -111,6 +154,10 @@ class Experiment(Validated):
               "each entry is one flag, '--name=value', without whitespace")
     require(self, "env", all(k and "=" not in k and "\0" not in k + v for k, v in self.env),
             "names must be non-empty, without '='; no NUL characters")
+    if self.eval.ruler.lengths and self.eval.ruler.lengths[-1] > self.model.max_seq_len:
+      fail(self, "eval.ruler.lengths", f"{self.eval.ruler.lengths[-1]} exceeds model.max_seq_len "
+           f"({self.model.max_seq_len}): the model has no positions there",
+           self.eval.ruler.lengths)
     if self.data.seq_len > self.model.max_seq_len:
       fail(self, "data.seq_len", f"exceeds model.max_seq_len ({self.model.max_seq_len})",
            self.data.seq_len)

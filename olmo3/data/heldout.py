@@ -63,6 +63,11 @@ class HeldoutDocs:
     """Each document's tokens as scored: cut to seq_len."""
     return np.array([min(end - start, self.seq_len) for _, start, end in self._docs])
 
+  def document(self, index: int) -> np.ndarray:
+    """Document `index`'s tokens, whole (EOS included)."""
+    f, start, end = self._docs[index]
+    return np.asarray(self._tokens[f][start:end])
+
   def rows(self, indices: Sequence[int], length: int, batch_size: int
            ) -> dict[str, np.ndarray]:
     """input_ids and labels [batch_size, length] of the documents `indices` (none longer than

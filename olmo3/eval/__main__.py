@@ -1,5 +1,5 @@
 """python -m olmo3.eval --workdir RUN [--step S | --all_steps] [--tasks T ...] [--like RUN2]
-    [--out FILE]
+    [--ruler [--ruler_lengths N ...] [--ruler_samples K]] [--out FILE]
 
 Evaluates a run's checkpoint(s), each with the experiment of the config revision that wrote it
 (WORKDIR/experiment.json, or experiment.<n>.json after a resume with a changed config: the
@@ -14,6 +14,11 @@ WORKDIR/eval_report.json):
 --like RUN2 scores the checkpoints with RUN2's evaluation settings and sequence length (the
 model stays the one the checkpoint trained): e.g. stage 2's model on stage 3's long held-out
 documents, CE per position band, to compare with stage 3's own.
+
+--ruler scores RULER's synthetic long-context tasks alone (olmo3.eval.ruler; generated
+offline), at the run's eval.ruler lengths, else at 1/8, 1/4, 1/2 and all of its sequence
+length (--ruler_lengths chooses), and prints a table per task and length beside AI2's OLMo 3
+7B where the lengths are AI2's; the report holds the scores under "ruler".
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import sys
 from etils import epath
 
 from olmo3 import program
+from olmo3.eval import ruler_scores
 from olmo3.io import pathnames, storage
-from olmo3.config import ConfigError, Experiment, MeshConfig
+from olmo3.config import ConfigError, Experiment, MeshConfig, RulerConfig
 from olmo3.run import record
 
 
@@ -61,8 +67,16 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--task_limit", type=int, default=None)
   parser.add_argument("--like", default=None,
                       help="another run whose evaluation settings and sequence length to use")
+  parser.add_argument("--ruler", action="store_true",
+                      help="score RULER's long-context tasks alone (not held-out sets or tasks)")
+  parser.add_argument("--ruler_lengths", type=int, nargs="+", default=None,
+                      help="RULER's lengths in tokens (default: the run's eval.ruler.lengths)")
+  parser.add_argument("--ruler_samples", type=int, default=None,
+                      help="RULER instances per task and length (default: the run's)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
+  if (args.ruler_lengths or args.ruler_samples) and not args.ruler:
+    parser.error("--ruler_lengths and --ruler_samples go with --ruler")
   like = load_experiment(args.like) if args.like else None
   if not epath.Path(args.workdir).is_dir():
     print(f"error: --workdir {args.workdir}: no such run directory", file=sys.stderr)
@@ -78,12 +92,13 @@ def main(argv: list[str] | None = None) -> int:
   report = {"workdir": os.fspath(pathnames.absolute(args.workdir)), "steps": {}}
   for step in steps:
     evaluator = evaluator_for(step)
-    if not evaluator.exp.eval.heldout and not evaluator.tasks:
+    if not args.ruler and not evaluator.exp.eval.heldout and not evaluator.tasks:
       print(f"nothing to evaluate at step {step}: the run has no held-out sets and no "
             "downstream tasks available", file=sys.stderr)
       return 2
     params = restore_params(directory / str(step), evaluator.model.param_target)
-    report["steps"][str(step)] = _evaluated(evaluator, params, step)
+    report["steps"][str(step)] = (_ruler_only(evaluator, params, step) if args.ruler
+                                  else _evaluated(evaluator, params, step))
   # Scored like another run: a report of its own beside the run's own report.
   default = (f"eval_report.like-{pathnames.split(pathnames.absolute(args.like))[1]}.json"
              if args.like else "eval_report.json")
@@ -133,6 +148,10 @@ class _Evaluators:
         eval_cfg = dataclasses.replace(eval_cfg, tasks=tuple(args.tasks))
       if args.task_limit is not None:
         eval_cfg = dataclasses.replace(eval_cfg, task_limit=args.task_limit)
+      if args.ruler:
+        eval_cfg = dataclasses.replace(eval_cfg, tasks=(), ruler=_ruler_settings(args, exp))
+        exp = dataclasses.replace(exp, model=exp.model.replace(max_seq_len=max(
+            exp.model.max_seq_len, eval_cfg.ruler.lengths[-1])))
       exp = dataclasses.replace(exp, eval=eval_cfg, mesh=MeshConfig())
       self.built[key] = Evaluator(exp, ShardedModel.for_experiment(exp))
     return self.built[key]
@@ -151,7 +170,32 @@ def _evaluated(evaluator, params, step: int) -> dict:
     bands = band_lines(result)
     if bands:
       print(f"  {name} CE by position: {bands}")
+  if scores["ruler"]:
+    print("  RULER (scores 0-100):")
+    for line in ruler_scores.table(scores["ruler"], evaluator.exp.eval.ruler.lengths):
+      print("    " + line)
   return scores
+
+
+def _ruler_settings(args, exp: Experiment) -> RulerConfig:
+  """eval.ruler with --ruler_lengths / --ruler_samples; lengths by default the run's, else
+  1/8, 1/4, 1/2 and all of its sequence length (those of 64 tokens or more)."""
+  ruler = exp.eval.ruler
+  lengths = args.ruler_lengths or ruler.lengths or tuple(
+      n for n in (exp.data.seq_len // 8, exp.data.seq_len // 4, exp.data.seq_len // 2,
+                  exp.data.seq_len) if n >= 64)
+  return dataclasses.replace(ruler, lengths=tuple(sorted(set(lengths))),
+                             samples=args.ruler_samples or ruler.samples)
+
+
+def _ruler_only(evaluator, params, step: int) -> dict:
+  """One step's RULER scores, printed as a table: {"ruler": scores, "metrics": scores}."""
+  cfg = evaluator.exp.eval.ruler
+  scores = evaluator.ruler_metrics(params)
+  print(f"step {step}: RULER, {cfg.samples} instances a task and length (scores 0-100)")
+  for line in ruler_scores.table(scores, cfg.lengths):
+    print("  " + line)
+  return {"ruler": scores, "metrics": scores}
 
 
 def band_lines(result: dict[str, float]) -> str:

@@ -83,3 +83,56 @@ class GapAlarm:
     warnings = [w for w in warnings if w is not None]
     evals[METRIC] = float(bool(warnings))
     return "\n".join(warnings) or None
+
+
+LONG_CONTEXT_METRIC = "alarm/long_context"  # 0 or 1 at each RULER evaluation
+
+
+@dataclasses.dataclass
+class LongContextAlarm:
+  """RULER's mean score at the longest length falls while the shortest length holds: a model
+  losing its long context (an SFT at 32K collapsing RULER at 64K, a broken RoPE scaling) while
+  its loss, dominated by short-range predictions, shows nothing. At each RULER evaluation the
+  means per length (ruler/mean/<length>) are compared with the previous evaluation's and with
+  the first one's (the run's starting checkpoint, when the loop scored it before its first
+  step): the alarm fires when the longest length's mean fell by more than `drop` while the
+  shortest's fell by less than half of that (or rose)."""
+
+  drop: float = 0.1
+  first: tuple[int, dict[int, float]] | None = None  # (step, means per length)
+  last: tuple[int, dict[int, float]] | None = None
+  fired_at: int | None = None
+
+  def observe(self, step: int, means: dict[int, float], evals: dict[str, float] | None = None
+              ) -> str | None:
+    """Records one evaluation's means per length; returns the warning when the alarm fires.
+    Writes alarm/long_context (0 or 1) into `evals` when given."""
+    if len(means) < 2:  # no short length to hold
+      return None
+    warnings = []
+    for then in {id(x): x for x in (self.first, self.last) if x is not None}.values():
+      warning = self._compare(then, step, means)
+      if warning:
+        warnings.append(warning)
+        break  # the same fall, seen twice, is said once
+    self.first = self.first or (step, means)
+    self.last = (step, means)
+    if warnings and self.fired_at is None:
+      self.fired_at = step
+    if evals is not None:
+      evals[LONG_CONTEXT_METRIC] = float(bool(warnings))
+    return "\n".join(warnings) or None
+
+  def _compare(self, then: tuple[int, dict[int, float]], step: int, means: dict[int, float]
+               ) -> str | None:
+    then_step, before = then
+    shared = sorted(set(before) & set(means))
+    if len(shared) < 2:
+      return None
+    short, long = shared[0], shared[-1]
+    long_drop, short_drop = before[long] - means[long], before[short] - means[short]
+    if long_drop > self.drop and short_drop < self.drop / 2:
+      return (f"long context lost: from step {then_step} to {step} RULER at {long} tokens fell "
+              f"{long_drop:.3f} ({before[long]:.3f} -> {means[long]:.3f}) while at {short} it "
+              f"moved {-short_drop:+.3f} ({before[short]:.3f} -> {means[short]:.3f})")
+    return None

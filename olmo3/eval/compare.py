@@ -59,6 +59,7 @@ from etils import epath
 from olmo3 import program
 from olmo3.eval import ce_definitions, spikes
 from olmo3.eval.ce_definitions import OlmoCoreEvaluation
+from olmo3.eval import ruler_scores
 from olmo3.eval.metric_series import CompareError, Source, load
 
 DEFAULT_TOLERANCE = 0.005
@@ -367,6 +368,7 @@ def report(ours: Source, reference: Source, comparison: Comparison, tolerance: f
                    f"{_steps_text(a.reference_fired, a.reference_evaluations)} | {verdict}")
   if comparison.spikes:
     lines.extend(_spike_lines(comparison.spikes, comparison.spike_rule))
+  lines.extend(ruler_scores.comparison_lines(ours.series, reference.series))
   for title, names in (("not in ours", comparison.not_in_ours),
                        ("not in reference", comparison.not_in_reference),
                        ("no common steps", comparison.no_common_steps)):

@@ -27,9 +27,11 @@ from absl import logging
 
 from olmo3 import loss
 from olmo3.config import Experiment
-from olmo3.data import pipeline, sources
+from olmo3.data import embedded, pipeline, sources
+from olmo3.data import tokenizer as tokenizer_lib
 from olmo3.data.heldout import HeldoutDocs, scored_sets
 from olmo3.eval import tasks as tasks_lib
+from olmo3.eval.ruler import Ruler
 from olmo3.placement import ShardedModel
 
 # Warnings already given by this process: a program that builds several evaluators (`python -m
@@ -105,6 +107,21 @@ class Evaluator:
     self.heldout = scored_sets(exp, heldout)
     self.tasks = self._load_tasks()
     self.buckets = tasks_lib.bucket_lengths(exp.data.seq_len, exp.model.attention)
+    self.ruler = self._load_ruler() if cfg.ruler.enabled else None
+
+  def _load_ruler(self) -> Ruler:
+    """RULER's instances, generated with the evaluation's tokenizer; the essay haystacks cut
+    from the held-out documents (decoded), else from the embedded corpus."""
+    tokenizer = tokenizer_lib.load(sources.tokenizer_file(self.exp.eval.tokenizer),
+                                   "the run's EvalConfig.tokenizer")
+
+    def texts():
+      for docs in self.heldout.values():
+        for i in range(len(docs)):
+          yield tokenizer.decode(docs.document(i).tolist(), skip_special_tokens=True)
+      yield from (text for _, text in embedded.documents())
+
+    return Ruler(self.exp, self.model, tokenizer, texts)
 
   def _load_tasks(self) -> list[tasks_lib.Task]:
     """The configured tasks; none (with a warning) when the `eval` extra is not installed. Any
@@ -215,11 +232,25 @@ class Evaluator:
       return tasks_lib.evaluate(self.tasks, self.buckets, exp.eval.batch_size,
                                 exp.model.pad_token_id, row_logprob, choice_logprobs)
 
+  def ruler_metrics(self, params: Any, stop: Callable[[], bool] | None = None
+                    ) -> dict[str, float]:
+    """RULER's scores (olmo3.eval.ruler: ruler/<task>/<length>, ruler/mean/<length>); {} when
+    eval.ruler is off. Raises Stopped when `stop()` says so before a length."""
+    if self.ruler is None:
+      return {}
+    scores = self.ruler.score(params, stop)
+    if scores is None:
+      raise Stopped
+    return scores
+
   def score(self, params: Any, stop: Callable[[], bool] | None = None) -> dict[str, dict]:
-    """{"heldout": {set: metrics}, "tasks": {task: metrics}, "metrics": both under the names a
-    run logs them by (`logged_names`)}: what `python -m olmo3.eval` reports for a step."""
+    """{"heldout": {set: metrics}, "tasks": {task: metrics}, "ruler": {name: score},
+    "metrics": all under the names a run logs them by (`logged_names`)}: what `python -m
+    olmo3.eval` reports for a step."""
     heldout, tasks = self.heldout_metrics(params, stop), self.task_metrics(params, stop)
-    return {"heldout": heldout, "tasks": tasks, "metrics": logged_names(heldout, tasks)}
+    ruler = self.ruler_metrics(params, stop)
+    return {"heldout": heldout, "tasks": tasks, "ruler": ruler,
+            "metrics": {**logged_names(heldout, tasks), **ruler}}
 
   def evaluate(self, params: Any, stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """Held-out metrics per set and downstream task metrics, as flat metric names

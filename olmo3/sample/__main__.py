@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
   from olmo3 import model as model_lib
   from olmo3.data import sources, tokenizer as tokenizer_lib
   from olmo3.io import checkpoint
-  from olmo3.sample import decode
+  from olmo3 import decode
 
   directory = record.Workdir(args.workdir).checkpoints
   steps = checkpoint.run_steps(directory)

@@ -28,6 +28,8 @@ import typing
 
 from olmo3.config import DataConfig, Experiment
 from olmo3.data import sources
+from olmo3.eval import ruler_scores
+from olmo3.eval.alarm import LONG_CONTEXT_METRIC as LONG_CONTEXT_ALARM
 from olmo3.eval.alarm import METRIC as ALARM
 from olmo3.eval.tasks import headline_of
 from olmo3.io import checkpoint, metrics, pathnames
@@ -164,6 +166,8 @@ class RunSummary:
   step_seconds: float  # the logged steps' time, every launch (evaluations, compiles excluded)
   checkpoint: str | None  # the newest committed step's directory
   conversations: bool = False  # chat data: its held-out CE is over the assistant's tokens
+  ruler: tuple[int, dict[int, float]] | None = None  # (step, {length: mean}) of the last RULER
+  long_context_fired: int | None = None  # the first step the long-context alarm fired at
 
   @classmethod
   def read(cls, workdir: str, exp: Experiment, end: int | None = None,
@@ -180,6 +184,8 @@ class RunSummary:
       step_seconds += r.get("step_time_s", 0.0) * max(1, r["step"] - previous)
       previous = r["step"]
     fired = [r["step"] for r in rows if r.get(ALARM)]
+    lost = [r["step"] for r in rows if r.get(LONG_CONTEXT_ALARM)]
+    rulers = [r for r in rows if ruler_scores.means(r)]
     committed = checkpoint.run_steps(files.checkpoints)
     step = max((r["step"] for r in rows), default=0)
     return cls(
@@ -194,7 +200,9 @@ class RunSummary:
         evaluations=sum(ALARM in r for r in rows), alarm_fired=fired[0] if fired else None,
         tokens=step * exp.tokens_per_step, step_seconds=step_seconds,
         checkpoint=(pathnames.join(str(files.checkpoints), str(committed[-1]))
-                    if committed else None), conversations=conversations)
+                    if committed else None), conversations=conversations,
+        ruler=(rulers[-1]["step"], ruler_scores.means(rulers[-1])) if rulers else None,
+        long_context_fired=lost[0] if lost else None)
 
   def lines(self, *, launch_seconds: float | None = None,
             next_commands: tuple[tuple[str, str], ...] = ()) -> list[str]:
@@ -234,6 +242,17 @@ class RunSummary:
                  f"{'s' * (self.evaluations != 1)}")
     else:
       out.append("  alarm           off: without held-out evaluations it cannot fire")
+    if self.ruler:
+      step, means = self.ruler
+      out.append("  RULER           " + ", ".join(f"{n} {100 * v:.1f}" for n, v in sorted(
+          means.items())) + f" (mean over its tasks, step {step})")
+      reference = {n: v for n, v in ruler_scores.AI2_OLMO3_7B.items() if n in means}
+      if reference:
+        out.append(" " * 18 + "AI2's OLMo 3 7B: " + ", ".join(
+            f"{n} {100 * v:.1f}" for n, v in sorted(reference.items())))
+      if self.long_context_fired is not None:
+        out.append(f"  long context    alarm FIRED at step {self.long_context_fired}: RULER fell "
+                   "at the longest length while the shortest held")
     out.append(f"  tokens          {self.tokens:,} ({self.step:,} steps)")
     spent = f"training steps {duration(self.step_seconds)}"
     if launch_seconds is not None:

@@ -164,4 +164,9 @@ def evaluated(exp: Experiment, resolved: sources.Resolved | None,
   out.append(f"downstream tasks    {len(ev.tasks)}, {cadence}"
              + (f" ({ev.task_limit} documents each)" if ev.task_limit and ev.tasks else "")
              + (": " + ", ".join(ev.tasks) if ev.tasks else ""))
+  if ev.ruler.enabled:
+    out.append(f"RULER               {len(ev.ruler.tasks)} tasks x {ev.ruler.samples} instances at "
+               f"{', '.join(map(str, ev.ruler.lengths))} tokens, {cadence}"
+               + (" and on the starting checkpoint" if exp.checkpoint.init_from else "")
+               + "; the long-context alarm")
   return out

@@ -1,7 +1,9 @@
 """The evaluation the loop runs on its cadence (train.eval_every and the stage's last step):
-held-out loss per set and downstream tasks (olmo3.eval.evaluator), one line for people, the
-scores into the metric rows, and the generalization-gap alarm (olmo3.eval.alarm), which stops
-the run when eval.stop_on_alarm says so."""
+held-out loss per set, downstream tasks and RULER (olmo3.eval.evaluator), one line for people,
+the scores into the metric rows, and the alarms (olmo3.eval.alarm: the generalization gap, and
+with RULER the long context), which stop the run when eval.stop_on_alarm says so. A run that
+scores RULER and starts from another run's checkpoint scores it once before its first step too:
+the long-context alarm's reference."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any
 import jax
 from absl import logging
 
-from olmo3.eval.alarm import GapAlarm
+from olmo3.eval import ruler_scores
+from olmo3.eval.alarm import GapAlarm, LongContextAlarm
 from olmo3.eval.evaluator import Evaluator, Stopped
 from olmo3.run.plan import RunPlan
 from olmo3.placement import ShardedModel
@@ -28,13 +31,30 @@ class LoopEvaluation:
                         f"{len(exp.eval.tasks)} tasks (tokenizer {exp.eval.tokenizer})"):
       self.evaluator = Evaluator(exp, model, {s.name: s.paths for s in plan.heldout})
     self.alarm = GapAlarm(exp.eval.alarm_window, exp.eval.alarm_margin)
+    self.long_alarm = LongContextAlarm(exp.eval.ruler.alarm_drop)
     self._ahead: threading.Thread | None = None
     self._stop_ahead = threading.Event()
 
   @staticmethod
   def wanted(plan: RunPlan) -> bool:
     exp = plan.exp
-    return bool(exp.train.eval_every and (plan.heldout or exp.eval.tasks))
+    return bool(exp.train.eval_every and (plan.heldout or exp.eval.tasks
+                                          or exp.eval.ruler.enabled))
+
+  def start(self, step: int, params: Any) -> None:
+    """RULER on the parameters the run starts from (another run's checkpoint), logged and kept
+    as the long-context alarm's reference; nothing when RULER is off."""
+    if self.evaluator.ruler is None:
+      return
+    with logs.Heartbeat(f"RULER on the starting checkpoint (step {step})"):
+      scores = self.evaluator.ruler_metrics(params)
+    self._log_ruler(f"step {step} (the starting checkpoint)", scores)
+    self.long_alarm.observe(step, ruler_scores.means(scores))
+
+  @staticmethod
+  def _log_ruler(when: str, scores: dict[str, float]) -> None:
+    logging.info("%s RULER: %s", when, ", ".join(
+        f"{n} {100 * v:.1f}" for n, v in sorted(ruler_scores.means(scores).items())))
 
   def compile_ahead(self) -> None:
     """Starts compiling the evaluation's programs (`Evaluator.compile_ahead`, on the shapes
@@ -81,6 +101,10 @@ class LoopEvaluation:
         f"{k.split('/')[1]} CE {v:.4f}" for k, v in evals.items()
         if k.startswith("eval/") and k.endswith("/ce_loss")) or "none")
     warning = self.alarm.observe(step, rows.since_eval, evals)
+    if self.evaluator.ruler is not None:
+      self._log_ruler(f"step {step}", evals)
+      lost = self.long_alarm.observe(step, ruler_scores.means(evals), evals)
+      warning = "\n".join(w for w in (warning, lost) if w) or None
     rows.add_evaluation(step, evals)
     rows.restart_clock(step)
     if not warning:
