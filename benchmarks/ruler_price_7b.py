@@ -65,9 +65,7 @@ def price(exp, topology: str | None, lengths: list[int]) -> dict:
     cache = -(-(length + new_tokens - 1) // chunk) * chunk
     program = decode.greedy_program(model, new_tokens, chunk)
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=model.batch_sharding)
-    row_sharding = jax.sharding.NamedSharding(
-        model.mesh, jax.sharding.PartitionSpec(*model.batch_sharding.spec[:1]))
-    lengths_b = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=row_sharding)
+    lengths_b = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=decode.row_sharding(model))
     start = time.perf_counter()
     with model.context():
       compiled = program.lower(model.param_target, tokens, lengths_b).compile()

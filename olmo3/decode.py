@@ -12,8 +12,8 @@ logits against the full forward at every position, and greedy text against trans
 `generate` on the exported checkpoint.
 
 `greedy` decodes a batch of prompts of different lengths in one compiled program per batch
-shape, on a `ShardedModel`'s mesh (rows over the data axes, the cache's positions over the
-sequence axis): what in-loop long-context evaluation (olmo3.eval.ruler) runs.
+shape, on a `ShardedModel`'s mesh (rows over the data axes, the cache over the sequence axis):
+what in-loop long-context evaluation (olmo3.eval.ruler) runs.
 
 Shapes as in olmo3.model; S here is the cache's length (the positions it holds).
 """
@@ -34,12 +34,24 @@ from olmo3.config import ModelConfig
 from olmo3.attention import grouped_attention, layer_ropes
 from olmo3.model import Transformer, check_token_ids
 from olmo3.placement import ShardedModel
+from olmo3 import sharding
 from olmo3.sharding import constrain
 
-# A layer's cache's logical axes, [B, G, S, K]: rows over the batch's mesh axes, positions
-# over the sequence's (context parallelism: each device holds a piece of every row's keys, and
-# XLA reduces the softmax across the pieces), heads as attention's activations.
+# A layer's cache's logical axes, [B, G, S, K], where the mesh splits the sequence and the
+# heads do not divide over it: rows over the batch's mesh axes, positions over the sequence's
+# (each device holds a piece of every row's keys, and XLA reduces the softmax across the
+# pieces), heads as attention's activations.
 CACHE_AXES = ("batch", "act_heads", "seq", None)
+
+
+def _laid_out(x_BGSK: jax.Array) -> jax.Array:
+  """A cache array on the mesh: with context parallelism, its heads split over the sequence
+  axis where they divide (sharding.head_major_cache_spec: attention stays on each device, as
+  all-to-all context parallelism keeps it: with the positions split instead, the 7B's compiled
+  RULER batch moved terabytes between devices, benchmarks/RESULTS.md), else CACHE_AXES."""
+  spec = sharding.head_major_cache_spec(x_BGSK.shape[1])
+  return constrain(x_BGSK, CACHE_AXES) if spec is None else jax.lax.with_sharding_constraint(
+      x_BGSK, spec)
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +71,7 @@ class KVCache:
     dtype = jnp.dtype(cfg.compute_dtype.value)  # what the projections return in training
 
     def layers():
-      return tuple(constrain(jnp.zeros(shape, dtype), CACHE_AXES) for _ in range(cfg.n_layers))
+      return tuple(_laid_out(jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers))
 
     return cls(layers(), layers())
 
@@ -96,8 +108,8 @@ def features(model: Transformer, cache: KVCache, tokens_BT: jax.Array, start: ja
     rope = ropes.get(True, ropes[False]) if cfg.layer_rope_scaled(i) else ropes[False]
     attn = block.self_attn
     q_BTHK, k_BTGK, v_BTGK = attn.qkv(x_BTD, rope)
-    ks.append(constrain(write(cache.k[i], k_BTGK.transpose(0, 2, 1, 3), start_B), CACHE_AXES))
-    vs.append(constrain(write(cache.v[i], v_BTGK.transpose(0, 2, 1, 3), start_B), CACHE_AXES))
+    ks.append(_laid_out(write(cache.k[i], k_BTGK.transpose(0, 2, 1, 3), start_B)))
+    vs.append(_laid_out(write(cache.v[i], v_BTGK.transpose(0, 2, 1, 3), start_B)))
     out_BTHK = grouped_attention(q_BTHK, ks[-1], vs[-1], mask_BTS)
     attn_BTD = attn.o_proj(out_BTHK.reshape(b, t, -1))
     h_BTD = x_BTD + block.post_attention_layernorm(attn_BTD)  # as Block.__call__
@@ -180,7 +192,7 @@ def greedy_program(model: ShardedModel, new_tokens: int, chunk: int) -> Callable
   jitted on the model's mesh: one program for the whole generation. The prompts go through the
   model `chunk` positions at a time (T a multiple of it: attention's [B, H, chunk, S] arrays
   stay bounded at long lengths), then every row decodes at its own position. Rows are split
-  over the batch's mesh axes and the cache's positions over the sequence's (context
+  over the batch's mesh axes and the cache over the sequence's (`_laid_out`: context
   parallelism). Generation does not stop at an end of sequence: the caller cuts each row."""
   cfg = model.cfg
 
@@ -217,9 +229,18 @@ def greedy_program(model: ShardedModel, new_tokens: int, chunk: int) -> Callable
                                           jnp.arange(new_tokens - 1))
     return jnp.concatenate([tokens_NB.T, last_B[:, None]], axis=1)
 
-  rows = jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec(*model.batch_sharding.spec[:1]))
-  return jax.jit(run, in_shardings=(model.param_shardings, model.batch_sharding, rows),
-                 out_shardings=model.replicated)
+  return jax.jit(run, in_shardings=(model.param_shardings, model.batch_sharding,
+                                    row_sharding(model)), out_shardings=model.replicated)
+
+
+def row_sharding(model: ShardedModel) -> jax.sharding.NamedSharding:
+  """A [B] vector's sharding: split as the batch's rows are."""
+  return jax.sharding.NamedSharding(model.mesh,
+                                    jax.sharding.PartitionSpec(*model.batch_sharding.spec[:1]))
+
+
+def _global(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def greedy(model: ShardedModel, params: Any, prompts: Sequence[Sequence[int]], new_tokens: int,
@@ -245,6 +266,8 @@ def greedy(model: ShardedModel, params: Any, prompts: Sequence[Sequence[int]], n
       for row, ids in enumerate(group):
         tokens_BT[row, :len(ids)] = ids
       lengths_B = np.array([len(ids) for ids in group], np.int32)
-      pending.append(program(params, tokens_BT, lengths_B))
+      # Every process holds the whole batch (the same prompts): each puts its devices' pieces.
+      pending.append(program(params, _global(tokens_BT, model.batch_sharding),
+                             _global(lengths_B, row_sharding(model))))
   out = np.concatenate([np.asarray(p) for p in pending])[:len(prompts)]
   return out.tolist()

@@ -173,6 +173,20 @@ def heads_over_sequence_spec() -> PartitionSpec:
   return PartitionSpec(batch, None, split or None, None)
 
 
+def head_major_cache_spec(kv_heads: int) -> PartitionSpec | None:
+  """[B, G, S, K] (olmo3.decode's KV cache) with the key/value heads split over their own mesh
+  axes and the sequence's, as all-to-all context parallelism splits them: each device then
+  attends its heads over every position, and no softmax spans devices. None when the mesh does
+  not split the sequence, or the heads do not divide over it."""
+  if sequence_shards() == 1:
+    return None
+  spec = heads_over_sequence_spec()
+  mesh = jax.sharding.get_abstract_mesh()
+  if heads_split_problem(kv_heads, int(np.prod([mesh.shape[a] for a in _axes(spec[2])]))):
+    return None
+  return PartitionSpec(spec[0], spec[2], None, None)
+
+
 def chunk_rows_spec() -> str | tuple[str, ...] | None:
   """The row axis of [N, C, ...] arrays whose rows are (batch row, sequence chunk) pairs
   (olmo3.halo): split over the batch's mesh axes and then the sequence's, so that each device's

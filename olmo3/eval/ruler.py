@@ -1,9 +1,9 @@
 """RULER in the evaluation: its synthetic long-context tasks (olmo3.eval.ruler_tasks), generated
 once when the evaluator is built, scored by greedy generation on the run's own model
-(olmo3.decode.greedy: batched, compiled, the cache's positions split over the mesh's sequence
-axis where the run has context parallelism), as lm-eval scores them: the continuation decoded,
-stripped, and each expected answer looked for in it, case aside (string_match_all: the share
-of a instance's answers found, averaged). docs/evaluation.md#ruler.
+(olmo3.decode.greedy: batched, compiled, the cache split over the mesh's sequence axis where the
+run has context parallelism), as lm-eval scores them: the continuation decoded, stripped, and
+each expected answer looked for in it, case aside (string_match_all: the share of an
+instance's answers found, averaged). docs/evaluation.md#ruler-long-context-tasks.
 
 A prompt longer than its length is refused when the instances are built, never cut. The
 answer's budget (lm-eval's max_gen_toks: 128 tokens for the needles) may run past the length:
@@ -17,7 +17,7 @@ Metrics (0..1): ruler/<task>/<length>, and ruler/mean/<length> over the tasks
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from olmo3.config import Experiment
 from olmo3.eval.ruler_scores import cleaned, mean_metric, metric, string_match_all
 from olmo3.eval.ruler_tasks import Instance, RulerError, generate, uses_text
 from olmo3.placement import ShardedModel
+
 
 def haystack_words(texts: Iterable[str], enough: int) -> list[str]:
   """Prose for the essay haystacks, split at spaces as lm-eval splits its essays: at least

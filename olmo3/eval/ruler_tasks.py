@@ -27,6 +27,7 @@ lm-eval joins them (its target delimiter where neither side has a space at the s
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import random
 import re
@@ -94,11 +95,19 @@ class Instance:
     return self.input + (self.delimiter if seam else "") + self.gen_prefix
 
 
+class Haystack(enum.Enum):
+  """What a needle hides in (lm-eval's type_haystack names)."""
+
+  NOISE = "repeat"  # the noise sentence, repeated
+  NEEDLES = "needle"  # other needles, of other keys
+  PROSE = "essay"  # sentences of text
+
+
 @dataclasses.dataclass(frozen=True)
 class Niah:
   """A needle-in-a-haystack task's settings (lm-eval's niah_utils)."""
 
-  haystack: str  # "repeat" (the noise sentences), "needle" (other needles), "essay"
+  haystack: Haystack
   type_k: str = "words"
   type_v: str = "numbers"
   num_k: int = 1
@@ -107,14 +116,14 @@ class Niah:
 
 
 NIAH = {
-    "niah_single_1": Niah("repeat"),
-    "niah_single_2": Niah("essay"),
-    "niah_single_3": Niah("essay", type_v="uuids"),
-    "niah_multikey_1": Niah("essay", num_k=4),
-    "niah_multikey_2": Niah("needle"),
-    "niah_multikey_3": Niah("needle", type_k="uuids", type_v="uuids"),
-    "niah_multivalue": Niah("essay", num_v=4),
-    "niah_multiquery": Niah("essay", num_q=4),
+    "niah_single_1": Niah(Haystack.NOISE),
+    "niah_single_2": Niah(Haystack.PROSE),
+    "niah_single_3": Niah(Haystack.PROSE, type_v="uuids"),
+    "niah_multikey_1": Niah(Haystack.PROSE, num_k=4),
+    "niah_multikey_2": Niah(Haystack.NEEDLES),
+    "niah_multikey_3": Niah(Haystack.NEEDLES, type_k="uuids", type_v="uuids"),
+    "niah_multivalue": Niah(Haystack.PROSE, num_v=4),
+    "niah_multiquery": Niah(Haystack.PROSE, num_q=4),
 }
 # ζ(2) = π²/6, lm-eval's normaliser of the frequent words' Zipf counts (scipy.special.zeta(2.0):
 # the same float64).
@@ -124,7 +133,7 @@ NEW_TOKENS = {**{name: 128 for name in NIAH}, "ruler_vt": 30, "ruler_cwe": 120, 
 
 def uses_text(task: str) -> bool:
   """Whether the task's haystack is prose (the run's held-out text)."""
-  return task in NIAH and NIAH[task].haystack == "essay"
+  return task in NIAH and NIAH[task].haystack is Haystack.PROSE
 
 
 def generate(task: str, length: int, samples: int, seed: int, count: Count,
@@ -211,7 +220,7 @@ def _niah_once(rng: random.Random, spec: Niah, num_haystack: int, text_words: Se
       values[-1].append(_draw(rng, spec.type_v))
       needles.append(NEEDLE.format(type_needle_v=spec.type_v, key=keys[-1], value=values[-1][-1]))
   random.Random(42).shuffle(needles)  # lm-eval's fixed needle order
-  if spec.haystack == "essay":
+  if spec.haystack is Haystack.PROSE:
     sentences = _sentences(" ".join(text_words[:num_haystack]).strip())
     cuts = [0] + sorted(int(len(sentences) * (d / 100)) for d in rng.sample(DEPTHS, len(needles)))
     cuts.append(len(sentences))
@@ -222,7 +231,7 @@ def _niah_once(rng: random.Random, spec: Niah, num_haystack: int, text_words: Se
         pieces.append(needles[i - 1])
     context = " ".join(pieces)
   else:
-    if spec.haystack == "repeat":
+    if spec.haystack is Haystack.NOISE:
       lines = [NOISE] * num_haystack
     else:
       lines = [NEEDLE.format(type_needle_v=spec.type_v, key=_draw(rng, spec.type_k),
@@ -248,7 +257,7 @@ def _niah(task: str, spec: Niah, length: int, samples: int, seed: int, count: Co
           text_words: Sequence[str]) -> list[Instance]:
   rng, budget = random.Random(seed), NEW_TOKENS[task]
   needles = max(spec.num_k, spec.num_q) * spec.num_v
-  if spec.haystack == "essay":
+  if spec.haystack is Haystack.PROSE:
     if not text_words:
       raise RulerError(f"RULER task {task}: its haystack is prose, and no text was given")
     # lm-eval's step of 500 words at every length would leave a length under 4096 a haystack
@@ -263,7 +272,7 @@ def _niah(task: str, spec: Niah, length: int, samples: int, seed: int, count: Co
     if total + budget > length:
       size -= step
       break
-    if spec.haystack == "essay" and size > len(text_words):
+    if spec.haystack is Haystack.PROSE and size > len(text_words):
       size = len(text_words)
       break
     if size > length:
