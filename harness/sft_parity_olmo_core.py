@@ -170,7 +170,9 @@ def sft_experiment(args, directory: pathlib.Path, rope_positions):
   return dataclasses.replace(
       exp, model=model, data=data, train=train,
       optimizer=dataclasses.replace(exp.optimizer, peak_lr=peak_lr),
-      checkpoint=dataclasses.replace(exp.checkpoint, init_from=None))
+      checkpoint=dataclasses.replace(exp.checkpoint, init_from=None),
+      # Nothing evaluated (eval_every=0): RULER's lengths would not fit the shortened model.
+      eval=dataclasses.replace(exp.eval, ruler=dataclasses.replace(exp.eval.ruler, lengths=())))
 
 
 def masks_off(exp, paths: list[str]):

@@ -374,17 +374,23 @@ def test_tiny_stages_1_2_3_end_to_end(tmp_path):
   changes = {c.path for c in config_changes.diff(config_files.from_workdir(str(s1)),
                                            config_files.from_workdir(str(s2)))}
   assert {"data.seed", "checkpoint.init_from", "optimizer.schedule"} <= changes
-  # Stage 3 extends stage 2's context (here 2x, to 512 tokens): packed documents, YaRN, and
-  # the summary's held-out CE per band of the original context's 256 positions.
+  # Stage 3 extends stage 2's context (here 2x, to 512 tokens): packed documents, YaRN, the
+  # summary's held-out CE per band of the original context's 256 positions, and RULER (one
+  # needle task at 512) on the starting checkpoint and at the stage's end.
   s3 = tmp_path / "s3"
   done = _main("--fdl_config=experiments.olmo3_tiny:stage3", f"--workdir={s3}",
                f"--fdl_set=checkpoint.init_from='{s2}'", "--fdl_set=data.seq_len=512",
                "--fdl_set=model.max_seq_len=512", "--fdl_set=train.steps=1",
-               "--fdl_set=eval.tasks=()", "--fdl_set=eval.max_documents=4")
+               "--fdl_set=eval.tasks=()", "--fdl_set=eval.max_documents=4",
+               "--fdl_set=eval.ruler.lengths=(512,)",
+               "--fdl_set=eval.ruler.tasks=('niah_single_1',)")
   bands = [line for line in done.stdout.splitlines() if line.startswith("  by position")]
   assert len(bands) == 1 and re.fullmatch(
       r"  by position     embedded: 0-256 [\d.]+, 256-512 [\d.]+", bands[0]), done.stdout
   assert "packed" in done.stderr and "initialised from" in done.stderr, done.stderr[-3000:]
+  assert "step 0 (the starting checkpoint) RULER: 512 " in done.stderr, done.stderr[-3000:]
+  assert re.search(r"  RULER           512 [\d.]+ \(mean over its tasks, step 1\)", done.stdout)
+  assert any("ruler/niah_single_1/512" in r for r in metrics_lib.read_jsonl(s3 / "metrics.jsonl"))
   # (Standalone evaluation of a checkpoint equals the in-loop numbers:
   # tests/test_reliability.py::test_two_processes_train_save_and_resume_on_another_mesh.)
 

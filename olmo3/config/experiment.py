@@ -156,8 +156,8 @@ class Experiment(Validated):
             "names must be non-empty, without '='; no NUL characters")
     if self.eval.ruler.lengths and self.eval.ruler.lengths[-1] > self.model.max_seq_len:
       fail(self, "eval.ruler.lengths", f"{self.eval.ruler.lengths[-1]} exceeds model.max_seq_len "
-           f"({self.model.max_seq_len}): the model has no positions there",
-           self.eval.ruler.lengths)
+           f"({self.model.max_seq_len}): the model has no positions there (a shorter context "
+           "wants shorter lengths; () turns RULER off)", self.eval.ruler.lengths)
     if self.data.seq_len > self.model.max_seq_len:
       fail(self, "data.seq_len", f"exceeds model.max_seq_len ({self.model.max_seq_len})",
            self.data.seq_len)

@@ -138,7 +138,11 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
       io.batches.close()
       return {}
     if evaluation is not None and start == 0 and exp.checkpoint.init_from:
-      evaluation.start(start, state.params)  # the long-context alarm's reference
+      # The long-context alarm's reference; every process asks at the same lengths.
+      evaluation.start(start, state.params, stop=lambda: preemption.agreed(exchange=False))
+      if _stopped_before_step(start, preemption, progress):
+        io.batches.close()
+        return {}
     # Nothing below reads the devices except wait_for_step, evaluation and saving: the host
     # runs a step ahead, dispatching step s + 1 before it waits for step s's row.
     completed = False  # the last step trained and saved, no signal or alarm having stopped it

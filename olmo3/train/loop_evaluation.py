@@ -41,13 +41,18 @@ class LoopEvaluation:
     return bool(exp.train.eval_every and (plan.heldout or exp.eval.tasks
                                           or exp.eval.ruler.enabled))
 
-  def start(self, step: int, params: Any) -> None:
+  def start(self, step: int, params: Any, stop: Callable[[], bool] | None = None) -> None:
     """RULER on the parameters the run starts from (another run's checkpoint), logged and kept
-    as the long-context alarm's reference; nothing when RULER is off."""
+    as the long-context alarm's reference; nothing when RULER is off, or when `stop()` says so
+    before a length (a signal: the run then stops before its first step)."""
     if self.evaluator.ruler is None:
       return
-    with logs.Heartbeat(f"RULER on the starting checkpoint (step {step})"):
-      scores = self.evaluator.ruler_metrics(params)
+    try:
+      with logs.Heartbeat(f"RULER on the starting checkpoint (step {step})"):
+        scores = self.evaluator.ruler_metrics(params, stop)
+    except Stopped:
+      logging.warning("RULER on the starting checkpoint abandoned: interrupted")
+      return
     self._log_ruler(f"step {step} (the starting checkpoint)", scores)
     self.long_alarm.observe(step, ruler_scores.means(scores))
 
