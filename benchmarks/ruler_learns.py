@@ -3,7 +3,7 @@ the launcher, the same model, steps and schedule, one on a mixture that includes
 task, the other on text alone, RULER's needle tasks scored in the loop.
 
   python benchmarks/ruler_learns.py [--steps 300] [--length 512] [--needles 3000]
-      [--out runs/ruler_learns]
+      [--text_docs N] [--only with_needles|text_only] [--out runs/ruler_learns]
 
 The retrieval task is RULER's own single needle in noise (`niah_single_1`), generated at
 `--length` tokens with another seed than the evaluation's (its instances never evaluated), each
@@ -31,13 +31,15 @@ from olmo3 import platforms  # noqa: E402
 TASKS = ("niah_single_1", "niah_multikey_2")
 
 
-def corpus(path: str, needles: int, length: int, with_needles: bool) -> None:
-  """JSONL documents: the embedded corpus's text, and with_needles also `needles` RULER
-  needle instances, each followed by its answer (seed 1000: not the evaluation's)."""
+def corpus(path: str, needles: int, length: int, with_needles: bool, text_docs: int | None
+           ) -> None:
+  """JSONL documents: the embedded corpus's text (its first `text_docs` documents), and
+  with_needles also `needles` RULER needle instances, each followed by its answer (seed 1000:
+  not the evaluation's)."""
   from olmo3.data import embedded, sources, tokenizer as tokenizer_lib
   from olmo3.eval import ruler_tasks
 
-  docs = [text for _, text in embedded.documents()]
+  docs = [text for _, text in embedded.documents()][:text_docs]
   if with_needles:
     tokenizer = tokenizer_lib.load(sources.tokenizer_file("embedded"), "the embedded tokenizer")
     count = lambda text: len(tokenizer.encode(text).ids)
@@ -48,13 +50,14 @@ def corpus(path: str, needles: int, length: int, with_needles: bool) -> None:
       f.write(json.dumps({"text": text}) + "\n")
 
 
-def run(name: str, out: str, steps: int, length: int, needles: int, with_needles: bool) -> dict:
+def run(name: str, out: str, steps: int, length: int, needles: int, with_needles: bool,
+        text_docs: int | None) -> dict:
   data = os.path.join(out, f"{name}.data")
   source = os.path.join(out, f"{name}.jsonl")
   if not os.path.exists(os.path.join(data, "manifest.json")):
     from olmo3.data import sources
 
-    corpus(source, needles, length, with_needles)
+    corpus(source, needles, length, with_needles, text_docs)
     subprocess.run([sys.executable, "-m", "olmo3.data.prepare", "--input", source,
                     "--tokenizer", sources.tokenizer_file("embedded"), "--out", data],
                    check=True, cwd=ROOT)
@@ -82,12 +85,17 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--length", type=int, default=512)
   parser.add_argument("--needles", type=int, default=3000)
+  parser.add_argument("--text_docs", type=int, default=None,
+                      help="the embedded corpus's first N documents (default: all)")
+  parser.add_argument("--only", choices=("with_needles", "text_only"), default=None)
   parser.add_argument("--out", default=os.path.join(ROOT, "runs", "ruler_learns"))
   args = parser.parse_args(argv)
   platforms.choose()
   os.makedirs(args.out, exist_ok=True)
-  results = [run(name, args.out, args.steps, args.length, args.needles, with_needles)
-             for name, with_needles in (("with_needles", True), ("text_only", False))]
+  results = [run(name, args.out, args.steps, args.length, args.needles, with_needles,
+                 args.text_docs)
+             for name, with_needles in (("with_needles", True), ("text_only", False))
+             if args.only in (None, name)]
   for result in results:
     print(f"\n{result['name']} ({result['seconds']} s):")
     print("  step  " + "  ".join(f"{t:>16}" for t in TASKS))
