@@ -3,7 +3,7 @@ the launcher, the same model, steps and schedule, one on a mixture that includes
 task, the other on text alone, RULER's needle tasks scored in the loop.
 
   python benchmarks/ruler_learns.py [--steps 300] [--length 512] [--needles 3000]
-      [--text_docs N] [--only with_needles|text_only] [--out runs/ruler_learns]
+      [--text_docs N] [--only with_needles|text_only] [--global_only] [--out runs/ruler_learns]
 
 The retrieval task is RULER's own single needle in noise (`niah_single_1`), generated at
 `--length` tokens with another seed than the evaluation's (its instances never evaluated), each
@@ -51,7 +51,7 @@ def corpus(path: str, needles: int, length: int, with_needles: bool, text_docs: 
 
 
 def run(name: str, out: str, steps: int, length: int, needles: int, with_needles: bool,
-        text_docs: int | None) -> dict:
+        text_docs: int | None, global_only: bool) -> dict:
   data = os.path.join(out, f"{name}.data")
   source = os.path.join(out, f"{name}.jsonl")
   if not os.path.exists(os.path.join(data, "manifest.json")):
@@ -69,6 +69,8 @@ def run(name: str, out: str, steps: int, length: int, needles: int, with_needles
           f"--fdl_set=eval.ruler.lengths=({length},)", f"--fdl_set=eval.ruler.tasks={TASKS}",
           "--fdl_set=eval.ruler.samples=16", f"--fdl_set=eval.ruler.prefill_chunk={length}",
           "--fdl_set=train.stop_at_epoch=None"]
+  if global_only:  # every layer attends the whole sequence (the tiny model: one in four)
+    sets.append("--fdl_set=model.global_every=1")
   command = [sys.executable, "launch/main.py", "--fdl_config=experiments.olmo3_tiny:stage1",
              f"--workdir={workdir}", *sets]
   print(" ".join(command), flush=True)
@@ -88,12 +90,14 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument("--text_docs", type=int, default=None,
                       help="the embedded corpus's first N documents (default: all)")
   parser.add_argument("--only", choices=("with_needles", "text_only"), default=None)
+  parser.add_argument("--global_only", action="store_true",
+                      help="no sliding-window layers: every layer attends the whole sequence")
   parser.add_argument("--out", default=os.path.join(ROOT, "runs", "ruler_learns"))
   args = parser.parse_args(argv)
   platforms.choose()
   os.makedirs(args.out, exist_ok=True)
   results = [run(name, args.out, args.steps, args.length, args.needles, with_needles,
-                 args.text_docs)
+                 args.text_docs, args.global_only)
              for name, with_needles in (("with_needles", True), ("text_only", False))
              if args.only in (None, name)]
   for result in results:
