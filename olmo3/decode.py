@@ -196,9 +196,9 @@ def greedy_program(model: ShardedModel, new_tokens: int, chunk: int) -> Callable
   parallelism). Generation does not stop at an end of sequence: the caller cuts each row."""
   cfg = model.cfg
 
-  def pick(h_BD: jax.Array, lm_head) -> jax.Array:
-    logits_BV = lm_head(h_BD).astype(jnp.float32)[:, :cfg.vocab_size]  # padded rows: no tokens
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  def pick(h_BD: jax.Array, lm_head) -> jax.Array:  # Sampling()'s greedy rule, as `generate`
+    logits_BV = lm_head(h_BD)[:, :cfg.vocab_size]  # the padded vocabulary's rows are no tokens
+    return Sampling().pick(logits_BV, key=None).astype(jnp.int32)
 
   def run(params, tokens_BT, lengths_B):
     net = nnx.merge(model.graphdef, params)

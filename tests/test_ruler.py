@@ -109,8 +109,8 @@ def test_a_prompt_longer_than_its_length_is_refused_not_cut(tokenizer):
 
 def test_each_continuation_is_scored_against_its_own_answers(tokenizer, monkeypatch):
   """Generation stood in for by an oracle that answers each prompt with its own instance's
-  answers (after the ones an earlier instance needed: the scorer must pair them back): every
-  task scores 1; answering with the next instance's answers scores what string matching
+  answers (found by the prompt's tokens, whatever order the scorer sends them in): every task
+  scores 1; answering with the next instance's answers scores what string matching
   gives; a continuation past an EOS, or past the task's own budget, is not read."""
   exp = _experiment(sources.tokenizer_file("embedded"), lengths=(1024,), samples=2,
                     tasks=("niah_single_1", "niah_multikey_2", "ruler_cwe", "ruler_fwe"))

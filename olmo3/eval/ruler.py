@@ -84,14 +84,12 @@ class Ruler:
       if stop is not None and stop():
         return None
       instances, prompts = self.instances[length], self.prompts[length]
-      order = np.argsort([len(p) for p in prompts], kind="stable")  # similar lengths batched
+      # (every batch is as long as the longest prompt: the order of the prompts pads nothing)
       budget = max(i.new_tokens for i in instances)
-      made = decode.greedy(self.model, params, [prompts[k] for k in order], budget,
-                           self.exp.eval.batch_size, min(self.cfg.prefill_chunk, length),
-                           self.exp.model.pad_token_id)
+      made = decode.greedy(self.model, params, prompts, budget, self.exp.eval.batch_size,
+                           min(self.cfg.prefill_chunk, length), self.exp.model.pad_token_id)
       scores: dict[str, list[float]] = {}
-      for k, ids in zip(order, made):
-        instance = instances[k]
+      for instance, ids in zip(instances, made):
         ids = ids[:instance.new_tokens]  # the task's own budget
         if eos in ids:
           ids = ids[:ids.index(eos)]
