@@ -19,6 +19,8 @@ from jax.ad_checkpoint import checkpoint_name
 from olmo3 import platforms
 from olmo3.config import AttentionKernel, ModelConfig, RopePositions, Yarn
 from olmo3.remat import Name
+from olmo3 import xla_cpu
+from olmo3.xla_cpu import row_max, row_sum
 from olmo3.sharding import (chunk_rows_spec, heads_over_sequence_spec, logical_to_spec,
                             sequence_axes, sequence_shards)
 
@@ -60,10 +62,11 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, dtype: jnp.dtype = jn
                 scaling: Yarn | None = None) -> tuple[jax.Array, jax.Array]:
   """cos, sin of shape [T, K] (`dtype`) for positions 0..T-1, rotate-half layout; with YaRN
   `scaling`, its frequencies and both tables times its attention factor."""
-  inv_freq_K2, factor = rope_frequencies(head_dim, theta, scaling, dtype)
-  angles_TK2 = jnp.arange(seq_len, dtype=dtype)[:, None] * inv_freq_K2[None, :]
-  angles_TK = jnp.concatenate([angles_TK2, angles_TK2], axis=-1)
-  return jnp.cos(angles_TK) * factor, jnp.sin(angles_TK) * factor
+  with xla_cpu.at_trace_time():
+    inv_freq_K2, factor = rope_frequencies(head_dim, theta, scaling, dtype)
+    angles_TK2 = jnp.arange(seq_len, dtype=dtype)[:, None] * inv_freq_K2[None, :]
+    angles_TK = jnp.concatenate([angles_TK2, angles_TK2], axis=-1)
+    return jnp.cos(angles_TK) * factor, jnp.sin(angles_TK) * factor
 
 
 def apply_rope(x_BTNK: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -219,8 +222,8 @@ def _grouped(mask_TS, q_BTHK, k_BGSK, v_BGSK):
   scores_BGUS = jnp.einsum("bguk,bgsk->bgus", q_BGUK, k_BGSK).astype(accum) + bias_US
   # Unnormalised probabilities and their row sums, kept for the backward pass; the output is
   # divided by the sums instead of the [U, S] probabilities.
-  exp_BGUS = jnp.exp(scores_BGUS - scores_BGUS.max(axis=-1, keepdims=True))
-  sum_BGU1 = exp_BGUS.sum(axis=-1, keepdims=True)
+  exp_BGUS = jnp.exp(scores_BGUS - row_max(scores_BGUS, keepdims=True))
+  sum_BGU1 = row_sum(exp_BGUS, keepdims=True)
   out_BGUK = jnp.einsum("bgus,bgsk->bguk", exp_BGUS.astype(v_BGSK.dtype),
                         v_BGSK).astype(accum) / sum_BGU1
   # Whether a row sees a key. A masked score's exponential is 0 in such a row, so it gets no

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from olmo3 import platforms
+from olmo3 import xla_cpu
+from olmo3.xla_cpu import row_max, row_sum
 
 IGNORE = -1  # the label of a position with no target (any negative label is masked)
 
@@ -70,9 +72,18 @@ def fused_token_nll(h_BTD: jax.Array, w_DV: jax.Array, labels_BT: jax.Array, chu
   Logits are computed as the LM head computes them (inputs and kernel in h's dtype, the compute
   dtype; then float32). When `chunk` does not divide V the last chunk starts at V - chunk and
   ignores the columns the chunk before it covered, so no padded copy of the kernel is made.
-  `constrain` lays out the chunk's logits and the kernel's gradient on the mesh.
+  `constrain` lays out the chunk's logits and the kernel's gradient on the mesh. On one CPU
+  device the rows are taken flat, [B·T, D] (olmo3.xla_cpu.rows_flat: the backward pass then
+  writes the logits' gradient over the logits).
   """
-  nll_BT, lse_BT = _fused(min(chunk, w_DV.shape[1]), constrain, h_BTD, w_DV, labels_BT)
+  chunk = min(chunk, w_DV.shape[1])
+  if xla_cpu.rows_flat(h_BTD.dtype):
+    b, t, d = h_BTD.shape
+    nll_N, lse_N = _fused(chunk, _unconstrained, h_BTD.reshape(b * t, d), w_DV,
+                          labels_BT.reshape(b * t))
+    nll_BT, lse_BT = nll_N.reshape(b, t), lse_N.reshape(b, t)
+  else:
+    nll_BT, lse_BT = _fused(chunk, constrain, h_BTD, w_DV, labels_BT)
   mask_BT = labels_BT >= 0
   return PerToken(jnp.where(mask_BT, nll_BT, 0.0), lse_BT, mask_BT)
 
@@ -83,7 +94,7 @@ def _chunk_logits(h_BTD, w_DV, labels_BT, i, chunk, constrain):
   v = w_DV.shape[1]
   start = jnp.minimum(i * chunk, v - chunk)
   w_DC = jax.lax.dynamic_slice_in_dim(w_DV, start, chunk, axis=1).astype(h_BTD.dtype)
-  logits_BTC = constrain(jnp.einsum("btd,dc->btc", h_BTD, w_DC).astype(_wide(h_BTD)),
+  logits_BTC = constrain(jnp.einsum("...d,dc->...c", h_BTD, w_DC).astype(_wide(h_BTD)),
                          ("batch", "seq", "act_vocab"))
   cols_C = start + jnp.arange(chunk)
   # Only a last chunk that overlaps the one before it has columns of another chunk (None: all
@@ -124,9 +135,9 @@ def _fused_forward(chunk, constrain, h_BTD, w_DV, labels_BT):
                                                           constrain)
     if own_C is not None:
       logits_BTC = jnp.where(own_C, logits_BTC, -jnp.inf)
-    new_max_BT = jnp.maximum(max_BT, logits_BTC.max(axis=-1))
-    sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + jnp.exp(
-        logits_BTC - new_max_BT[..., None]).sum(axis=-1)
+    new_max_BT = jnp.maximum(max_BT, row_max(logits_BTC))
+    sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + row_sum(
+        jnp.exp(logits_BTC - new_max_BT[..., None]))
     if gather:
       target_BT = target_BT + _label_logit(logits_BTC, labels_BT, i, chunk, w_DV.shape[1])
     else:
@@ -157,8 +168,8 @@ def _fused_backward(chunk, constrain, residuals, cotangents):
       p_BTC = jnp.where(own_C, p_BTC, 0.0)
     d_BTC = ((d_nll_BT + d_lse_BT)[..., None] * p_BTC
              - jnp.where(is_label_BTC, d_nll_BT[..., None], 0.0)).astype(h_BTD.dtype)
-    dh_BTD = dh_BTD + jnp.einsum("btc,dc->btd", d_BTC, w_DC).astype(dtype)
-    dw_DC = jnp.einsum("btd,btc->dc", h_BTD, d_BTC).astype(dtype)
+    dh_BTD = dh_BTD + jnp.einsum("...c,dc->...d", d_BTC, w_DC).astype(dtype)
+    dw_DC = jnp.einsum("...d,...c->dc", h_BTD, d_BTC).astype(dtype)
     dw_DV = jax.lax.dynamic_update_slice_in_dim(
         dw_DV, jax.lax.dynamic_slice_in_dim(dw_DV, start, chunk, axis=1) + dw_DC, start, axis=1)
     return (dh_BTD, dw_DV), None

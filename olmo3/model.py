@@ -28,6 +28,7 @@ from olmo3.config import AttentionKernel, ContextParallel, DType, ModelConfig
 from olmo3 import remat as remat_lib
 from olmo3.remat import Name
 from olmo3.sharding import constrain, heads_over_sequence, sequence_shards
+from olmo3 import xla_cpu
 
 
 def truncated_normal(std: float, cutoff: float) -> nnx.Initializer:
@@ -60,6 +61,13 @@ def _dense(cfg: ModelConfig, d_in: int, d_out: int, names: tuple[str, str], rngs
       param_dtype=param_dtype(cfg),
       kernel_init=nnx.with_partitioning(truncated_normal(cfg.init_std, cfg.init_cutoff), names),
       rngs=rngs)
+
+
+def _rows(x_BTD: jax.Array) -> tuple[int, ...]:
+  """The leading axes a row-wise layer (projections, MLP) computes over: [B, T], or [B·T] on
+  one CPU device, where XLA:CPU then writes gradients in place (olmo3.xla_cpu.rows_flat)."""
+  b, t = x_BTD.shape[:2]
+  return (b * t,) if xla_cpu.rows_flat(x_BTD.dtype) else (b, t)
 
 
 class RMSNorm(nnx.Module):
@@ -108,8 +116,9 @@ class Attention(nnx.Module):
       out_BTHK = self._all_to_all(q_BTHK, k_BTGK, v_BTGK, window, segments_BT, order_T)
     else:
       out_BTHK = self._all_gather(q_BTHK, k_BTGK, v_BTGK, window, segments_BT, order_T)
-    context = checkpoint_name(out_BTHK.reshape(b, t, cfg.n_heads * cfg.head_dim), Name.CONTEXT)
-    return checkpoint_name(self.o_proj(context), Name.OUT_PROJ)
+    context = checkpoint_name(out_BTHK.reshape(*_rows(x_BTD), cfg.n_heads * cfg.head_dim),
+                              Name.CONTEXT)
+    return checkpoint_name(self.o_proj(context), Name.OUT_PROJ).reshape(b, t, cfg.d_model)
 
   def _all_gather(self, q_BTHK, k_BTGK, v_BTGK, window, segments_BT, order_T):
     """Context parallelism by gathering (ContextParallel.ALL_GATHER): each shard keeps its
@@ -189,10 +198,11 @@ class Attention(nnx.Module):
     """Queries [B, T, H, K], keys and values [B, T, G, K] as attention reads them (keys and
     values are also what olmo3.decode's KV cache holds)."""
     cfg = self.cfg
-    b, t, _ = x_BTD.shape
-    q = self.q_norm(checkpoint_name(self.q_proj(x_BTD), Name.QUERY_PROJ))
-    k = self.k_norm(checkpoint_name(self.k_proj(x_BTD), Name.KEY_PROJ))
-    v = checkpoint_name(self.v_proj(x_BTD), Name.VALUE_PROJ)
+    b, t, d = x_BTD.shape
+    x = x_BTD.reshape(*_rows(x_BTD), d)
+    q = self.q_norm(checkpoint_name(self.q_proj(x), Name.QUERY_PROJ))
+    k = self.k_norm(checkpoint_name(self.k_proj(x), Name.KEY_PROJ))
+    v = checkpoint_name(self.v_proj(x), Name.VALUE_PROJ)
     heads = ("batch", "seq", "act_heads", None)
     rotate = attention_lib.apply_rope
     q_BTHK = constrain(rotate(q.reshape(b, t, cfg.n_heads, cfg.head_dim), *rope), heads)
@@ -210,10 +220,14 @@ class MLP(nnx.Module):
     self.down_proj = _dense(cfg, cfg.mlp_hidden, cfg.d_model, ("mlp", "embed"), rngs)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    gate_BTF = checkpoint_name(self.gate_proj(x_BTD), Name.MLPWI_0)
-    up_BTF = checkpoint_name(self.up_proj(x_BTD), Name.MLPWI_1)
-    hidden_BTF = constrain(jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"))
-    return checkpoint_name(self.down_proj(hidden_BTF), Name.MLPWO)
+    b, t, d = x_BTD.shape
+    x = x_BTD.reshape(*_rows(x_BTD), d)
+    gate = checkpoint_name(self.gate_proj(x), Name.MLPWI_0)
+    up = checkpoint_name(self.up_proj(x), Name.MLPWI_1)
+    hidden = jax.nn.silu(gate) * up
+    if hidden.ndim == 3:
+      hidden = constrain(hidden, ("batch", "seq", "act_mlp"))
+    return checkpoint_name(self.down_proj(hidden), Name.MLPWO).reshape(b, t, d)
 
 
 class Block(nnx.Module):

@@ -111,6 +111,11 @@ _STARTERS = [(subprocess.Popen, "_execute_child"), (os, "fork"), (os, "forkpty")
              (multiprocessing.process.BaseProcess, "start"),
              (forked.Driver, "start")]  # a child forked by a driver started earlier
 _STARTED = pytest.StashKey[list]()
+# Fixtures whose setup started a process (a storage server kept for the session, say): a test
+# that uses one depends on that process even when another test started it, so it counts as
+# having started one (slow tier), whichever test happens to set the fixture up first.
+_PROCESS_FIXTURES: set[str] = set()
+_ALL_STARTS: list[str] = []
 
 
 class ProcessInFastTier(RuntimeError):
@@ -127,6 +132,7 @@ def _tiers(item: pytest.Item, last_phase: bool):
       what = (f"a subprocess {args[1]!r}"[:300] if name == "_execute_child" else
               f"{getattr(owner, '__name__', owner)}.{name}")
       started.append(what)
+      _ALL_STARTS.append(what)
       if slow:
         return real(*args, **kwargs)
       raise ProcessInFastTier(
@@ -149,6 +155,8 @@ def _tiers(item: pytest.Item, last_phase: bool):
     for owner, name, real in saved:
       setattr(owner, name, real)
   # Reached only when the phase passed (an error or a skip propagates past this point).
+  if not started and (uses := sorted(_PROCESS_FIXTURES & set(item.fixturenames))):
+    started.append(f"fixture {uses[0]}'s process")
   if started and not slow:  # also where the code under test caught ProcessInFastTier
     pytest.fail(f"{item.nodeid} is in the fast tier but started {started[0]}: mark it "
                 "@pytest.mark.slow(seconds=N) (tests/conftest.py: the tiers)", pytrace=False)
@@ -168,6 +176,16 @@ def pytest_runtest_setup(item: pytest.Item):
 def pytest_runtest_call(item: pytest.Item):
   with _tiers(item, last_phase=True):
     return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+  before = len(_ALL_STARTS)
+  try:
+    return (yield)
+  finally:
+    if len(_ALL_STARTS) > before:
+      _PROCESS_FIXTURES.add(fixturedef.argname)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

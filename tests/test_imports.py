@@ -11,7 +11,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # do not import each other.
 LAYERS = (
     ("olmo3.platforms",),
-    ("olmo3.program",),  # a program's opening, error policy and settings (io reads through it)
+    # a program's opening, error policy and settings (io reads through it); XLA:CPU's
+    # workarounds (the loss, attention and model use them)
+    ("olmo3.program", "olmo3.xla_cpu"),
     ("olmo3.io", "olmo3.compilation_cache"),
     ("olmo3.remat", "olmo3.loss", "olmo3.xla_flags", "olmo3.config_checks"),
     ("olmo3.config",),
