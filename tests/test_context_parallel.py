@@ -89,10 +89,13 @@ def test_float64_steps_with_the_sequence_split_equal_one_shard_to_1e_12(tmp_path
 # The tiny stage 3 (packed instances, YaRN) at a quarter of its length (512 tokens: 32 per chunk
 # of 8 shards' zig-zag, so the sliding window, 128, reaches across chunks of four shards), from
 # fresh parameters, 3 steps; held-out evaluation at the end (CE per band of 256 positions) on 2
-# documents; no downstream tasks. (1024 tokens cost a third more: 80 CPU s against 60.)
+# documents; no downstream tasks and no RULER (tests/test_launch.py runs it through the
+# launcher; here it cost 120 of the test's 150 s). (1024 tokens cost a third more: 80 CPU s
+# against 60.)
 STAGE3 = ["--fdl_config=experiments.olmo3_tiny:stage3", "--fdl_set=checkpoint.init_from=None",
           "--fdl_set=data.seq_len=512", "--fdl_set=train.log_every=1", "--fdl_set=eval.tasks=()",
-          "--fdl_set=eval.max_documents=2", "--fdl_set=checkpoint.every=2"]
+          "--fdl_set=eval.max_documents=2", "--fdl_set=checkpoint.every=2",
+          "--fdl_set=eval.ruler.lengths=()"]
 # These launches compile much (a program per mesh) and run little.
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
            + FAST_COMPILE_XLA_FLAGS)

@@ -57,6 +57,7 @@ def test_own_conversations_prepare_train_export_and_transformers_gives_the_same_
       "--fdl_config=experiments.olmo3_tiny:sft", f"--fdl_set=data.mix='{data}'",
       "--fdl_set=checkpoint.init_from=None", "--fdl_set=data.seq_len=256",
       "--fdl_set=train.steps=3", "--fdl_set=train.eval_every=3",
+      "--fdl_set=eval.ruler.lengths=()",  # RULER through the launcher: tests/test_launch.py
       f"--workdir={run}"], ENV, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   assert "held-out CE     " in done.stdout and "the assistant's tokens, step 3" in done.stdout
