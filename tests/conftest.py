@@ -155,7 +155,10 @@ def _tiers(item: pytest.Item, last_phase: bool):
     for owner, name, real in saved:
       setattr(owner, name, real)
   # Reached only when the phase passed (an error or a skip propagates past this point).
-  if not started and (uses := sorted(_PROCESS_FIXTURES & set(item.fixturenames))):
+  # (the request's names include fixtures asked for with request.getfixturevalue)
+  request = getattr(item, "_request", None)
+  names = set(item.fixturenames) | set(request.fixturenames if request is not None else ())
+  if not started and (uses := sorted(_PROCESS_FIXTURES & names)):
     started.append(f"fixture {uses[0]}'s process")
   if started and not slow:  # also where the code under test caught ProcessInFastTier
     pytest.fail(f"{item.nodeid} is in the fast tier but started {started[0]}: mark it "
@@ -178,14 +181,19 @@ def pytest_runtest_call(item: pytest.Item):
     return (yield)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
-  before = len(_ALL_STARTS)
-  try:
-    return (yield)
-  finally:
-    if len(_ALL_STARTS) > before:
-      _PROCESS_FIXTURES.add(fixturedef.argname)
+class _FixtureWatch:
+  """Records the fixtures whose setup started a process. A plugin registered at the root (in
+  pytest_configure), not a hook of this conftest: pytest calls a conftest's hooks only for
+  nodes under its directory, which a session-scoped fixture's setup is not."""
+
+  @pytest.hookimpl(wrapper=True)
+  def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    before = len(_ALL_STARTS)
+    try:
+      return (yield)
+    finally:
+      if len(_ALL_STARTS) > before:
+        _PROCESS_FIXTURES.add(fixturedef.argname)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -266,9 +274,11 @@ def benchmark_result(program: str, argv: list[str]) -> dict:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-  """matplotlib builds its font cache on first use, asking `fc-list` (a process) on a machine
-  that never ran it: done here, once, before any test's process guard watches, so the fast
-  tier's plot tests do not start a process on a fresh machine only."""
+  """The fixture watch (`_FixtureWatch`) registered. And: matplotlib builds its font cache on
+  first use, asking `fc-list` (a process) on a machine that never ran it: done here, once,
+  before any test's process guard watches, so the fast tier's plot tests do not start a
+  process on a fresh machine only."""
+  config.pluginmanager.register(_FixtureWatch(), "olmo3-fixture-watch")
   if "PYTEST_XDIST_WORKER" not in os.environ:
     import matplotlib
 
