@@ -98,6 +98,7 @@ class LeaseLost(RuntimeError):
 class _Verdict(enum.Enum):
   ALIVE = "alive"
   DEAD = "dead"
+  FENCED = "fenced"  # an earlier attempt of this job, perhaps alive: taken over at once
   UNKNOWN = "unknown"  # watched until it changes (alive) or stays as it is (dead)
 
 
@@ -164,6 +165,9 @@ class Lease:
     self._renewed = 0.0  # time.monotonic() when the last write that landed was sent
     self._error: BaseException | None = None  # the last renewal's failure
     self._taken: str | None = None  # set when another launch's token is found in the lease
+    # Who this launch fenced when it took the lease from an earlier attempt of its job, which
+    # may still be running (a save of its may be in flight): None otherwise.
+    self.fenced: str | None = None
     self._stop = threading.Event()
     self._beat: threading.Thread | None = None
 
@@ -207,6 +211,8 @@ class Lease:
         why = (f"{why}, and it did not change for the takeover age ({self._age_words(holder)}) "
                "while this launch watched it")
       logging.warning("taking over the workdir lease %s: %s", self.url, why)
+      if verdict is _Verdict.FENCED:
+        self.fenced = _who(holder)
       sent = time.monotonic()
       try:
         self._version = conditional.replace_if(self.url, self._encode(), current)
@@ -230,7 +236,7 @@ class Lease:
     theirs = holder.get("attempt")
     if ("attempt" in mine and holder.get("job") == mine["job"] and type(theirs) is int
         and theirs < mine["attempt"]):
-      return (_Verdict.DEAD, f"it is held by {who} and this launch is attempt "
+      return (_Verdict.FENCED, f"it is held by {who} and this launch is attempt "
               f"{mine['attempt']}, a later one: the earlier attempt is fenced (it stops at its "
               "next renewal without saving)")
     same_host = holder.get("host") == mine["host"]

@@ -51,9 +51,10 @@ from olmo3.run.plan import RunPlan
 from olmo3.placement import ShardedModel
 from olmo3.train import decisions, logs
 from olmo3.train import state as state_lib
-from olmo3.train.run_checkpoints import RunCheckpoints
+from olmo3.train.run_checkpoints import RunCheckpoints, await_fenced_save
 from olmo3.train.loop_evaluation import LoopEvaluation
-from olmo3.run.lease import Lease, LeaseLost, check_before_save, hold, stop_without_lease
+from olmo3.run.lease import (Lease, LeaseLost, check_before_save, hold, stop_without_lease,
+                             takeover_s)
 from olmo3.train.preemption import Preemption
 from olmo3.train.rows import MetricRows, open_writer
 from olmo3.train.skips import SkipLimit
@@ -110,6 +111,9 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
   exp = plan.exp
   layout = state_lib.StateLayout(exp, model)
   evaluation = LoopEvaluation(plan, model) if LoopEvaluation.wanted(plan) else None
+  if lease.fenced is not None:  # (process 0 holds the lease; the others wait where the
+    # checkpoints open)
+    await_fenced_save(plan.workdir.checkpoints, lease.fenced, takeover_s())
   checkpoints = RunCheckpoints(plan.workdir.checkpoints, exp.checkpoint.keep,
                                exp.checkpoint.async_save)
   if jax.process_index() == 0:

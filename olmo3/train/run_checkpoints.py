@@ -19,11 +19,13 @@ import math
 import os
 import re
 import shutil
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
@@ -48,6 +50,30 @@ class _KeepVerified:
   def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
     del context
     return [c.step == self.step for c in checkpoints]
+
+
+def await_fenced_save(directory: str | os.PathLike, fenced: str, timeout_s: float) -> None:
+  """Waits, up to `timeout_s`, while a step is being written into `directory` (Orbax's
+  temporary checkpoints), for a launch that took the lease from an earlier attempt of its job,
+  `fenced`, which may still be running: that attempt stops at its next save, but a save it began
+  while it held the lease lands after the takeover. Listing the checkpoints before it lands,
+  this launch would resume from the step before it, delete its temporary files (Orbax cleans
+  them up when a manager opens), and then write the same step over it. Called before the
+  checkpoints are opened."""
+  directory = pathnames.absolute(directory)
+  if not directory.exists():
+    return
+  deadline = time.monotonic() + timeout_s
+  pending = ocp.path.step.tmp_checkpoints(directory)
+  if pending:
+    logging.info("%s has a save in flight (%s): this launch lists the checkpoints once it has "
+                 "landed (at most %.0f s from now)", fenced, ", ".join(sorted(pending)), timeout_s)
+  while pending and time.monotonic() < deadline:
+    time.sleep(0.2)
+    pending = ocp.path.step.tmp_checkpoints(directory)
+  if pending:
+    logging.warning("%s still holds a save in flight after %.0f s (%s): resuming from the "
+                    "committed steps", fenced, timeout_s, ", ".join(sorted(pending)))
 
 
 class RunCheckpoints:
