@@ -1,3 +1,4 @@
+import functools
 import re
 
 import jax
@@ -225,6 +226,16 @@ def _loss_and_grads(sm, params, tokens, labels, segments):
   return jax.device_get((nll, grads))
 
 
+@functools.lru_cache(maxsize=None)
+def _one_device(cfg, seq_len):
+  """(parameters, inputs, one device's losses and gradients) for `cfg`: shared by the cases
+  of one model (the context-parallel strategy does not matter on one device)."""
+  one = ShardedModel(cfg, sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
+  params = jax.device_get(one.init_params(0))
+  inputs = _cp_inputs(cfg, 2, seq_len)
+  return params, inputs, _loss_and_grads(one, params, *inputs)
+
+
 MHA = {"n_kv_heads": 8}  # all-to-all context parallelism splits the key/value heads 4 or 8 ways
 # Splash runs in interpret mode here: one group of layers (3 sliding, 1 global) is enough.
 ONE_GROUP = {"n_layers": 4}
@@ -255,10 +266,8 @@ def test_context_parallel_equals_one_device(kernel, shape, seq_len, cp, heads):
   cfg = MICRO.replace(attention=AttentionKernel(kernel), splash_block=128,
                       rope_positions=config.RopePositions.DOCUMENT,
                       context_parallel=config.ContextParallel(cp), **heads)
-  one = ShardedModel(cfg, sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1]))
-  params = jax.device_get(one.init_params(0))
-  inputs = _cp_inputs(cfg, 2, seq_len)
-  ref_nll, ref_grads = _loss_and_grads(one, params, *inputs)
+  params, inputs, (ref_nll, ref_grads) = _one_device(
+      cfg.replace(context_parallel=config.ContextParallel.ALL_GATHER), seq_len)
   nll, grads = _loss_and_grads(ShardedModel(cfg, sharding.make_mesh(shape)), params, *inputs)
   np.testing.assert_allclose(nll, ref_nll, rtol=2e-5, atol=2e-5)
   for path, g, ref in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads),
