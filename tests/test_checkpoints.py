@@ -456,3 +456,33 @@ def test_a_disk_without_room_for_the_next_checkpoint_stops_the_run_before_it_tra
   assert (workdir / "metrics.jsonl").read_text() == rows  # nothing trained
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [
       "2", "4"]
+
+
+def test_a_launch_that_fenced_an_earlier_attempt_waits_for_its_save_in_flight(tmp_path, caplog):
+  """The fenced attempt's save, begun while it held the lease, lands after the takeover: the
+  later attempt lists the checkpoints only once it has (Orbax's temporary step renamed to the
+  step), so it resumes from that step; a save that never lands is waited for up to the bound,
+  said in one warning, and the committed steps are used."""
+  import threading
+
+  from olmo3.train.run_checkpoints import await_fenced_save
+
+  directory = tmp_path / "checkpoints"
+  (directory / "9").mkdir(parents=True)
+  landing = directory / "10.orbax-checkpoint-tmp"
+  landing.mkdir()
+  lands = threading.Timer(0.6, lambda: landing.rename(directory / "10"))
+  lands.start()
+  start = time.monotonic()
+  with caplog.at_level(logging.INFO):
+    await_fenced_save(directory, "attempt 0", timeout_s=30)
+  lands.join()
+  assert 0.5 < time.monotonic() - start < 10 and (directory / "10").is_dir()
+  assert "attempt 0 has a save in flight (10.orbax-checkpoint-tmp)" in caplog.text
+  (directory / "11.orbax-checkpoint-tmp").mkdir()  # a save that never lands
+  start = time.monotonic()
+  await_fenced_save(directory, "attempt 0", timeout_s=0.5)
+  assert time.monotonic() - start < 5
+  assert re.search(r"attempt 0 still holds a save in flight after \d+ s "
+                   r"\(11\.orbax-checkpoint-tmp\): resuming from the committed steps", caplog.text)
+  await_fenced_save(tmp_path / "none", "attempt 0", timeout_s=30)  # no directory: no wait
