@@ -485,4 +485,18 @@ def test_a_launch_that_fenced_an_earlier_attempt_waits_for_its_save_in_flight(tm
   assert time.monotonic() - start < 5
   assert re.search(r"attempt 0 still holds a save in flight after \d+ s "
                    r"\(11\.orbax-checkpoint-tmp\): resuming from the committed steps", caplog.text)
+  # Abandoned (its writer died): nothing written into it for the quiet time, however long the
+  # bound; a save that keeps writing is waited for past the quiet time.
+  start = time.monotonic()
+  await_fenced_save(directory, "attempt 0", timeout_s=60, quiet_s=0.5)
+  assert time.monotonic() - start < 5 and "wrote nothing for 0 s: taken as abandoned" in (
+      caplog.text.replace("for 1 s", "for 0 s"))
+  shard = directory / "11.orbax-checkpoint-tmp" / "shard"
+  writes = [threading.Timer(0.3 * i, lambda i=i: shard.write_bytes(b"x" * i)) for i in (1, 2, 3)]
+  writes.append(threading.Timer(1.2, lambda: (directory / "11.orbax-checkpoint-tmp").rename(
+      directory / "11")))
+  for w in writes:
+    w.start()
+  await_fenced_save(directory, "attempt 0", timeout_s=60, quiet_s=0.5)
+  assert (directory / "11").is_dir()
   await_fenced_save(tmp_path / "none", "attempt 0", timeout_s=30)  # no directory: no wait

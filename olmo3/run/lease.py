@@ -234,11 +234,20 @@ class Lease:
     who = _who(holder)
     mine = self.record
     theirs = holder.get("attempt")
+    verdict, why = self._liveness(holder, who)
     if ("attempt" in mine and holder.get("job") == mine["job"] and type(theirs) is int
         and theirs < mine["attempt"]):
-      return (_Verdict.FENCED, f"it is held by {who} and this launch is attempt "
-              f"{mine['attempt']}, a later one: the earlier attempt is fenced (it stops at its "
-              "next renewal without saving)")
+      # Taken over at once; FENCED unless its holder is seen not to run (then nothing of it
+      # can still be writing: no save of it to wait for).
+      return (_Verdict.DEAD if verdict is _Verdict.DEAD else _Verdict.FENCED,
+              f"it is held by {who} and this launch is attempt {mine['attempt']}, a later one: "
+              "the earlier attempt is fenced (it stops at its next renewal without saving)")
+    return verdict, why
+
+  def _liveness(self, holder: dict, who: str) -> tuple[_Verdict, str]:
+    """ALIVE or DEAD where this machine can tell (the holder's pid in this boot and pid
+    namespace), else UNKNOWN."""
+    mine = self.record
     same_host = holder.get("host") == mine["host"]
     if same_host and all(holder.get(k) == mine[k] and mine[k] is not None
                          for k in ("boot_id", "pid_ns")):

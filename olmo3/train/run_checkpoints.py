@@ -52,25 +52,55 @@ class _KeepVerified:
     return [c.step == self.step for c in checkpoints]
 
 
-def await_fenced_save(directory: str | os.PathLike, fenced: str, timeout_s: float) -> None:
-  """Waits, up to `timeout_s`, while a step is being written into `directory` (Orbax's
-  temporary checkpoints), for a launch that took the lease from an earlier attempt of its job,
-  `fenced`, which may still be running: that attempt stops at its next save, but a save it began
-  while it held the lease lands after the takeover. Listing the checkpoints before it lands,
-  this launch would resume from the step before it, delete its temporary files (Orbax cleans
-  them up when a manager opens), and then write the same step over it. Called before the
-  checkpoints are opened."""
+QUIET_S = 30.0  # a save in flight that writes nothing for this long is taken as abandoned
+
+
+def _in_flight(directory: epath.Path) -> dict[str, tuple[tuple[str, int], ...]]:
+  """Orbax's temporary checkpoints in `directory`, each with what it holds so far (files and
+  sizes): a save that is landing changes it."""
+  def files(path: epath.Path):
+    for p in path.iterdir():
+      if p.is_dir():
+        yield from files(p)
+      else:
+        yield os.fspath(p), p.stat().length
+
+  found = {}
+  for name in ocp.path.step.tmp_checkpoints(directory):
+    with contextlib.suppress(FileNotFoundError):  # landed (renamed) while it was read
+      found[name] = tuple(sorted(files(directory / name)))
+  return found
+
+
+def await_fenced_save(directory: str | os.PathLike, fenced: str, timeout_s: float,
+                      quiet_s: float = QUIET_S) -> None:
+  """Waits while a step is being written into `directory` (Orbax's temporary checkpoints), for
+  a launch that took the lease from an earlier attempt of its job, `fenced`, which may still
+  be running: that attempt stops at its next save, but a save it began while it held the lease
+  lands after the takeover. Listing the checkpoints before it lands, this launch would resume
+  from the step before it, delete its temporary files (Orbax cleans them up when a manager
+  opens), and then write the same step over it. Called before the checkpoints are opened. The
+  wait ends when nothing is in flight, when what is in flight has not changed for `quiet_s`
+  (a save its writer abandoned: the attempt had died), or after `timeout_s`."""
   directory = pathnames.absolute(directory)
   if not directory.exists():
     return
-  deadline = time.monotonic() + timeout_s
-  pending = ocp.path.step.tmp_checkpoints(directory)
+  start = time.monotonic()
+  pending = _in_flight(directory)
   if pending:
     logging.info("%s has a save in flight (%s): this launch lists the checkpoints once it has "
                  "landed (at most %.0f s from now)", fenced, ", ".join(sorted(pending)), timeout_s)
-  while pending and time.monotonic() < deadline:
+  changed = start
+  while pending and time.monotonic() - start < timeout_s:
+    if time.monotonic() - changed >= quiet_s:
+      logging.warning("%s's save in flight (%s) wrote nothing for %.0f s: taken as abandoned; "
+                      "resuming from the committed steps", fenced, ", ".join(sorted(pending)),
+                      quiet_s)
+      return
     time.sleep(0.2)
-    pending = ocp.path.step.tmp_checkpoints(directory)
+    now = _in_flight(directory)
+    if now != pending:
+      pending, changed = now, time.monotonic()
   if pending:
     logging.warning("%s still holds a save in flight after %.0f s (%s): resuming from the "
                     "committed steps", fenced, timeout_s, ", ".join(sorted(pending)))
