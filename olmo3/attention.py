@@ -20,7 +20,6 @@ from olmo3 import platforms
 from olmo3.config import AttentionKernel, ModelConfig, RopePositions, Yarn
 from olmo3.remat import Name
 from olmo3 import xla_cpu
-from olmo3.xla_cpu import row_max, row_sum
 from olmo3.sharding import (chunk_rows_spec, heads_over_sequence_spec, logical_to_spec,
                             sequence_axes, sequence_shards)
 
@@ -222,8 +221,8 @@ def _grouped(mask_TS, q_BTHK, k_BGSK, v_BGSK):
   scores_BGUS = jnp.einsum("bguk,bgsk->bgus", q_BGUK, k_BGSK).astype(accum) + bias_US
   # Unnormalised probabilities and their row sums, kept for the backward pass; the output is
   # divided by the sums instead of the [U, S] probabilities.
-  exp_BGUS = jnp.exp(scores_BGUS - row_max(scores_BGUS, keepdims=True))
-  sum_BGU1 = row_sum(exp_BGUS, keepdims=True)
+  exp_BGUS = jnp.exp(scores_BGUS - xla_cpu.row_max(scores_BGUS, keepdims=True))
+  sum_BGU1 = xla_cpu.row_sum(exp_BGUS, keepdims=True)
   out_BGUK = jnp.einsum("bgus,bgsk->bguk", exp_BGUS.astype(v_BGSK.dtype),
                         v_BGSK).astype(accum) / sum_BGU1
   # Whether a row sees a key. A masked score's exponential is 0 in such a row, so it gets no

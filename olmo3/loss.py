@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 from olmo3 import platforms
 from olmo3 import xla_cpu
-from olmo3.xla_cpu import row_max, row_sum
 
 IGNORE = -1  # the label of a position with no target (any negative label is masked)
 
@@ -135,8 +134,8 @@ def _fused_forward(chunk, constrain, h_BTD, w_DV, labels_BT):
                                                           constrain)
     if own_C is not None:
       logits_BTC = jnp.where(own_C, logits_BTC, -jnp.inf)
-    new_max_BT = jnp.maximum(max_BT, row_max(logits_BTC))
-    sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + row_sum(
+    new_max_BT = jnp.maximum(max_BT, xla_cpu.row_max(logits_BTC))
+    sum_BT = sum_BT * jnp.exp(max_BT - new_max_BT) + xla_cpu.row_sum(
         jnp.exp(logits_BTC - new_max_BT[..., None]))
     if gather:
       target_BT = target_BT + _label_logit(logits_BTC, labels_BT, i, chunk, w_DV.shape[1])

@@ -155,9 +155,9 @@ def _tiers(item: pytest.Item, last_phase: bool):
     for owner, name, real in saved:
       setattr(owner, name, real)
   # Reached only when the phase passed (an error or a skip propagates past this point).
-  # (the request's names include fixtures asked for with request.getfixturevalue)
+  # (the request's names: the item's and those asked for with request.getfixturevalue)
   request = getattr(item, "_request", None)
-  names = set(item.fixturenames) | set(request.fixturenames if request is not None else ())
+  names = set(request.fixturenames if request is not None else item.fixturenames)
   if not started and (uses := sorted(_PROCESS_FIXTURES & names)):
     started.append(f"fixture {uses[0]}'s process")
   if started and not slow:  # also where the code under test caught ProcessInFastTier

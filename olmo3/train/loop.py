@@ -111,8 +111,7 @@ def _train(plan: RunPlan, model: ShardedModel, preemption: Preemption,
   exp = plan.exp
   layout = state_lib.StateLayout(exp, model)
   evaluation = LoopEvaluation(plan, model) if LoopEvaluation.wanted(plan) else None
-  if lease.fenced is not None:  # (process 0 holds the lease; the others wait where the
-    # checkpoints open)
+  if lease.fenced is not None:  # process 0: the others wait for it where the checkpoints open
     await_fenced_save(plan.workdir.checkpoints, lease.fenced, takeover_s())
   checkpoints = RunCheckpoints(plan.workdir.checkpoints, exp.checkpoint.keep,
                                exp.checkpoint.async_save)

@@ -85,6 +85,10 @@ def await_fenced_save(directory: str | os.PathLike, fenced: str, timeout_s: floa
   directory = pathnames.absolute(directory)
   if not directory.exists():
     return
+  if jax.process_count() > 1:
+    # Only process 0 holds the lease and knows it fenced; the others wait for it at Orbax's
+    # barrier where the checkpoints open, which fails after its coordination timeout.
+    timeout_s = min(timeout_s, ocp.multihost.coordination_timeout() / 2)
   start = time.monotonic()
   pending = _in_flight(directory)
   if pending:
@@ -92,15 +96,16 @@ def await_fenced_save(directory: str | os.PathLike, fenced: str, timeout_s: floa
                  "landed (at most %.0f s from now)", fenced, ", ".join(sorted(pending)), timeout_s)
   changed = start
   while pending and time.monotonic() - start < timeout_s:
-    if time.monotonic() - changed >= quiet_s:
+    # Each look lists the save's files (RPCs on a bucket): once a second.
+    time.sleep(1.0)
+    now = _in_flight(directory)
+    if now != pending:
+      pending, changed = now, time.monotonic()
+    elif time.monotonic() - changed >= quiet_s:
       logging.warning("%s's save in flight (%s) wrote nothing for %.0f s: taken as abandoned; "
                       "resuming from the committed steps", fenced, ", ".join(sorted(pending)),
                       quiet_s)
       return
-    time.sleep(0.2)
-    now = _in_flight(directory)
-    if now != pending:
-      pending, changed = now, time.monotonic()
   if pending:
     logging.warning("%s still holds a save in flight after %.0f s (%s): resuming from the "
                     "committed steps", fenced, timeout_s, ", ".join(sorted(pending)))
