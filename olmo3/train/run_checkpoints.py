@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from olmo3.io import orbax_s3, pathnames
+from olmo3.io import orbax_s3, pathnames, retry
 from olmo3.io.checkpoint import (ARRAYS, META, PARAMS, CheckpointError, array_records,
                               restore_items, sealed)
 
@@ -83,14 +83,16 @@ def await_fenced_save(directory: str | os.PathLike, fenced: str, timeout_s: floa
   wait ends when nothing is in flight, when what is in flight has not changed for `quiet_s`
   (a save its writer abandoned: the attempt had died), or after `timeout_s`."""
   directory = pathnames.absolute(directory)
-  if not directory.exists():
+  what = "looking for a save in flight in"  # a store down: retried, then one StorageError
+  if not retry.retried(directory.exists, os.fspath(directory), what):
     return
+  look = lambda: retry.retried(lambda: _in_flight(directory), os.fspath(directory), what)
   if jax.process_count() > 1:
     # Only process 0 holds the lease and knows it fenced; the others wait for it at Orbax's
     # barrier where the checkpoints open, which fails after its coordination timeout.
     timeout_s = min(timeout_s, ocp.multihost.coordination_timeout() / 2)
   start = time.monotonic()
-  pending = _in_flight(directory)
+  pending = look()
   if pending:
     logging.info("%s has a save in flight (%s): this launch lists the checkpoints once it has "
                  "landed (at most %.0f s from now)", fenced, ", ".join(sorted(pending)), timeout_s)
@@ -98,7 +100,7 @@ def await_fenced_save(directory: str | os.PathLike, fenced: str, timeout_s: floa
   while pending and time.monotonic() - start < timeout_s:
     # Each look lists the save's files (RPCs on a bucket): once a second.
     time.sleep(1.0)
-    now = _in_flight(directory)
+    now = look()
     if now != pending:
       pending, changed = now, time.monotonic()
     elif time.monotonic() - changed >= quiet_s:
